@@ -1,0 +1,1 @@
+"""Transfer backends shipped with core (``loopback``) and the protocol every backend implements."""

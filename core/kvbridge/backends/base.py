@@ -1,0 +1,170 @@
+"""The protocol a transfer backend implements, and the records that flow through it.
+
+A backend moves bytes and reports state; the core owns slicing, completion counting, timeouts and
+retries. It is built by its spec's factory with keyword arguments (``name``: a unique endpoint name,
+``options``: a str->str dict of engine settings) and must be non-blocking: ``send_component`` posts, ``poll``
+tells. Minimal example (host memory, same process)::
+
+    class EchoBackend:
+        name = "echo"
+        def __init__(self, *, name, options=None): self.endpoint = name.encode()
+        def register_buffers(self, component, regions):
+            return RegisteredBuffers(component, tuple(regions), descriptor=b"")
+        def deregister_buffers(self, registered): pass
+        def add_peer(self, peer): return peer.name
+        def remove_peer(self, peer_id): pass
+        def send_component(self, transfer):
+            copy_plan(transfer.plan)        # ctypes.memmove per descriptor, bounds-checked first
+            return object()
+        def poll(self, handle): return Poll.done()
+        def release(self, handle): pass
+        def notify_completion(self, peer_id, notice): return False   # let the control plane carry it
+        def drain_notifications(self): return []
+        def close(self): pass
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import RegionError
+from kvbridge.geometry import DeviceKind, MemoryRegion
+from kvbridge.planner import TransferPlan
+
+
+class HandleState(enum.IntEnum):
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    state: HandleState
+    reason: str = ""
+
+    @classmethod
+    def done(cls) -> Poll:
+        return cls(HandleState.DONE)
+
+    @classmethod
+    def pending(cls) -> Poll:
+        return cls(HandleState.PENDING)
+
+    @classmethod
+    def failed(cls, reason: str) -> Poll:
+        return cls(HandleState.FAILED, reason)
+
+
+class RegionWire(msgspec.Struct, frozen=True, array_like=True):
+    addr: int
+    nbytes: int
+    device: DeviceKind = DeviceKind.CPU
+    device_id: int = 0
+
+    def region(self) -> MemoryRegion:
+        return MemoryRegion(self.addr, self.nbytes, self.device, self.device_id)
+
+    @classmethod
+    def of(cls, region: MemoryRegion) -> RegionWire:
+        return cls(region.addr, region.nbytes, region.device, region.device_id)
+
+
+class RemoteBuffers(msgspec.Struct, frozen=True):
+    """A peer's registered buffers of one component, as the peer described them (travels on the wire)."""
+
+    component: str
+    regions: tuple[RegionWire, ...]
+    descriptor: bytes = b""
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """Everything a backend needs to write into a peer: its endpoint blob and its registered buffers."""
+
+    name: str
+    endpoint: bytes
+    buffers: tuple[RemoteBuffers, ...]
+
+    def component(self, name: str) -> RemoteBuffers:
+        for buf in self.buffers:
+            if buf.component == name:
+                return buf
+        raise KeyError(f"peer {self.name!r} registered no component {name!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RegisteredBuffers:
+    """A component's regions as registered with the engine. ``descriptor`` is what the peer needs;
+    ``handle`` is the backend's private registration object."""
+
+    component: str
+    regions: tuple[MemoryRegion, ...]
+    descriptor: bytes = b""
+    handle: Any = field(default=None, compare=False)
+
+    def remote(self) -> RemoteBuffers:
+        return RemoteBuffers(self.component, tuple(RegionWire.of(r) for r in self.regions), self.descriptor)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ComponentTransfer:
+    """One component of one request (one chunk) to one peer: the unit a backend posts."""
+
+    room: int
+    component: str
+    peer: str
+    chunk: int
+    last: bool
+    src: RegisteredBuffers
+    dst: RemoteBuffers
+    plan: TransferPlan
+    notice: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.total_nbytes
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    """What every backend instance provides (see the module docstring for an example)."""
+
+    name: str
+    endpoint: bytes
+
+    def register_buffers(self, component: str, regions: Sequence[MemoryRegion]) -> RegisteredBuffers: ...
+    def deregister_buffers(self, registered: RegisteredBuffers) -> None: ...
+    def add_peer(self, peer: PeerInfo) -> str: ...
+    def remove_peer(self, peer_id: str) -> None: ...
+    def send_component(self, transfer: ComponentTransfer) -> Any: ...
+    def poll(self, handle: Any) -> Poll: ...
+    def release(self, handle: Any) -> None: ...
+    def notify_completion(self, peer_id: str, notice: bytes) -> bool: ...
+    def drain_notifications(self) -> list[tuple[str, bytes]]: ...
+    def close(self) -> None: ...
+
+
+def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[MemoryRegion] |
+                 Sequence[RegionWire], side: str) -> None:
+    """Raise RegionError unless every ``[addr, addr+len)`` lies inside one of ``regions`` (vectorized)."""
+    if plan_addr.size == 0:
+        return
+    starts = np.array([r.addr for r in regions], dtype=np.uint64)
+    ends = starts + np.array([r.nbytes for r in regions], dtype=np.uint64)
+    order = np.argsort(starts)
+    starts, ends = starts[order], ends[order]
+    pos = np.searchsorted(starts, plan_addr, side="right").astype(np.int64) - 1
+    ok = pos >= 0
+    safe = np.clip(pos, 0, None)
+    ok &= plan_addr + plan_len <= ends[safe]
+    ok &= plan_len > 0
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside every "
+                          f"registered region ({int((~ok).sum())} of {ok.size} descriptors out of bounds)")

@@ -1,0 +1,304 @@
+"""The data model: dtypes, memory regions, buffer geometry, components, pool layouts, TP ranks.
+
+Everything that crosses the wire in a handshake (geometry, components, layouts) is a frozen msgspec
+Struct; local-only records (memory regions) are frozen dataclasses.
+
+Example: a token-major GQA K buffer of one layer, 8 KV heads in the model, TP 2 on this side::
+
+    k0 = BufferGeometry(name="k.0", num_items=1024, item_shape=(16, 4, 128), dtype=DType.BFLOAT16,
+                        shard=ShardAxis(axis=1, total=8))
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import GeometryError, UnsupportedTopology
+
+
+class DType(str, enum.Enum):
+    """Element types a buffer may hold. The value is the canonical name."""
+
+    FLOAT64 = "float64"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT8_E4M3 = "float8_e4m3fn"
+    FLOAT8_E5M2 = "float8_e5m2"
+    INT64 = "int64"
+    INT32 = "int32"
+    INT16 = "int16"
+    INT8 = "int8"
+    UINT8 = "uint8"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @classmethod
+    def parse(cls, value: object) -> DType:
+        """Accept a DType, its name, a numpy dtype or a torch dtype; raise a clear error otherwise."""
+        if isinstance(value, DType):
+            return value
+        name = str(value).removeprefix("torch.")
+        name = _ALIASES.get(name, name)
+        try:
+            return cls(name)
+        except ValueError:
+            raise GeometryError(f"unknown dtype {value!r}; known: {', '.join(d.value for d in cls)}") from None
+
+
+_ITEMSIZE = {
+    DType.FLOAT64: 8, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT8_E4M3: 1,
+    DType.FLOAT8_E5M2: 1, DType.INT64: 8, DType.INT32: 4, DType.INT16: 2, DType.INT8: 1, DType.UINT8: 1,
+}
+_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": "int64", "int": "int32",
+            "float8_e4m3": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class DeviceKind(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    NPU = "npu"
+
+
+class IndexKind(str, enum.Enum):
+    """What an index of a component names: a page of tokens, or a per-request slot."""
+
+    PAGE = "page"
+    SLOT = "slot"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A span of registered memory. ``addr`` is an unsigned 64-bit address."""
+
+    addr: int
+    nbytes: int
+    device: DeviceKind = DeviceKind.CPU
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.addr < 2**64:
+            raise GeometryError(f"region address {self.addr:#x} is not an unsigned 64-bit value")
+        if self.nbytes <= 0:
+            raise GeometryError(f"region at {self.addr:#x} has non-positive length {self.nbytes}")
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+
+class ShardAxis(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The TP-sharded axis of an item.
+
+    ``total`` is the model's un-sharded size of that axis (e.g. total KV heads, all conv channels).
+    ``groups`` splits the axis into independently sharded blocks, GDN-style ``[q | k | v]``; their
+    global sizes must sum to ``total``. A rank of a TP group of size T holds ``total / T`` units when
+    ``total >= T``, else one unit replicated on ``T / total`` ranks.
+    """
+
+    axis: int
+    total: int
+    groups: tuple[int, ...] = ()
+
+    @property
+    def group_totals(self) -> tuple[int, ...]:
+        return self.groups or (self.total,)
+
+
+def owned_range(total: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """Global units ``[lo, hi)`` of a sharded axis held by ``tp_rank`` (replication-aware).
+
+    >>> owned_range(8, 4, 3), owned_range(2, 8, 5)
+    ((6, 8), (1, 2))
+    """
+    if total >= tp_size:
+        if total % tp_size:
+            raise UnsupportedTopology(f"{total} units cannot be split evenly over TP {tp_size}")
+        n = total // tp_size
+        return tp_rank * n, tp_rank * n + n
+    if tp_size % total:
+        raise UnsupportedTopology(f"TP {tp_size} is not a multiple of {total} replicated units")
+    unit = tp_rank // (tp_size // total)
+    return unit, unit + 1
+
+
+def local_units(total: int, tp_size: int) -> int:
+    lo, hi = owned_range(total, tp_size, 0)
+    return hi - lo
+
+
+class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered tensor of a component: ``num_items`` items of ``item_shape`` elements.
+
+    An item is a page (KV, SWA, NSA) or a slot (Mamba). ``shard`` names the TP-sharded axis of the
+    item, or is None for a tensor replicated on every rank (MLA latent, NSA indexer).
+    """
+
+    name: str
+    num_items: int
+    item_shape: tuple[int, ...]
+    dtype: DType
+    shard: ShardAxis | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_items <= 0:
+            raise GeometryError(f"buffer {self.name!r}: zero-length buffer (num_items={self.num_items})")
+        if not self.item_shape or any(d <= 0 for d in self.item_shape):
+            raise GeometryError(f"buffer {self.name!r}: item shape {self.item_shape} has an empty axis")
+        if self.shard is not None:
+            if not 0 <= self.shard.axis < len(self.item_shape):
+                raise GeometryError(
+                    f"buffer {self.name!r}: shard axis {self.shard.axis} is outside item shape {self.item_shape}")
+            if self.shard.groups and sum(self.shard.groups) != self.shard.total:
+                raise GeometryError(f"buffer {self.name!r}: shard groups {self.shard.groups} do not sum to "
+                                    f"total {self.shard.total}")
+
+    @property
+    def item_nbytes(self) -> int:
+        return math.prod(self.item_shape) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_items * self.item_nbytes
+
+    @property
+    def inner_nbytes(self) -> int:
+        """Bytes of one unit of the sharded axis (everything inside it)."""
+        axis = self.shard.axis if self.shard else -1
+        return math.prod(self.item_shape[axis + 1:]) * self.dtype.itemsize
+
+    @property
+    def outer_count(self) -> int:
+        """How many times the sharded axis repeats inside one item (e.g. tokens of a token-major page)."""
+        return math.prod(self.item_shape[: self.shard.axis]) if self.shard else 1
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise unless the sharded axis holds exactly this rank's share for ``tp_size``."""
+        if self.shard is None:
+            return
+        try:
+            expected = sum(local_units(g, tp_size) for g in self.shard.group_totals)
+        except UnsupportedTopology as exc:
+            raise GeometryError(f"buffer {self.name!r}: sharded dim not divisible by TP: {exc}") from None
+        got = self.item_shape[self.shard.axis]
+        if got != expected:
+            raise GeometryError(
+                f"buffer {self.name!r}: sharded axis {self.shard.axis} holds {got} units but TP {tp_size} "
+                f"of total {self.shard.total} (groups {self.shard.group_totals}) needs {expected}")
+
+    def check_region(self, region: MemoryRegion) -> None:
+        if region.nbytes % self.item_nbytes:
+            raise GeometryError(f"buffer {self.name!r}: item size {self.item_nbytes} B does not divide the "
+                                f"region of {region.nbytes} B")
+        if region.nbytes != self.nbytes:
+            raise GeometryError(f"buffer {self.name!r}: region of {region.nbytes} B holds "
+                                f"{region.nbytes // self.item_nbytes} items, geometry says {self.num_items}")
+
+
+class Component(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One transferable part of a pool: its state type, its buffers in wire order, and options.
+
+    ``options`` carries state-type parameters that both sides must agree on (e.g. an SWA window).
+    """
+
+    name: str
+    state_type: str
+    buffers: tuple[BufferGeometry, ...]
+    index_kind: IndexKind = IndexKind.PAGE
+    options: dict[str, int | str | float] = {}
+
+    def __post_init__(self) -> None:
+        if not self.buffers:
+            raise GeometryError(f"component {self.name!r} has no buffers")
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise GeometryError(f"component {self.name!r} has duplicate buffer names {names}")
+        counts = {b.num_items for b in self.buffers}
+        if len(counts) != 1:
+            raise GeometryError(f"component {self.name!r}: buffers disagree on num_items {sorted(counts)}")
+
+    @property
+    def num_items(self) -> int:
+        return self.buffers[0].num_items
+
+
+class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one rank holds: its components in wire order, its TP position, page size and model."""
+
+    components: tuple[Component, ...]
+    tp_size: int
+    tp_rank: int
+    page_size: int
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
+            raise GeometryError(f"TP rank {self.tp_rank} is outside TP size {self.tp_size}")
+        if self.page_size <= 0:
+            raise GeometryError(f"page size must be positive, got {self.page_size}")
+        names = [c.name for c in self.components]
+        if len(set(names)) != len(names):
+            raise GeometryError(f"pool has duplicate component names {names}")
+        for comp in self.components:
+            for buf in comp.buffers:
+                buf.check_tp(self.tp_size)
+
+    def component(self, name: str) -> Component:
+        for comp in self.components:
+            if comp.name == name:
+                return comp
+        raise KeyError(f"pool has no component {name!r}; it has {[c.name for c in self.components]}")
+
+    @cached_property
+    def component_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.components)
+
+
+class Rank(msgspec.Struct, frozen=True):
+    """A position in a TP group."""
+
+    rank: int
+    size: int
+
+
+def region_of(array: object) -> MemoryRegion:
+    """The memory region of a contiguous numpy array or torch tensor (CPU or CUDA)."""
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise GeometryError("numpy buffer must be C-contiguous")
+        return MemoryRegion(array.ctypes.data, array.nbytes, DeviceKind.CPU, 0)
+    data_ptr = getattr(array, "data_ptr", None)
+    if data_ptr is None:
+        raise GeometryError(f"cannot take a memory region of {type(array).__name__}; give a numpy array or "
+                            "a torch tensor")
+    if not array.is_contiguous():  # type: ignore[attr-defined]
+        raise GeometryError("torch buffer must be contiguous")
+    device = array.device  # type: ignore[attr-defined]
+    kind = DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU
+    nbytes = array.numel() * array.element_size()  # type: ignore[attr-defined]
+    return MemoryRegion(data_ptr(), nbytes, kind, device.index or 0)
+
+
+def geometry_of(name: str, array: object, *, shard: ShardAxis | None = None,
+                dtype: DType | str | None = None) -> BufferGeometry:
+    """Describe a tensor whose first axis is the item axis (pages or slots).
+
+    >>> import numpy as np
+    >>> geometry_of("k.0", np.zeros((4, 16, 2, 8), np.float16), shard=ShardAxis(axis=1, total=4)).item_nbytes
+    512
+    """
+    shape = tuple(int(d) for d in array.shape)  # type: ignore[attr-defined]
+    if len(shape) < 2:
+        raise GeometryError(f"buffer {name!r}: needs an item axis and an item shape, got shape {shape}")
+    return BufferGeometry(name=name, num_items=shape[0], item_shape=shape[1:],
+                          dtype=DType.parse(dtype if dtype is not None else array.dtype),  # type: ignore[attr-defined]
+                          shard=shard)

@@ -1,0 +1,126 @@
+"""Turn (source items, destination items, per-item segments) into address descriptors, vectorized.
+
+Address of item ``i`` of a buffer = ``base + i * item_nbytes`` in unsigned 64-bit arithmetic. Runs that are
+contiguous on both sides merge into one descriptor. The merge is computed once per group of buffers that
+share item sizes and segments (e.g. all K layers), on offsets relative to the buffer base, then broadcast
+over the group's base addresses: no Python loop per page, token or layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import GeometryError
+from kvbridge.slicing import Segments
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BufferPair:
+    """One source buffer and its destination counterpart, as the planner needs them."""
+
+    src_base: int
+    src_item_nbytes: int
+    src_num_items: int
+    dst_base: int
+    dst_item_nbytes: int
+    dst_num_items: int
+    segments: Segments
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TransferPlan:
+    """Descriptors of one component of one request to one peer (uint64 addresses and lengths).
+
+    ``buffer[i]`` is the index of the buffer pair descriptor ``i`` belongs to; backends that address by
+    (registered region, offset), like MoRI, use ``src_addr - src_base[buffer]``.
+    """
+
+    src_addr: np.ndarray
+    dst_addr: np.ndarray
+    nbytes: np.ndarray
+    buffer: np.ndarray
+
+    @classmethod
+    def empty(cls) -> TransferPlan:
+        z = np.zeros(0, dtype=_U64)
+        return cls(z, z, z, np.zeros(0, dtype=np.int32))
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self.nbytes.sum(dtype=_U64))
+
+    def as_rows(self) -> np.ndarray:
+        """An (N, 2) view-friendly array of (src, dst) for engines that want row lists."""
+        return np.stack([self.src_addr, self.dst_addr], axis=1)
+
+
+def check_indices(indices: np.ndarray, num_items: int, what: str) -> np.ndarray:
+    """Validate an index array against a buffer's item count; return it as int64."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise GeometryError(f"{what}: indices must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise GeometryError(f"{what}: indices must be integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_items):
+        bad = arr[(arr < 0) | (arr >= num_items)][:4].tolist()
+        raise GeometryError(f"{what}: indices {bad} are outside [0, {num_items})")
+    return arr
+
+
+def _relative_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_item: int, dst_item: int,
+                   seg: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merged descriptors relative to the buffer bases, for one item-size/segment pattern."""
+    src_rel = (src_idx[:, None] * src_item + seg.src_off[None, :]).ravel()
+    dst_rel = (dst_idx[:, None] * dst_item + seg.dst_off[None, :]).ravel()
+    lens = np.broadcast_to(seg.nbytes[None, :], (src_idx.size, len(seg))).ravel()
+    if lens.size <= 1:
+        return src_rel, dst_rel, lens.copy()
+    brk = np.flatnonzero((src_rel[1:] != src_rel[:-1] + lens[:-1]) | (dst_rel[1:] != dst_rel[:-1] + lens[:-1]))
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), brk + 1))
+    return src_rel[starts], dst_rel[starts], np.add.reduceat(lens, starts)
+
+
+def plan_transfer(pairs: Sequence[BufferPair], src_idx: np.ndarray, dst_idx: np.ndarray) -> TransferPlan:
+    """Plan the copy of items ``src_idx[k] -> dst_idx[k]`` for every buffer pair.
+
+    Pairs are sorted by source index first so that runs merge maximally; descriptors come out grouped
+    by buffer, in ascending source address within a buffer (so engines can merge further).
+    """
+    if len(src_idx) != len(dst_idx):
+        raise GeometryError(f"{len(src_idx)} source items but {len(dst_idx)} destination items")
+    if not pairs or len(src_idx) == 0:
+        return TransferPlan.empty()
+    src_idx = np.asarray(src_idx, dtype=np.int64)
+    dst_idx = np.asarray(dst_idx, dtype=np.int64)
+    if src_idx.size > 1 and np.any(src_idx[1:] < src_idx[:-1]):
+        order = np.argsort(src_idx, kind="stable")
+        src_idx, dst_idx = src_idx[order], dst_idx[order]
+    groups: dict[tuple[int, int, bytes], list[int]] = {}
+    for b, pair in enumerate(pairs):
+        if len(pair.segments):
+            groups.setdefault((pair.src_item_nbytes, pair.dst_item_nbytes, pair.segments.key()), []).append(b)
+    if not groups:
+        return TransferPlan.empty()
+    out_src, out_dst, out_len, out_buf = [], [], [], []
+    for members in groups.values():
+        first = pairs[members[0]]
+        rs, rd, rl = _relative_runs(src_idx, dst_idx, first.src_item_nbytes, first.dst_item_nbytes, first.segments)
+        src_base = np.array([pairs[b].src_base for b in members], dtype=_U64)
+        dst_base = np.array([pairs[b].dst_base for b in members], dtype=_U64)
+        out_src.append((src_base[:, None] + rs.astype(_U64)[None, :]).ravel())
+        out_dst.append((dst_base[:, None] + rd.astype(_U64)[None, :]).ravel())
+        out_len.append(np.broadcast_to(rl.astype(_U64)[None, :], (len(members), rl.size)).ravel())
+        out_buf.append(np.repeat(np.array(members, dtype=np.int32), rl.size))
+    buf = np.concatenate(out_buf)
+    order = np.argsort(buf, kind="stable") if len(groups) > 1 else slice(None)
+    return TransferPlan(np.concatenate(out_src)[order], np.concatenate(out_dst)[order],
+                        np.concatenate(out_len)[order], buf[order])

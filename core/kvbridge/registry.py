@@ -1,0 +1,318 @@
+"""The registry: loads plugins, validates what they declare, and is the one typed facade over pm.hook.
+
+    registry = Registry.build()                      # entry points of group "kvbridge"
+    backend = registry.create_backend("loopback", name="prefill-0")
+    kv = registry.state_type("kv")
+
+Build it once per process; it is immutable afterwards. Environment:
+``KVBRIDGE_PLUGINS=a,b`` loads only those entry points (allowlist); ``KVBRIDGE_DISABLE_PLUGINS=a,b`` skips
+them (blocklist, ``*`` = all). A plugin that cannot run here is listed as ``unavailable`` with a reason
+and an install hint; a plugin that raises while loading is listed as ``error`` with its traceback. Neither
+stops the others.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import pluggy
+
+from kvbridge import hookspecs
+from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
+from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
+from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank
+from kvbridge.plugin import ENTRY_POINT_GROUP, PROJECT, hookimpl
+from kvbridge.slicing import ComponentSlice
+from kvbridge.specs import Availability, BackendSpec, PluginKind, PluginStatus, StateTypeSpec, resolve
+from kvbridge.state.base import StateType
+
+_BUILTINS = {"kv": "kvbridge.state.kv", "loopback": "kvbridge.backends.loopback"}
+
+
+@dataclass(frozen=True, slots=True)
+class PluginRecord:
+    """One row of ``kvbridge plugins``: a declared backend or state type, or a plugin that failed."""
+
+    name: str
+    kind: PluginKind | None
+    distribution: str
+    version: str
+    status: PluginStatus
+    reason: str = ""
+    hint: str = ""
+    capabilities: tuple[str, ...] = ()
+    spec: BackendSpec | StateTypeSpec | None = field(default=None, compare=False)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind.value if self.kind else None,
+                "distribution": self.distribution, "version": self.version, "status": self.status.value,
+                "reason": self.reason, "hint": self.hint, "capabilities": list(self.capabilities)}
+
+
+class _Dispatcher:
+    """The single answer to every operation hook: call the object the caller selected by name."""
+
+    @hookimpl(trylast=True)
+    def kvbridge_register_buffers(self, backend: TransferBackend, component: str,
+                                  regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
+        return backend.register_buffers(component, regions)
+
+    @hookimpl(trylast=True)
+    def kvbridge_slice_state(self, state_type: StateType, src: Component, dst: Component, src_rank: Rank,
+                             dst_rank: Rank) -> ComponentSlice:
+        return state_type.slice(src, dst, src_rank, dst_rank)
+
+    @hookimpl(trylast=True)
+    def kvbridge_send_component(self, backend: TransferBackend, transfer: ComponentTransfer) -> Any:
+        return backend.send_component(transfer)
+
+    @hookimpl(trylast=True)
+    def kvbridge_notify_completion(self, backend: TransferBackend, peer: str, notice: bytes) -> bool:
+        return bool(backend.notify_completion(peer, notice))
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    plugin: object
+    name: str
+    distribution: str
+    version: str
+
+
+def _split_env(value: str | None) -> frozenset[str] | None:
+    if value is None or not value.strip():
+        return None
+    return frozenset(v.strip() for v in value.split(",") if v.strip())
+
+
+def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "?", "?"
+    return dist.metadata["Name"], dist.version
+
+
+class Registry:
+    """Immutable set of loaded plugins with typed access to their backends and state types."""
+
+    __slots__ = ("_pm", "_records", "_backends", "_states", "_state_cache", "_frozen")
+
+    def __init__(self, pm: pluggy.PluginManager, records: Sequence[PluginRecord]) -> None:
+        self._pm = pm
+        self._records = tuple(sorted(records, key=lambda r: (r.kind.value if r.kind else "~", r.name)))
+        self._backends = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.BACKEND})
+        self._states = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.STATE})
+        self._state_cache: dict[str, StateType] = {}
+        self._frozen = True
+
+    def __setattr__(self, key: str, value: object) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError("the registry is immutable once built; build a new one")
+        object.__setattr__(self, key, value)
+
+    # ---------------------------------------------------------------- building
+    @classmethod
+    def build(cls, *, entry_points: bool = True, plugins: Iterable[object] = (),
+              allow: Iterable[str] | None = None, block: Iterable[str] | None = None,
+              env: Mapping[str, str] | None = None) -> Registry:
+        """Load plugins from entry points (filtered by allow/block lists) plus ``plugins`` given explicitly."""
+        env = os.environ if env is None else env
+        allow_set = frozenset(allow) if allow is not None else _split_env(env.get("KVBRIDGE_PLUGINS"))
+        block_set = frozenset(block) if block is not None else (_split_env(env.get("KVBRIDGE_DISABLE_PLUGINS"))
+                                                                or frozenset())
+
+        def wanted(name: str) -> bool:
+            if "*" in block_set or name in block_set:
+                return False
+            return allow_set is None or name in allow_set
+
+        pm = pluggy.PluginManager(PROJECT)
+        pm.add_hookspecs(hookspecs.KVBridgeSpecs)
+        pm.register(_Dispatcher(), name="kvbridge.dispatch")
+        records: list[PluginRecord] = []
+        sources: list[_Source] = []
+        if entry_points:
+            seen: set[str] = set()
+            for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name in seen or not wanted(ep.name):
+                    continue
+                seen.add(ep.name)
+                dist, version = _dist_of(ep)
+                try:
+                    sources.append(_Source(ep.load(), ep.name, dist, version))
+                except Exception as exc:  # noqa: BLE001 - a broken plugin is listed, never fatal
+                    records.append(PluginRecord(ep.name, None, dist, version, PluginStatus.ERROR,
+                                                reason=f"{type(exc).__name__}: {exc}",
+                                                hint="".join(traceback.format_exception(exc))))
+            for name, module in _BUILTINS.items():  # running from a source tree without an install
+                if name not in seen and wanted(name):
+                    sources.append(_Source(importlib_import(module), name, "kvbridge", _own_version()))
+        for plugin in plugins:
+            name = getattr(plugin, "__name__", type(plugin).__name__)
+            sources.append(_Source(plugin, name, "<explicit>", "-"))
+        claimed: dict[tuple[PluginKind, str], tuple[PluginRecord, _Source]] = {}
+        for source in sources:
+            records.extend(_load_source(pm, source, claimed, wanted))
+        return cls(pm, records)
+
+    # ---------------------------------------------------------------- listing
+    def records(self) -> tuple[PluginRecord, ...]:
+        return self._records
+
+    def backend_names(self, *, available_only: bool = True) -> tuple[str, ...]:
+        return tuple(n for n, r in self._backends.items() if not available_only or r.status is PluginStatus.AVAILABLE)
+
+    def state_type_names(self) -> tuple[str, ...]:
+        return tuple(self._states)
+
+    def backend_spec(self, name: str) -> BackendSpec:
+        record = self._lookup(self._backends, name, "backend")
+        assert isinstance(record.spec, BackendSpec)
+        return record.spec
+
+    # ---------------------------------------------------------------- objects
+    def create_backend(self, backend: str, **kwargs: Any) -> TransferBackend:
+        """Build a backend instance by name; raises PluginUnavailableError with the install hint."""
+        record = self._lookup(self._backends, backend, "backend")
+        assert isinstance(record.spec, BackendSpec)
+        instance = resolve(record.spec.factory)(**kwargs)
+        if not isinstance(instance, TransferBackend):
+            raise PluginError(f"backend {backend!r} factory returned {type(instance).__name__}, which does not "
+                              "implement kvbridge.backends.base.TransferBackend")
+        return instance
+
+    def state_type(self, name: str) -> StateType:
+        if name not in self._state_cache:
+            record = self._lookup(self._states, name, "state type")
+            assert isinstance(record.spec, StateTypeSpec)
+            instance = resolve(record.spec.factory)()
+            if not isinstance(instance, StateType):
+                raise PluginError(f"state type {name!r} factory returned {type(instance).__name__}, not a StateType")
+            self._state_cache[name] = instance
+        return self._state_cache[name]
+
+    def compose(self, layout: PoolLayout) -> tuple[StateType, ...]:
+        """The state type of each component, in the order the pool declares them (checked)."""
+        types = tuple(self.state_type(c.state_type) for c in layout.components)
+        me = Rank(layout.tp_rank, layout.tp_size)
+        for comp, st in zip(layout.components, types):
+            st.check_component(comp, me)
+        return types
+
+    def _lookup(self, table: Mapping[str, PluginRecord], name: str, what: str) -> PluginRecord:
+        record = table.get(name)
+        if record is None:
+            known = ", ".join(sorted(table)) or "none"
+            raise UnknownPluginError(f"no {what} named {name!r} is registered (known: {known})")
+        if record.status is not PluginStatus.AVAILABLE:
+            raise PluginUnavailableError(name, record.reason, record.hint if record.status is
+                                         PluginStatus.UNAVAILABLE else "")
+        return record
+
+    # ---------------------------------------------------------------- operation facade
+    def register_buffers(self, backend: TransferBackend, component: str,
+                         regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
+        return self._pm.hook.kvbridge_register_buffers(backend=backend, component=component, regions=regions)
+
+    def slice_state(self, state_type: StateType, src: Component, dst: Component, src_rank: Rank,
+                    dst_rank: Rank) -> ComponentSlice:
+        return self._pm.hook.kvbridge_slice_state(state_type=state_type, src=src, dst=dst, src_rank=src_rank,
+                                                  dst_rank=dst_rank)
+
+    def send_component(self, backend: TransferBackend, transfer: ComponentTransfer) -> Any:
+        return self._pm.hook.kvbridge_send_component(backend=backend, transfer=transfer)
+
+    def notify_completion(self, backend: TransferBackend, peer: str, notice: bytes) -> bool:
+        return bool(self._pm.hook.kvbridge_notify_completion(backend=backend, peer=peer, notice=notice))
+
+
+def importlib_import(module: str) -> ModuleType:
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def _own_version() -> str:
+    try:
+        return md.version("kvbridge")
+    except md.PackageNotFoundError:
+        return "0+source"
+
+
+def _load_source(pm: pluggy.PluginManager, source: _Source,
+                 claimed: dict[tuple[PluginKind, str], tuple[PluginRecord, _Source]],
+                 wanted: Any) -> list[PluginRecord]:
+    """Register one plugin object and collect what it declares; errors become records, not exceptions."""
+    def failed(reason: str, detail: str) -> list[PluginRecord]:
+        return [PluginRecord(source.name, None, source.distribution, source.version, PluginStatus.ERROR,
+                             reason=reason, hint=detail)]
+
+    if pm.is_registered(source.plugin):
+        return []
+    try:
+        pm.register(source.plugin, name=f"{source.distribution}:{source.name}")
+    except Exception as exc:  # noqa: BLE001
+        return failed(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    for hook_name in hookspecs.OPERATION_HOOKS:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is source.plugin and not impl.wrapper and not impl.hookwrapper:
+                pm.unregister(source.plugin)
+                raise PluginError(f"plugin {source.name!r} ({source.distribution}) implements {hook_name} without "
+                                  "wrapper=True; operations are answered by the backend or state type selected "
+                                  "by name, plugins may only wrap them")
+    out: list[PluginRecord] = []
+    for hook_name, kind in (("kvbridge_transfer_backends", PluginKind.BACKEND),
+                            ("kvbridge_state_types", PluginKind.STATE)):
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is not source.plugin:
+                continue
+            try:
+                specs = list(impl.function() or ())
+            except Exception as exc:  # noqa: BLE001
+                return failed(f"{hook_name} raised {type(exc).__name__}: {exc}", traceback.format_exc())
+            for spec in specs:
+                if source.distribution == "<explicit>" or wanted(spec.name) or spec.name == source.name:
+                    record = _record_for(spec, kind, source)
+                    if record is not None and _claim(record, source, claimed):
+                        out.append(record)
+    return out
+
+
+def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _Source) -> PluginRecord | None:
+    expected = BackendSpec if kind is PluginKind.BACKEND else StateTypeSpec
+    if not isinstance(spec, expected):
+        raise PluginError(f"plugin {source.name!r} ({source.distribution}) returned {type(spec).__name__} from "
+                          f"its {kind.value} discovery hook; expected {expected.__name__}")
+    status, reason, hint = PluginStatus.AVAILABLE, "", ""
+    probe = getattr(spec, "probe", None)
+    if probe is not None:
+        try:
+            result: Availability = probe()
+        except Exception as exc:  # noqa: BLE001
+            status, reason, hint = PluginStatus.ERROR, f"probe raised {type(exc).__name__}: {exc}", traceback.format_exc()
+        else:
+            if not result.available:
+                status, reason, hint = PluginStatus.UNAVAILABLE, result.reason, result.hint
+    caps = tuple(sorted(c.value if hasattr(c, "value") else str(c) for c in spec.capabilities))
+    return PluginRecord(spec.name, kind, source.distribution, source.version, status, reason, hint, caps, spec)
+
+
+def _claim(record: PluginRecord, source: _Source,
+           claimed: dict[tuple[PluginKind, str], tuple[PluginRecord, _Source]]) -> bool:
+    assert record.kind is not None
+    key = (record.kind, record.name)
+    previous = claimed.get(key)
+    if previous is None:
+        claimed[key] = (record, source)
+        return True
+    if previous[0].spec == record.spec:
+        return False  # the same declaration again (e.g. a plugin listed twice): accepted, kept once
+    raise PluginConflictError(
+        f"{record.kind.value} {record.name!r} is claimed by two plugins: {previous[1].distribution} "
+        f"{previous[1].version} ({previous[1].name}) and {source.distribution} {source.version} ({source.name})")

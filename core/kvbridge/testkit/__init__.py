@@ -1,0 +1,1 @@
+"""The kvbridge conformance kit (a pytest plugin)."""
