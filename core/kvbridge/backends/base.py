@@ -36,6 +36,7 @@ import numpy as np
 from kvbridge.errors import RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
+from kvbridge.slicing import Segments
 
 
 class HandleState(enum.IntEnum):
@@ -125,6 +126,12 @@ class ComponentTransfer:
     dst: RemoteBuffers
     plan: TransferPlan
     notice: bytes = b""
+    #: The structured form of ``plan``, for engines that index pre-registered descriptor lists (NIXL's
+    #: prepped dlists, MoRI's offsets): paired item indices (sorted by source) and, per buffer, the byte
+    #: segments inside one item. ``plan`` is exactly these expanded to addresses and merged.
+    src_items: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    dst_items: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    segments: tuple[Segments, ...] = ()
 
     @property
     def nbytes(self) -> int:
