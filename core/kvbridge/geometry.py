@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import msgspec
 import numpy as np
@@ -258,7 +257,7 @@ class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 return comp
         raise KeyError(f"pool has no component {name!r}; it has {[c.name for c in self.components]}")
 
-    @cached_property
+    @property
     def component_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.components)
 

@@ -1,0 +1,880 @@
+"""One rank's transfer agent, and the per-request Sender (prefill) and Receiver (decode).
+
+    hub = LocalHub()
+    prefill = TransferAgent(layout=p_layout, buffers=p_arrays, role=Role.PREFILL, link=hub.link("p0"),
+                            instance="llama")
+    decode = TransferAgent(layout=d_layout, buffers=d_arrays, role=Role.DECODE, link=hub.link("d0"))
+    decode.connect("llama")                              # handshake with the ranks the TP mapping assigns
+    receiver = decode.receiver(room=42, instance="llama")
+    receiver.send_metadata({"kv": dst_pages})
+    sender = prefill.sender(room=42)
+    sender.send(src_pages, last=True)
+    while receiver.poll() < KVPoll.Success: ...          # Failed (0) < ... < Success (4)
+
+The agent owns the backend, the registered buffers, the peers (handshaken once per decode/prefill
+rank pair) and every room. Control frames go through a link (in-process hub or ZMQ); completion
+notices go through the backend when it can deliver them, else through the link. ``progress()`` does
+all the work (drain frames and notices, poll handles, heartbeats, timeouts); ``poll()`` calls it,
+and ``start()`` runs it on a background thread for processes whose engine does not poll often.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge.backends.base import (
+    ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers, TransferBackend,
+)
+from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, ProtocolError, TransferError
+from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank, region_of
+from kvbridge.handshake import check_compatible
+from kvbridge.links import Link
+from kvbridge.planner import BufferPair, check_indices, plan_transfer
+from kvbridge.registry import Registry
+from kvbridge.slicing import ComponentSlice, served_ranks, target_ranks
+from kvbridge.state.base import StateType
+from kvbridge.wire import (
+    PROTOCOL_VERSION, Abort, Codec, Goodbye, Heartbeat, Hello, KVPoll, Message, Notice, PackedIndices, Role,
+    StatusPush, TransferRequest, Welcome,
+)
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Timeouts (seconds) and options. Defaults suit one host; raise them across a cluster."""
+
+    heartbeat_interval_s: float = 0.5      # how often we tell each peer we are alive
+    peer_timeout_s: float = 3.0            # a peer silent this long is dead: its rooms fail
+    bootstrap_timeout_s: float = 30.0      # connect() / a prefill room waiting for its requests
+    waiting_timeout_s: float = 120.0       # a decode room waiting for data after send_metadata
+    secret: bytes | None = None            # shared secret: HMAC on every control frame
+    backend_options: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Peer:
+    agent: str
+    address: str
+    layout: PoolLayout
+    info: PeerInfo | None                  # set on the prefill side (where we write to)
+    last_seen: float
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class _InFlight:
+    handle: Any
+    peer: str
+    notice: Notice
+
+
+@dataclass(slots=True)
+class _SendRoom:
+    room: int
+    created: float
+    requests: dict[str, TransferRequest] = field(default_factory=dict)
+    expected_requests: int | None = None
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str = ""
+    chunks: int = 0
+    cursor: int = 0
+    last_sent: bool = False
+    inflight: list[_InFlight] = field(default_factory=list)
+    must_confirm: set[str] = field(default_factory=set)   # decode agents owed an Abort(quiesced)
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass(slots=True)
+class _RecvRoom:
+    room: int
+    instance: str
+    created: float
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str = ""
+    targets: dict[int, str] = field(default_factory=dict)            # prefill rank -> agent
+    expected: set[tuple[int, str]] = field(default_factory=set)      # (sender rank, component)
+    chunked: set[str] = field(default_factory=set)
+    received: dict[tuple[int, str], set[int]] = field(default_factory=dict)
+    last_chunk: dict[tuple[int, str], int] = field(default_factory=dict)
+    quiesced: set[str] = field(default_factory=set)                  # prefill agents that confirmed
+    metadata_at: float | None = None
+    nbytes: int = 0
+
+
+class TransferAgent:
+    """A prefill or decode rank: backend, registered buffers, peers, rooms."""
+
+    def __init__(self, *, layout: PoolLayout, buffers: Mapping[str, Sequence[Any]], role: Role, link: Link,
+                 backend: str = "loopback", registry: Registry | None = None, instance: str = "",
+                 name: str | None = None, config: AgentConfig | None = None) -> None:
+        self.layout = layout
+        self.role = role
+        self.link = link
+        self.instance = instance
+        self.config = config or AgentConfig()
+        self.name = name or f"{role.value}-{layout.tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.registry = registry or Registry.build()
+        self.rank = Rank(layout.tp_rank, layout.tp_size)
+        self.state_types: tuple[StateType, ...] = self.registry.compose(layout)
+        self.backend_name = backend
+        self.backend: TransferBackend = self.registry.create_backend(
+            backend, name=self.name, options=dict(self.config.backend_options))
+        self._codec = Codec(self.config.secret)
+        self._lock = threading.RLock()
+        self._peers: dict[str, _Peer] = {}
+        self._send_rooms: dict[int, _SendRoom] = {}
+        self._recv_rooms: dict[int, _RecvRoom] = {}
+        self._early: dict[int, list[TransferRequest]] = {}
+        self._early_aborts: OrderedDict[int, str] = OrderedDict()
+        self._pending_welcome: dict[str, str] = {}
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._instances: dict[str, dict[int, str]] = {}
+        self._last_beat = 0.0
+        self._beat_seq = 0
+        self._slices: dict[tuple[str, int], ComponentSlice] = {}
+        self._pairs: dict[tuple[str, int], list[BufferPair]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.rejected_frames = 0
+        self.registered: dict[str, RegisteredBuffers] = {}
+        self._keepalive: list[Any] = []
+        try:
+            self._register(buffers)
+        except BaseException:
+            self.backend.close()
+            raise
+        if role is Role.PREFILL and instance:
+            link.publish(instance, layout.tp_size, layout.tp_rank)
+
+    # ------------------------------------------------------------------ setup
+    def _register(self, buffers: Mapping[str, Sequence[Any]]) -> None:
+        missing = [c.name for c in self.layout.components if c.name not in buffers]
+        extra = sorted(set(buffers) - set(self.layout.component_names))
+        if missing or extra:
+            raise GeometryError(f"buffers given for {sorted(buffers)}; the layout needs exactly "
+                                f"{list(self.layout.component_names)} (missing {missing}, unknown {extra})")
+        for comp in self.layout.components:
+            given = buffers[comp.name]
+            if len(given) != len(comp.buffers):
+                raise GeometryError(f"component {comp.name!r}: {len(given)} buffers given, layout has "
+                                    f"{len(comp.buffers)}")
+            regions = []
+            self._keepalive.extend(given)   # registered memory must outlive the registration
+            for geom, buf in zip(comp.buffers, given):
+                region = buf if isinstance(buf, MemoryRegion) else region_of(buf)
+                geom.check_region(region)
+                regions.append(region)
+            self.registered[comp.name] = self.registry.register_buffers(self.backend, comp.name, regions)
+
+    def _remote_buffers(self) -> tuple[RemoteBuffers, ...]:
+        return tuple(reg.remote() for reg in self.registered.values())
+
+    # ------------------------------------------------------------------ messaging
+    def _post(self, address: str, message: Message) -> None:
+        try:
+            self.link.send(address, self._codec.encode(message))
+        except Exception as exc:  # noqa: BLE001 - a dead peer must not kill the caller
+            log.warning("%s: could not send %s to %s: %s", self.name, type(message).__name__, address, exc)
+
+    def connect(self, instance: str, timeout_s: float | None = None) -> None:
+        """Handshake with the prefill ranks of ``instance`` that our TP rank reads from (decode only).
+
+        Blocks until every target accepted, refused (IncompatiblePeer with the reason) or timed out.
+        """
+        if self.role is not Role.DECODE:
+            raise KVBridgeError("connect() is for decode ranks; prefill ranks wait for their decode peers")
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.bootstrap_timeout_s)
+        info = self.link.lookup(instance)
+        while info is None or not info.complete:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill instance {instance!r} did not publish all its ranks in time "
+                                   f"(have {sorted(info.addresses) if info else []})")
+            time.sleep(0.01)
+            info = self.link.lookup(instance)
+        targets = target_ranks(info.tp_size, self.layout.tp_size, self.layout.tp_rank)
+        hello = Hello(PROTOCOL_VERSION, self.name, self.link.address, self.role, self.layout, self.backend_name,
+                      self.backend.endpoint, self._remote_buffers())
+        with self._lock:
+            self._instances.setdefault(instance, {})
+            self._pending_welcome = {info.addresses[p]: "" for p in targets}
+        for p in targets:
+            self._post(info.addresses[p], hello)
+        while True:
+            self.progress()
+            with self._lock:
+                refused = [r for r in self._pending_welcome.values() if r.startswith("refused:")]
+                done = all(self._pending_welcome.values())
+            if refused:
+                raise IncompatiblePeer(refused[0].removeprefix("refused:"))
+            if done:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill instance {instance!r} did not answer the handshake in time")
+            self.link_wait(0.005)
+        with self._lock:
+            by_addr = {p.address: p for p in self._peers.values()}
+            self._instances[instance] = {p: by_addr[info.addresses[p]].agent for p in targets}
+
+    def link_wait(self, timeout_s: float) -> None:
+        frames = self.link.recv(timeout_s)
+        if frames:
+            with self._lock:
+                for frame in frames:
+                    self._handle_frame(frame)
+
+    # ------------------------------------------------------------------ rooms
+    def sender(self, room: int) -> Sender:
+        if self.role is not Role.PREFILL:
+            raise KVBridgeError("sender() is for prefill ranks")
+        with self._lock:
+            if room in self._send_rooms:
+                raise KVBridgeError(f"room {room} already has a sender on {self.name}")
+            self._tombstones.pop(room, None)
+            state = self._send_rooms[room] = _SendRoom(room, time.monotonic())
+            for req in self._early.pop(room, []):
+                self._accept_request(state, req)
+            early_abort = self._early_aborts.pop(room, None)
+            if early_abort is not None:
+                self._fail_send(state, early_abort)
+        return Sender(self, room)
+
+    def receiver(self, room: int, instance: str) -> Receiver:
+        if self.role is not Role.DECODE:
+            raise KVBridgeError("receiver() is for decode ranks")
+        with self._lock:
+            if instance not in self._instances or not self._instances[instance]:
+                raise KVBridgeError(f"not connected to prefill instance {instance!r}; call connect() first")
+            if room in self._recv_rooms:
+                raise KVBridgeError(f"room {room} already has a receiver on {self.name}")
+            self._tombstones.pop(room, None)
+            state = self._recv_rooms[room] = _RecvRoom(room, instance, time.monotonic())
+            state.targets = dict(self._instances[instance])
+            dead = [a for a in state.targets.values() if not self._peers[a].alive]
+            if dead:
+                self._fail_recv(state, f"prefill peer {dead[0]} is dead")
+            else:
+                state.status = KVPoll.WaitingForInput
+        return Receiver(self, room)
+
+    def _bury(self, room: int) -> None:
+        self._tombstones[room] = None
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    # ------------------------------------------------------------------ progress
+    def progress(self) -> None:
+        """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
+        frames = self.link.recv(0.0)
+        notices = self.backend.drain_notifications()
+        with self._lock:
+            for frame in frames:
+                self._handle_frame(frame)
+            for _peer, blob in notices:
+                self._handle_frame(blob)
+            self._poll_inflight()
+            self._tick(time.monotonic())
+
+    def _handle_frame(self, frame: bytes) -> None:
+        try:
+            message = self._codec.decode(frame)
+            self._dispatch(message)
+        except ProtocolError as exc:
+            self.rejected_frames += 1
+            log.error("%s: rejected control frame: %s", self.name, exc)
+        except Exception:  # noqa: BLE001 - never let a bad frame kill the progress thread
+            self.rejected_frames += 1
+            log.exception("%s: error while handling a control frame", self.name)
+
+    def _dispatch(self, message: Message) -> None:
+        peer = self._peers.get(getattr(message, "agent", ""))
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if isinstance(message, Hello):
+            self._on_hello(message)
+        elif isinstance(message, Welcome):
+            self._on_welcome(message)
+        elif isinstance(message, TransferRequest):
+            self._on_request(message)
+        elif isinstance(message, Notice):
+            self._on_notice(message)
+        elif isinstance(message, StatusPush):
+            room = self._recv_rooms.get(message.room)
+            if room is not None and message.status is KVPoll.Failed:
+                self._fail_recv(room, f"prefill {message.agent} failed the room: {message.reason}")
+        elif isinstance(message, Abort):
+            self._on_abort(message)
+        elif isinstance(message, Heartbeat):
+            if peer is None:
+                log.debug("%s: heartbeat from unknown agent %s", self.name, message.agent)
+        elif isinstance(message, Goodbye) and peer is not None:
+            self._peer_died(peer, "said goodbye")
+
+    # -- handshake
+    def _on_hello(self, hello: Hello) -> None:
+        if self.role is not Role.PREFILL:
+            raise ProtocolError(f"{self.name} is a decode rank and got a Hello from {hello.agent}")
+        reason = ""
+        if hello.backend != self.backend_name:
+            reason = f"backend differs: prefill uses {self.backend_name!r}, decode {hello.backend!r}"
+        else:
+            try:
+                check_compatible(self.layout, hello.layout)
+                if self.layout.tp_rank not in target_ranks(self.layout.tp_size, hello.layout.tp_size,
+                                                           hello.layout.tp_rank):
+                    reason = (f"decode rank {hello.layout.tp_rank}/{hello.layout.tp_size} does not read from prefill "
+                              f"rank {self.layout.tp_rank}/{self.layout.tp_size}")
+            except IncompatiblePeer as exc:
+                reason = str(exc)
+        if reason:
+            log.error("%s: refused %s: %s", self.name, hello.agent, reason)
+            self._post(hello.address, Welcome(PROTOCOL_VERSION, self.name, self.link.address, False, reason))
+            return
+        info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
+        self._check_remote_buffers(hello.layout, info)
+        old = self._peers.get(hello.agent)
+        if old is not None:
+            self._drop_peer_caches(hello.agent)
+            self.backend.remove_peer(hello.agent)
+        self.backend.add_peer(info)
+        self._peers[hello.agent] = _Peer(hello.agent, hello.address, hello.layout, info, time.monotonic())
+        self._post(hello.address, Welcome(PROTOCOL_VERSION, self.name, self.link.address, True, "", self.layout,
+                                          self.backend_name, self.backend.endpoint, ()))
+
+    @staticmethod
+    def _check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:
+        for comp in layout.components:
+            remote = info.component(comp.name)
+            if len(remote.regions) != len(comp.buffers):
+                raise ProtocolError(f"peer {info.name} registered {len(remote.regions)} regions for {comp.name}, "
+                                    f"its layout has {len(comp.buffers)} buffers")
+            for geom, region in zip(comp.buffers, remote.regions):
+                if region.nbytes != geom.nbytes:
+                    raise ProtocolError(f"peer {info.name}: region of {geom.name} is {region.nbytes} B, its geometry "
+                                        f"says {geom.nbytes} B")
+
+    def _on_welcome(self, welcome: Welcome) -> None:
+        pending = self._pending_welcome
+        if welcome.address not in pending:
+            raise ProtocolError(f"unexpected Welcome from {welcome.agent} at {welcome.address}")
+        if not welcome.accepted or welcome.layout is None:
+            pending[welcome.address] = f"refused:prefill {welcome.agent} refused the handshake: {welcome.reason}"
+            return
+        try:
+            check_compatible(welcome.layout, self.layout)
+        except IncompatiblePeer as exc:
+            pending[welcome.address] = f"refused:{exc}"
+            return
+        self._peers[welcome.agent] = _Peer(welcome.agent, welcome.address, welcome.layout, None, time.monotonic())
+        pending[welcome.address] = welcome.agent
+
+    # -- requests (prefill side)
+    def _on_request(self, req: TransferRequest) -> None:
+        if req.room in self._tombstones:
+            return
+        peer = self._peers.get(req.agent)
+        if peer is None:
+            raise ProtocolError(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
+        try:
+            self._validate_request(peer, req)
+        except (GeometryError, ProtocolError) as exc:
+            log.error("%s: refused request for room %d from %s: %s", self.name, req.room, req.agent, exc)
+            self._post(peer.address, StatusPush(req.room, self.name, KVPoll.Failed, f"bad request: {exc}"))
+            room = self._send_rooms.get(req.room)
+            if room is not None:
+                self._fail_send(room, f"decode {req.agent} sent a bad request: {exc}")
+            return
+        room = self._send_rooms.get(req.room)
+        if room is None:
+            self._early.setdefault(req.room, []).append(req)
+        else:
+            self._accept_request(room, req)
+
+    def _validate_request(self, peer: _Peer, req: TransferRequest) -> None:
+        if (req.dst_rank, req.dst_size) != (peer.layout.tp_rank, peer.layout.tp_size):
+            raise ProtocolError(f"request says decode rank {req.dst_rank}/{req.dst_size}, handshake said "
+                                f"{peer.layout.tp_rank}/{peer.layout.tp_size}")
+        names = set(peer.layout.component_names)
+        if set(req.indices) != names:
+            raise ProtocolError(f"request names components {sorted(req.indices)}, the pool has {sorted(names)}")
+        for comp in peer.layout.components:
+            check_indices(req.indices[comp.name].unpack(), comp.num_items, f"room {req.room} {comp.name} destination")
+
+    def _accept_request(self, room: _SendRoom, req: TransferRequest) -> None:
+        if room.status is KVPoll.Failed:
+            return
+        if req.agent in room.requests:
+            return  # duplicate: exactly-once per (room, decode rank)
+        room.requests[req.agent] = req
+        room.expected_requests = len(served_ranks(self.layout.tp_size, req.dst_size, self.layout.tp_rank))
+        if len(room.requests) >= room.expected_requests and room.status is KVPoll.Bootstrapping:
+            room.status = KVPoll.WaitingForInput
+
+    # -- sending (prefill side)
+    def _slice_for(self, peer: _Peer, comp_index: int) -> ComponentSlice:
+        key = (peer.agent, comp_index)
+        cached = self._slices.get(key)
+        if cached is None:
+            cached = self.registry.slice_state(
+                self.state_types[comp_index], self.layout.components[comp_index],
+                peer.layout.components[comp_index], self.rank, Rank(peer.layout.tp_rank, peer.layout.tp_size))
+            self._slices[key] = cached
+        return cached
+
+    def _pairs_for(self, peer: _Peer, comp_index: int, segs: ComponentSlice) -> list[BufferPair]:
+        key = (peer.agent, comp_index)
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            mine = self.layout.components[comp_index]
+            theirs = peer.layout.components[comp_index]
+            src_regions = self.registered[mine.name].regions
+            assert peer.info is not None
+            dst_regions = peer.info.component(mine.name).regions
+            pairs = [BufferPair(s.addr, sg.item_nbytes, sg.num_items, d.addr, dg.item_nbytes, dg.num_items, seg)
+                     for s, sg, d, dg, seg in zip(src_regions, mine.buffers, dst_regions, theirs.buffers, segs.buffers)]
+            self._pairs[key] = pairs
+        return pairs
+
+    def _drop_peer_caches(self, agent: str) -> None:
+        for cache in (self._slices, self._pairs):
+            for key in [k for k in cache if k[0] == agent]:
+                del cache[key]
+
+    def _send_chunk(self, room: _SendRoom, pages: np.ndarray, last: bool,
+                    state: Mapping[str, tuple[np.ndarray, int]]) -> None:
+        chunk = room.chunks
+        for comp_index, (comp, st) in enumerate(zip(self.layout.components, self.state_types)):
+            if not st.chunked and not last:
+                continue
+            if st.chunked:
+                src = check_indices(pages, comp.num_items, f"room {room.room} {comp.name} source")
+            else:
+                if comp.name not in state:
+                    raise GeometryError(f"room {room.room}: the last chunk must carry indices for {comp.name!r}")
+                src_raw, src_first = state[comp.name]
+                src = check_indices(src_raw, comp.num_items, f"room {room.room} {comp.name} source")
+            for agent, req in room.requests.items():
+                peer = self._peers[agent]
+                segs = self._slice_for(peer, comp_index)
+                if segs.is_empty:
+                    continue
+                packed = req.indices[comp.name]
+                dst_all = packed.unpack()
+                if st.chunked:
+                    if room.cursor + len(src) > len(dst_all):
+                        raise GeometryError(f"room {room.room} {comp.name}: prefill sends pages up to "
+                                            f"{room.cursor + len(src)}, decode {agent} gave {len(dst_all)}")
+                    s_idx, d_idx = src, dst_all[room.cursor: room.cursor + len(src)]
+                else:
+                    s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
+                plan = plan_transfer(self._pairs_for(peer, comp_index, segs), s_idx, d_idx)
+                notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes)
+                if len(plan) == 0:
+                    self._notify(peer, notice)
+                    continue
+                transfer = ComponentTransfer(room.room, comp.name, agent, chunk, last, self.registered[comp.name],
+                                             peer.info.component(comp.name), plan,  # type: ignore[union-attr]
+                                             self._codec.encode(notice), s_idx, d_idx, segs.buffers)
+                handle = self.registry.send_component(self.backend, transfer)
+                room.inflight.append(_InFlight(handle, agent, notice))
+                room.nbytes += plan.total_nbytes
+                room.descriptors += len(plan)
+        room.chunks += 1
+        room.cursor += len(pages)
+        room.status = KVPoll.Transferring
+        if last:
+            room.last_sent = True
+
+    def _notify(self, peer: _Peer, notice: Notice) -> None:
+        delivered = self.registry.notify_completion(self.backend, peer.agent, self._codec.encode(notice))
+        if not delivered:
+            self._post(peer.address, notice)
+
+    def _poll_inflight(self) -> None:
+        for room in list(self._send_rooms.values()):
+            if room.inflight:
+                still: list[_InFlight] = []
+                for item in room.inflight:
+                    try:
+                        result = self.backend.poll(item.handle)
+                    except Exception as exc:  # noqa: BLE001 - engine errors become Failed with their text
+                        result = None
+                        reason = f"{type(exc).__name__}: {exc}"
+                    else:
+                        reason = result.reason
+                    if result is not None and result.state is HandleState.PENDING:
+                        still.append(item)
+                        continue
+                    self._release(item.handle)
+                    if result is not None and result.state is HandleState.DONE:
+                        if room.status is not KVPoll.Failed:
+                            self._notify(self._peers[item.peer], item.notice)
+                    else:
+                        self._fail_send(room, f"{self.backend_name} write of {item.notice.component} chunk "
+                                              f"{item.notice.chunk} to {item.peer} failed: {reason}")
+                room.inflight = still
+            if not room.inflight:
+                if room.status is KVPoll.Transferring and room.last_sent:
+                    room.status = KVPoll.Success
+                if room.must_confirm:
+                    for agent in room.must_confirm:
+                        peer = self._peers.get(agent)
+                        if peer is not None:
+                            self._post(peer.address, Abort(room.room, self.name, room.reason, quiesced=True))
+                    room.must_confirm.clear()
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.backend.release(handle)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: releasing a transfer handle failed", self.name)
+
+    def _fail_send(self, room: _SendRoom, reason: str) -> None:
+        if room.status is KVPoll.Failed:
+            return
+        room.status, room.reason = KVPoll.Failed, reason
+        for agent in room.requests:
+            peer = self._peers.get(agent)
+            if peer is not None and peer.alive:
+                self._post(peer.address, StatusPush(room.room, self.name, KVPoll.Failed, reason))
+                room.must_confirm.add(agent)   # Abort(quiesced) follows once our writes drained
+
+    # -- receiving (decode side)
+    def _send_metadata(self, room: _RecvRoom, indices: Mapping[str, PackedIndices], prefix_len: int) -> None:
+        peers = {rank: self._peers[agent] for rank, agent in room.targets.items()}
+        any_peer = next(iter(peers.values()))
+        src_layout = any_peer.layout
+        for comp_index, (comp, st) in enumerate(zip(self.layout.components, self.state_types)):
+            if st.chunked:
+                room.chunked.add(comp.name)
+            for rank in peers:
+                segs = self.registry.slice_state(st, src_layout.components[comp_index], comp,
+                                                 Rank(rank, src_layout.tp_size), self.rank)
+                if not segs.is_empty:
+                    room.expected.add((rank, comp.name))
+        request = TransferRequest(room.room, self.name, self.layout.tp_rank, self.layout.tp_size, dict(indices),
+                                  prefix_len)
+        room.metadata_at = time.monotonic()
+        for peer in peers.values():
+            self._post(peer.address, request)
+        self._check_done(room)
+
+    def _on_notice(self, notice: Notice) -> None:
+        room = self._recv_rooms.get(notice.room)
+        if room is None or room.status in (KVPoll.Failed, KVPoll.Success):
+            return  # late or duplicate for a finished, failed or cleared room
+        key = (notice.sender, notice.component)
+        if key not in room.expected:
+            log.warning("%s: room %d: unexpected notice from rank %d for %s", self.name, notice.room, notice.sender,
+                        notice.component)
+            return
+        chunks = room.received.setdefault(key, set())
+        if notice.chunk in chunks:
+            return
+        chunks.add(notice.chunk)
+        room.nbytes += notice.nbytes
+        if notice.last:
+            room.last_chunk[key] = notice.chunk
+        room.status = KVPoll.Transferring
+        self._check_done(room)
+
+    def _check_done(self, room: _RecvRoom) -> None:
+        if room.status is KVPoll.Failed or not room.expected:
+            if room.status is not KVPoll.Failed and room.metadata_at is not None:
+                room.status = KVPoll.Success
+            return
+        for key in room.expected:
+            last = room.last_chunk.get(key)
+            if last is None or len(room.received.get(key, ())) != last + 1:
+                return
+        room.status = KVPoll.Success
+
+    def _fail_recv(self, room: _RecvRoom, reason: str) -> None:
+        """Fail a decode room; every sender still writing is asked to stop and confirm quiescence."""
+        if room.status in (KVPoll.Failed, KVPoll.Success):
+            return
+        room.status, room.reason = KVPoll.Failed, reason
+        if room.metadata_at is None:
+            room.quiesced.update(room.targets.values())   # nothing was ever asked of the senders
+        else:
+            self._abort_recv(room, reason)
+
+    # -- abort
+    def _on_abort(self, abort: Abort) -> None:
+        if self.role is Role.PREFILL:
+            room = self._send_rooms.get(abort.room)
+            if room is None:   # nothing was written for it: confirm now, fail the sender if it comes later
+                self._early.pop(abort.room, None)
+                if abort.room not in self._tombstones:
+                    self._early_aborts[abort.room] = f"aborted by decode {abort.agent}: {abort.reason}"
+                    while len(self._early_aborts) > _TOMBSTONES:
+                        self._early_aborts.popitem(last=False)
+                peer = self._peers.get(abort.agent)
+                if peer is not None:
+                    self._post(peer.address, Abort(abort.room, self.name, abort.reason, quiesced=True))
+                return
+            self._fail_send(room, f"aborted by decode {abort.agent}: {abort.reason}")
+            room.must_confirm.add(abort.agent)
+        else:
+            room = self._recv_rooms.get(abort.room)
+            if room is None:
+                return
+            if abort.quiesced:
+                room.quiesced.add(abort.agent)
+            self._fail_recv(room, f"aborted by prefill {abort.agent}: {abort.reason}")
+
+    # -- liveness
+    def _tick(self, now: float) -> None:
+        if now - self._last_beat >= self.config.heartbeat_interval_s:
+            self._last_beat = now
+            self._beat_seq += 1
+            beat = Heartbeat(self.name, self.link.address, self._beat_seq)
+            for peer in self._peers.values():
+                if peer.alive:
+                    self._post(peer.address, beat)
+        for peer in list(self._peers.values()):
+            if peer.alive and now - peer.last_seen > self.config.peer_timeout_s:
+                self._peer_died(peer, f"no message for {now - peer.last_seen:.1f} s")
+        for room in self._send_rooms.values():
+            if room.status is KVPoll.Bootstrapping and now - room.created > self.config.bootstrap_timeout_s:
+                self._fail_send(room, f"bootstrap timeout: {len(room.requests)} of "
+                                      f"{room.expected_requests or '?'} decode requests after "
+                                      f"{self.config.bootstrap_timeout_s} s")
+        for room in self._recv_rooms.values():
+            if (room.status in (KVPoll.WaitingForInput, KVPoll.Transferring) and room.metadata_at is not None
+                    and now - room.metadata_at > self.config.waiting_timeout_s):
+                self._fail_recv(room, f"waiting timeout: no complete transfer after {self.config.waiting_timeout_s} s")
+
+    def _peer_died(self, peer: _Peer, why: str) -> None:
+        peer.alive = False
+        reason = f"peer {peer.agent} at {peer.address} is dead ({why})"
+        log.error("%s: %s", self.name, reason)
+        for room in self._send_rooms.values():
+            if peer.agent in room.requests:
+                self._fail_send(room, reason)
+                room.must_confirm.discard(peer.agent)
+        for room in self._recv_rooms.values():
+            if peer.agent in room.targets.values():
+                room.quiesced.add(peer.agent)
+                self._fail_recv(room, reason)
+
+    def _abort_recv(self, room: _RecvRoom, reason: str) -> None:
+        for agent in room.targets.values():
+            peer = self._peers.get(agent)
+            if peer is not None and peer.alive and agent not in room.quiesced:
+                self._post(peer.address, Abort(room.room, self.name, reason))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, interval_s: float = 0.005) -> None:
+        """Run progress() on a background thread (for processes whose engine polls rarely)."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.progress()
+                    frames = self.link.recv(interval_s)
+                    if frames:
+                        with self._lock:
+                            for frame in frames:
+                                self._handle_frame(frame)
+                except Exception:  # noqa: BLE001 - keep the progress thread alive
+                    log.exception("%s: progress failed", self.name)
+                    time.sleep(interval_s)
+
+        self._thread = threading.Thread(target=loop, name=f"kvbridge-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            for peer in self._peers.values():
+                if peer.alive:
+                    self._post(peer.address, Goodbye(self.name))
+            for reg in self.registered.values():
+                try:
+                    self.backend.deregister_buffers(reg)
+                except Exception:  # noqa: BLE001
+                    log.exception("%s: deregistering %s failed", self.name, reg.component)
+            self.registered.clear()
+        self.backend.close()
+        self.link.close()
+
+    def __enter__(self) -> TransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sender:
+    """The prefill side of one request on one rank."""
+
+    def __init__(self, agent: TransferAgent, room: int) -> None:
+        self._agent, self.room = agent, room
+
+    def _state(self) -> _SendRoom:
+        state = self._agent._send_rooms.get(self.room)
+        if state is None:
+            raise KVBridgeError(f"room {self.room} was cleared")
+        return state
+
+    def poll(self) -> KVPoll:
+        self._agent.progress()
+        with self._agent._lock:
+            return self._state().status
+
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens the decode side already holds (the first request's prefix length)."""
+        with self._agent._lock:
+            reqs = self._state().requests
+            return next(iter(reqs.values())).prefix_len if reqs else 0
+
+    def send(self, pages: np.ndarray, *, last: bool = False,
+             state: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None) -> None:
+        """Send one chunk: KV ``pages`` (source page ids), and on the last chunk every state component's
+        indices (``{name: indices}`` or ``{name: (indices, first_position)}``)."""
+        normalized = {k: (v if isinstance(v, tuple) else (v, 0)) for k, v in (state or {}).items()}
+        with self._agent._lock:
+            room = self._state()
+            if room.status is KVPoll.Failed:
+                raise TransferError(self.room, room.reason)
+            if room.status is KVPoll.Bootstrapping:
+                raise KVBridgeError(f"room {self.room} is still bootstrapping: wait for WaitingForInput before send()")
+            if room.last_sent:
+                raise KVBridgeError(f"room {self.room}: the last chunk was already sent")
+            try:
+                self._agent._send_chunk(room, np.asarray(pages), last, normalized)
+            except KVBridgeError as exc:
+                self._agent._fail_send(room, str(exc))
+                raise
+        self._agent.progress()
+
+    @property
+    def failure_reason(self) -> str:
+        with self._agent._lock:
+            return self._state().reason
+
+    @property
+    def stats(self) -> tuple[int, int]:
+        """(bytes posted, descriptors posted) so far."""
+        with self._agent._lock:
+            room = self._state()
+            return room.nbytes, room.descriptors
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        with self._agent._lock:
+            self._agent._fail_send(self._state(), reason)
+        self._agent.progress()
+
+    @property
+    def safe_to_reuse(self) -> bool:
+        """True once no write from this room's source pages is in flight (after Success or Failed)."""
+        self._agent.progress()
+        with self._agent._lock:
+            room = self._state()
+            return room.status in (KVPoll.Success, KVPoll.Failed) and not room.inflight
+
+    def clear(self) -> None:
+        with self._agent._lock:
+            room = self._agent._send_rooms.get(self.room)
+            if room is not None and room.inflight:
+                raise KVBridgeError(f"room {self.room}: {len(room.inflight)} writes still in flight; wait for "
+                                    "safe_to_reuse before clear()")
+            self._agent._send_rooms.pop(self.room, None)
+            self._agent._bury(self.room)
+
+
+class Receiver:
+    """The decode side of one request on one rank."""
+
+    def __init__(self, agent: TransferAgent, room: int) -> None:
+        self._agent, self.room = agent, room
+
+    def _state(self) -> _RecvRoom:
+        state = self._agent._recv_rooms.get(self.room)
+        if state is None:
+            raise KVBridgeError(f"room {self.room} was cleared")
+        return state
+
+    def send_metadata(self, indices: Mapping[str, np.ndarray | tuple[np.ndarray, int]], *, prefix_len: int = 0) -> None:
+        """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``)."""
+        agent = self._agent
+        packed: dict[str, PackedIndices] = {}
+        for comp in agent.layout.components:
+            if comp.name not in indices:
+                raise GeometryError(f"room {self.room}: no destination indices for component {comp.name!r}")
+            value = indices[comp.name]
+            ids, first = value if isinstance(value, tuple) else (value, 0)
+            checked = check_indices(ids, comp.num_items, f"room {self.room} {comp.name} destination")
+            packed[comp.name] = PackedIndices.pack(checked, first)
+        unknown = sorted(set(indices) - set(agent.layout.component_names))
+        if unknown:
+            raise GeometryError(f"room {self.room}: indices for unknown components {unknown}")
+        with agent._lock:
+            room = self._state()
+            if room.status is KVPoll.Failed:
+                raise TransferError(self.room, room.reason)
+            if room.metadata_at is not None:
+                raise KVBridgeError(f"room {self.room}: send_metadata() was already called")
+            agent._send_metadata(room, packed, prefix_len)
+
+    def poll(self) -> KVPoll:
+        self._agent.progress()
+        with self._agent._lock:
+            return self._state().status
+
+    @property
+    def failure_reason(self) -> str:
+        with self._agent._lock:
+            return self._state().reason
+
+    @property
+    def nbytes(self) -> int:
+        with self._agent._lock:
+            return self._state().nbytes
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        with self._agent._lock:
+            self._agent._fail_recv(self._state(), reason)
+
+    @property
+    def safe_to_reuse(self) -> bool:
+        """True when no write into this room's destination items can still happen: the room succeeded,
+        or every sender confirmed quiescence (or is dead) after a failure or abort."""
+        self._agent.progress()
+        with self._agent._lock:
+            room = self._state()
+            if room.status is KVPoll.Success:
+                return True
+            if room.status is not KVPoll.Failed:
+                return False
+            if room.metadata_at is None:
+                return True
+            return set(room.targets.values()) <= room.quiesced
+
+    def clear(self) -> None:
+        with self._agent._lock:
+            self._agent._recv_rooms.pop(self.room, None)
+            self._agent._bury(self.room)
