@@ -149,6 +149,12 @@ class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shard: ShardAxis | None = None
 
     def __post_init__(self) -> None:
+        try:
+            dtype = DType.parse(self.dtype)
+        except GeometryError as exc:
+            raise GeometryError(f"buffer {self.name!r}: {exc}") from None
+        if dtype is not self.dtype:  # a name given directly ("bfloat16") becomes the enum member
+            msgspec.structs.force_setattr(self, "dtype", dtype)
         if self.num_items <= 0:
             raise GeometryError(f"buffer {self.name!r}: zero-length buffer (num_items={self.num_items})")
         if not self.item_shape or any(d <= 0 for d in self.item_shape):
@@ -298,6 +304,8 @@ def geometry_of(name: str, array: object, *, shard: ShardAxis | None = None,
     shape = tuple(int(d) for d in array.shape)  # type: ignore[attr-defined]
     if len(shape) < 2:
         raise GeometryError(f"buffer {name!r}: needs an item axis and an item shape, got shape {shape}")
-    return BufferGeometry(name=name, num_items=shape[0], item_shape=shape[1:],
-                          dtype=DType.parse(dtype if dtype is not None else array.dtype),  # type: ignore[attr-defined]
-                          shard=shard)
+    try:
+        parsed = DType.parse(dtype if dtype is not None else array.dtype)  # type: ignore[attr-defined]
+    except GeometryError as exc:
+        raise GeometryError(f"buffer {name!r}: {exc}") from None
+    return BufferGeometry(name=name, num_items=shape[0], item_shape=shape[1:], dtype=parsed, shard=shard)
