@@ -500,6 +500,7 @@ class TransferAgent:
             room.last_sent = True
 
     def _notify(self, peer: _Peer, notice: Notice) -> None:
+        log.debug("%s: notice to %s: %s", self.name, peer.agent, notice)
         delivered = self.registry.notify_completion(self.backend, peer.agent, self._codec.encode(notice))
         if not delivered:
             self._post(peer.address, notice)
@@ -544,7 +545,7 @@ class TransferAgent:
             log.exception("%s: releasing a transfer handle failed", self.name)
 
     def _fail_send(self, room: _SendRoom, reason: str) -> None:
-        if room.status is KVPoll.Failed:
+        if room.status in (KVPoll.Failed, KVPoll.Success):
             return
         room.status, room.reason = KVPoll.Failed, reason
         for agent in room.requests:
@@ -576,6 +577,7 @@ class TransferAgent:
     def _on_notice(self, notice: Notice) -> None:
         room = self._recv_rooms.get(notice.room)
         if room is None or room.status in (KVPoll.Failed, KVPoll.Success):
+            log.debug("%s: dropped notice %s (room %s)", self.name, notice, room and room.status)
             return  # late or duplicate for a finished, failed or cleared room
         key = (notice.sender, notice.component)
         if key not in room.expected:
@@ -592,16 +594,21 @@ class TransferAgent:
         room.status = KVPoll.Transferring
         self._check_done(room)
 
-    def _check_done(self, room: _RecvRoom) -> None:
-        if room.status is KVPoll.Failed or not room.expected:
-            if room.status is not KVPoll.Failed and room.metadata_at is not None:
-                room.status = KVPoll.Success
-            return
+    @staticmethod
+    def _delivered(room: _RecvRoom, rank: int) -> bool:
+        """Has prefill ``rank`` delivered every component chunk it owes this room?"""
         for key in room.expected:
-            last = room.last_chunk.get(key)
-            if last is None or len(room.received.get(key, ())) != last + 1:
-                return
-        room.status = KVPoll.Success
+            if key[0] == rank:
+                last = room.last_chunk.get(key)
+                if last is None or len(room.received.get(key, ())) != last + 1:
+                    return False
+        return True
+
+    def _check_done(self, room: _RecvRoom) -> None:
+        if room.status is KVPoll.Failed or room.metadata_at is None:
+            return
+        if all(self._delivered(room, rank) for rank in room.targets):
+            room.status = KVPoll.Success
 
     def _fail_recv(self, room: _RecvRoom, reason: str) -> None:
         """Fail a decode room; every sender still writing is asked to stop and confirm quiescence."""
@@ -661,16 +668,18 @@ class TransferAgent:
 
     def _peer_died(self, peer: _Peer, why: str) -> None:
         peer.alive = False
-        reason = f"peer {peer.agent} at {peer.address} is dead ({why})"
-        log.error("%s: %s", self.name, reason)
+        reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
+        log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self.name, reason)
         for room in self._send_rooms.values():
             if peer.agent in room.requests:
                 self._fail_send(room, reason)
                 room.must_confirm.discard(peer.agent)
         for room in self._recv_rooms.values():
-            if peer.agent in room.targets.values():
+            ranks = [rank for rank, agent in room.targets.items() if agent == peer.agent]
+            if ranks:
                 room.quiesced.add(peer.agent)
-                self._fail_recv(room, reason)
+                if room.metadata_at is None or not all(self._delivered(room, r) for r in ranks):
+                    self._fail_recv(room, reason)
 
     def _abort_recv(self, room: _RecvRoom, reason: str) -> None:
         for agent in room.targets.values():

@@ -1,0 +1,71 @@
+"""The ``kvbridge`` command: ``plugins``, ``demo``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from kvbridge.registry import Registry
+
+    records = Registry.build().records()
+    if args.json:
+        print(json.dumps([r.as_json() for r in records], indent=2))
+        return 0
+    rows = [("NAME", "KIND", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES / REASON")]
+    for r in records:
+        detail = ", ".join(r.capabilities) if r.status.value == "available" else r.reason.splitlines()[0][:90]
+        if r.hint and r.status.value == "unavailable":
+            detail += f" (hint: {r.hint})"
+        rows.append((r.name, r.kind.value if r.kind else "?", r.distribution, r.version, r.status.value, detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvbridge.demo.run import default_backend, run_demo
+    from kvbridge.errors import KVBridgeError
+
+    backend = args.backend or default_backend()
+    try:
+        summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                           requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
+                           dump=args.dump)
+    except (KVBridgeError, ValueError) as exc:
+        print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return 2
+    return 0 if summary.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list installed backends and state types, and whether they run here")
+    p.add_argument("--json", action="store_true", help="machine-readable list")
+    p.set_defaults(func=_plugins)
+    d = sub.add_parser("demo", help="run prefill and decode rank processes on this host and verify every byte")
+    d.add_argument("--backend", default=None, help="transfer backend (default: nixl if usable, else loopback)")
+    d.add_argument("--model", default="dense-gqa", help="model preset (dense-gqa, mla, ...)")
+    d.add_argument("--prefill-tp", type=int, default=2)
+    d.add_argument("--decode-tp", type=int, default=1)
+    d.add_argument("--requests", type=int, default=32)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--window", type=int, default=4, help="requests in flight per rank")
+    d.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is declared hung")
+    d.add_argument("--dump", default=None, metavar="DIR", help="write decode buffers and indices as .npy")
+    d.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""One demo rank process: build the pool, connect, run every request, report to the launcher.
+
+Requests are deterministic from the seed, so every rank derives the same schedule without a router:
+request ``i`` uses page region ``i % window`` (page 0 is padding) and starts on a rank only after
+request ``i - window`` finished there. Prefill ranks fill their source pages with the reference pattern
+(as if they had computed them) and send them in random chunks; decode ranks scrub their destination
+pages, ask for the data, wait, and verify every byte against the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.demo.presets import Preset, RequestShape, get_preset
+from kvbridge.geometry import PoolLayout
+from kvbridge.wire import KVPoll, Role
+from kvbridge.zmq_link import ZmqLink
+
+INSTANCE = "prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: Role
+    rank: int
+    prefill_tp: int
+    decode_tp: int
+    preset: str
+    backend: str
+    bootstrap: str
+    requests: int
+    seed: int
+    window: int
+    region_pages: int
+    timeout_s: float
+    dump: str | None = None
+    secret: bytes | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.prefill_tp if self.role is Role.PREFILL else self.decode_tp
+
+
+def make_requests(seed: int, count: int, page_size: int, region_pages: int) -> list[RequestShape]:
+    """The run's requests: random lengths up to a region, some decode prefix hits (a few full hits)."""
+    rng = np.random.default_rng([seed, 0xD3E0])
+    out = []
+    for i in range(count):
+        seq_len = int(rng.integers(1, region_pages * page_size + 1))
+        num_pages = -(-seq_len // page_size)
+        roll = rng.random()
+        prefix = 0 if roll < 0.65 else (num_pages if roll > 0.95 else int(rng.integers(0, num_pages)))
+        out.append(RequestShape(i, int(rng.integers(1, 2**63 - 1)), int(rng.integers(0, 2**62)), seq_len,
+                                prefix, num_pages))
+    return out
+
+
+def allocate_items(cfg: WorkerConfig, request: RequestShape) -> np.ndarray:
+    """This instance's page ids for the request (the same on every rank of the instance)."""
+    rng = np.random.default_rng([cfg.seed, request.index, 1 if cfg.role is Role.PREFILL else 2])
+    start = 1 + (request.index % cfg.window) * cfg.region_pages
+    return start + rng.permutation(cfg.region_pages)[: len(request.positions)].astype(np.int64)
+
+
+class _Pool:
+    """Host buffers of every component; in /dev/shm for the loopback backend (so peers can map them)."""
+
+    def __init__(self, layout: PoolLayout, shared: bool) -> None:
+        self._segments: list[SharedMemory] = []
+        self.buffers: dict[str, list[np.ndarray]] = {}
+        for comp in layout.components:
+            arrays = []
+            for geom in comp.buffers:
+                if shared:
+                    seg = SharedMemory(create=True, size=geom.nbytes)
+                    self._segments.append(seg)
+                    arr = np.ndarray((geom.num_items, geom.item_nbytes), np.uint8, seg.buf)
+                else:
+                    arr = np.empty((geom.num_items, geom.item_nbytes), np.uint8)
+                arr.fill(0)            # pre-touch: first-touch page faults would cost ~20x on the first write
+                arrays.append(arr)
+            self.buffers[comp.name] = arrays
+
+    def close(self) -> None:
+        self.buffers.clear()
+        for seg in self._segments:
+            try:
+                seg.close()
+            except BufferError:
+                pass
+            seg.unlink()
+        self._segments.clear()
+
+
+def run_worker(cfg: WorkerConfig, results: Any) -> None:
+    """Process entry point; every outcome (also a crash) is reported on ``results``."""
+    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"), format=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
+    pool = agent = None
+    try:
+        preset = get_preset(cfg.preset)
+        num_items = 1 + cfg.window * cfg.region_pages
+        layout = PoolLayout(tuple(m.component(cfg.tp_size, num_items) for m in preset.components), cfg.tp_size,
+                            cfg.rank, preset.page_size, preset.model)
+        pool = _Pool(layout, shared=cfg.backend == "loopback")
+        link = ZmqLink(bootstrap=cfg.bootstrap)
+        agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
+                              instance=INSTANCE if cfg.role is Role.PREFILL else "",
+                              name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", config=AgentConfig(secret=cfg.secret))
+        agent.start()
+        results.put(("ready", cfg.role.value, cfg.rank))
+        if cfg.role is Role.DECODE:
+            agent.connect(INSTANCE, timeout_s=cfg.timeout_s)
+        requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
+        step = _prefill_request if cfg.role is Role.PREFILL else _decode_request
+        _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results))
+        if cfg.dump and cfg.role is Role.DECODE:
+            _dump(cfg, pool, requests)
+        results.put(("finished", cfg.role.value, cfg.rank))
+    except BaseException as exc:  # noqa: BLE001 - report, then exit non-zero
+        results.put(("crashed", cfg.role.value, cfg.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    finally:
+        if agent is not None:
+            agent.close()
+        if pool is not None:
+            pool.close()
+
+
+def _run_window(cfg: WorkerConfig, requests: list[RequestShape],
+                start: Any) -> None:
+    active: dict[int, Iterator[None]] = {}
+    done: set[int] = set()
+    nxt = 0
+    deadline = time.monotonic() + cfg.timeout_s
+    while nxt < len(requests) or active:
+        while nxt < len(requests) and len(active) < cfg.window and (nxt < cfg.window or nxt - cfg.window in done):
+            active[nxt] = start(requests[nxt])
+            nxt += 1
+        for index, gen in list(active.items()):
+            try:
+                next(gen)
+            except StopIteration:
+                del active[index]
+                done.add(index)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run did not finish in {cfg.timeout_s} s ({len(done)} of {len(requests)} done)")
+        time.sleep(0.0002)
+
+
+def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
+                     request: RequestShape, results: Any) -> Generator[None, None, None]:
+    sender = agent.sender(request.room)
+    while (status := sender.poll()) == KVPoll.Bootstrapping:
+        yield
+    items = allocate_items(cfg, request)
+    if status != KVPoll.Failed:
+        for model in preset.components:
+            model.fill(pool.buffers[model.name], cfg.tp_size, cfg.rank, request, items)
+        rng = np.random.default_rng([cfg.seed, request.index, 7])
+        cuts = np.sort(rng.choice(np.arange(1, max(2, len(items))), size=min(3, max(0, len(items) - 1)),
+                                  replace=False)) if len(items) > 1 else np.zeros(0, np.int64)
+        chunks = np.split(items, cuts)
+        for k, chunk in enumerate(chunks):
+            sender.send(chunk, last=k == len(chunks) - 1)
+            yield
+        while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
+            yield
+    while not sender.safe_to_reuse:
+        yield
+    nbytes, descriptors = sender.stats
+    results.put(("sent", cfg.rank, request.index, status == KVPoll.Success, nbytes, descriptors, sender.failure_reason))
+    sender.clear()
+
+
+def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
+                    request: RequestShape, results: Any) -> Generator[None, None, None]:
+    items = allocate_items(cfg, request)
+    for model in preset.components:
+        for buf in pool.buffers[model.name]:
+            buf[items] = 0xA5                                   # scrub: stale bytes must not pass
+    started = time.perf_counter()
+    receiver = agent.receiver(request.room, INSTANCE)
+    receiver.send_metadata({m.name: items for m in preset.components}, prefix_len=request.prefix_pages * preset.page_size)
+    while (status := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
+        yield
+    latency = time.perf_counter() - started
+    bad = -1
+    if status == KVPoll.Success:
+        bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, items) for m in preset.components)
+    while not receiver.safe_to_reuse:
+        yield
+    results.put(("received", cfg.rank, request.index, status == KVPoll.Success, bad, latency, receiver.nbytes,
+                 receiver.failure_reason))
+    if cfg.dump:
+        _remember(cfg, request, items)
+    receiver.clear()
+
+
+_DUMPED: dict[int, np.ndarray] = {}
+
+
+def _remember(cfg: WorkerConfig, request: RequestShape, items: np.ndarray) -> None:
+    _DUMPED[request.index] = items.copy()
+
+
+def _dump(cfg: WorkerConfig, pool: _Pool, requests: list[RequestShape]) -> None:
+    """Write this rank's buffers and per-request indices (see README "Checking a dump")."""
+    out = Path(cfg.dump or ".") / f"decode-rank{cfg.rank}"
+    out.mkdir(parents=True, exist_ok=True)
+    for comp, arrays in pool.buffers.items():
+        for i, arr in enumerate(arrays):
+            np.save(out / f"{comp}.{i}.npy", arr)
+    rows = [(r.index, r.room, r.seed, r.seq_len, r.prefix_pages, pos, page)
+            for r in requests if r.index in _DUMPED for pos, page in zip(r.positions, _DUMPED[r.index])]
+    table = np.array(rows, dtype=[("request", "i8"), ("room", "u8"), ("seed", "u8"), ("seq_len", "i8"),
+                                  ("prefix_pages", "i8"), ("position", "i8"), ("page", "i8")])
+    np.save(out / "requests.npy", table)
