@@ -93,20 +93,28 @@ def served_ranks(src_size: int, dst_size: int, src_rank: int) -> tuple[int, ...]
     return tuple(range(src_rank * m, src_rank * m + m))
 
 
-def _owned(buf: BufferGeometry, rank: Rank) -> tuple[tuple[int, int], ...]:
-    if buf.shard is None:
-        return ((0, 1),)
-    return tuple(owned_range(g, rank.size, rank.rank) for g in buf.shard.group_totals)
+def _elected(total: int, src: Rank, dst: Rank) -> bool:
+    """Is ``src`` the first of ``dst``'s targets holding exactly its range of this sharded axis (group)?
+
+    Replicas (ranks holding the same units because the axis has fewer units than ranks) are elected
+    independently per shard group, so a group replicated on several ranks is written once even when
+    another group of the same tensor is split between them.
+    """
+    mine = owned_range(total, src.size, src.rank)
+    for candidate in target_ranks(src.size, dst.size, dst.rank):
+        if owned_range(total, src.size, candidate) == mine:
+            return candidate == src.rank
+    return False
 
 
 def is_elected_writer(buf: BufferGeometry, src: Rank, dst: Rank) -> bool:
-    """True when ``src`` is the one writer of its share into ``dst``: the first of ``dst``'s targets
-    holding exactly the same units (replicas of one head, or every rank for replicated tensors)."""
-    mine = _owned(buf, src)
-    for candidate in target_ranks(src.size, dst.size, dst.rank):
-        if _owned(buf, Rank(candidate, src.size)) == mine:
-            return candidate == src.rank
-    return False
+    """True when ``src`` writes at least one unit of ``buf`` into ``dst`` (the first of ``dst``'s targets
+    holding that unit; for a replicated tensor the first target)."""
+    if src.rank not in target_ranks(src.size, dst.size, dst.rank):
+        return False
+    if buf.shard is None:
+        return target_ranks(src.size, dst.size, dst.rank)[0] == src.rank
+    return any(_elected(g, src, dst) for g in buf.shard.group_totals)
 
 
 def check_pairable(src: BufferGeometry, dst: BufferGeometry) -> None:
@@ -129,7 +137,7 @@ def buffer_segments(src_buf: BufferGeometry, dst_buf: BufferGeometry, src: Rank,
     """Segments of one item that ``src`` writes into ``dst`` for one buffer (empty if it writes none)."""
     check_pairable(src_buf, dst_buf)
     check_ratio(src.size, dst.size)
-    if src.rank not in target_ranks(src.size, dst.size, dst.rank) or not is_elected_writer(src_buf, src, dst):
+    if not is_elected_writer(src_buf, src, dst):
         return Segments.empty()
     shard = src_buf.shard
     if shard is None:
@@ -143,7 +151,7 @@ def buffer_segments(src_buf: BufferGeometry, dst_buf: BufferGeometry, src: Rank,
         s_lo, s_hi = owned_range(total, src.size, src.rank)
         d_lo, d_hi = owned_range(total, dst.size, dst.rank)
         lo, hi = max(s_lo, d_lo), min(s_hi, d_hi)
-        if lo < hi:
+        if lo < hi and _elected(total, src, dst):
             so.append(src_group_off + lo - s_lo)
             do.append(dst_group_off + lo - d_lo)
             ln.append(hi - lo)
