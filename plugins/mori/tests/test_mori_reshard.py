@@ -1,0 +1,129 @@
+"""Byte-exact KV delivery through the mori backend over the stand-in, across TP layouts."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from mori_harness import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
+
+from kvbridge.backends.base import Poll
+from kvbridge.geometry import Rank
+from kvbridge_mori import standin
+from kvbridge_mori.backend import BatchForm, MoriBackend
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fabric() -> Any:
+    yield
+    standin.reset()
+
+
+def _make(api: Any = standin, **options: str) -> Any:
+    return lambda name: MoriBackend(name=name, options=dict(options), api=api)
+
+
+@pytest.mark.parametrize(("pt", "dt"), list(itertools.product((1, 2, 4), repeat=2)))
+def test_token_major_reshard_is_byte_exact(pt: int, dt: int) -> None:
+    run_reshard(_make(), pt, dt, Model(heads=4))
+
+
+@pytest.mark.parametrize(("pt", "dt"), [(4, 2), (2, 4), (4, 4), (1, 4), (4, 1)])
+def test_fewer_heads_than_ranks_is_byte_exact(pt: int, dt: int) -> None:
+    run_reshard(_make(), pt, dt, Model(heads=2), seed=1)
+
+
+def test_legacy_single_form_is_detected_and_byte_exact() -> None:
+    made: list[MoriBackend] = []
+
+    def make(name: str) -> MoriBackend:
+        made.append(MoriBackend(name=name, api=standin.legacy))
+        return made[-1]
+
+    run_reshard(make, 2, 1, Model(heads=4))
+    assert made[0]._form is BatchForm.SINGLE
+
+
+def test_one_list_form_call_per_component_with_one_entry_per_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Model(heads=4, layers=3)
+    src_be = MoriBackend(name="p", api=standin)
+    dst_be = MoriBackend(name="d", api=standin)
+    fill = [np.full((model.src_pages, model.page, 4, model.head_dim), b, np.uint16) for b in range(model.buffers)]
+    src = make_rank(model, 2, 1, model.src_pages, src_be, fill)
+    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
+    calls: list[tuple[Any, ...]] = []
+    real = src_be._engine.batch_write
+    monkeypatch.setattr(src_be._engine, "batch_write", lambda *a: calls.append(a) or real(*a))
+    peer = src_be.add_peer(peer_info("d", dst))
+    plan = plan_for(src, dst, Rank(1, 2), Rank(0, 1), np.array([1, 2, 3, 9]), np.array([4, 5, 6, 0]))
+    handle = src_be.send_component(transfer(src, dst, peer, plan))
+    assert wait(src_be, handle) == Poll.done()
+    assert len(calls) == 1
+    lmds, loffs, rmds, roffs, sizes, uids = calls[0]
+    assert len(lmds) == len(rmds) == len(uids) == model.buffers and len(set(uids)) == model.buffers
+    assert [md.id for md in lmds] == [md.id for md in src_be._registrations[id(src.registered.handle)].handle.descs]
+    # offsets are relative to each registered region, and every entry fits its region
+    for md, offs, size in zip(rmds, roffs, sizes):
+        assert max(o + s for o, s in zip(offs, size)) <= md.size
+    assert sum(map(len, sizes)) == len(plan)
+    for b in range(model.buffers):   # decode rank 0 of TP 1 holds heads 2,3 of prefill rank 1 at [.., 2:4, ..]
+        assert np.all(dst.arrays[b][[4, 5, 6, 0]][:, :, 2:4, :] == b)
+        assert np.all(dst.arrays[b][[4, 5, 6, 0]][:, :, 0:2, :] == 0)
+    src_be.close()
+    dst_be.close()
+
+
+def test_pending_until_the_engine_completes() -> None:
+    model = Model()
+    src_be, dst_be = MoriBackend(name="p", api=standin), MoriBackend(name="d", api=standin)
+    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
+    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
+    peer = src_be.add_peer(peer_info("d", dst))
+    standin.pause(src_be.engine_key)
+    handle = src_be.send_component(transfer(src, dst, peer, plan_for(src, dst, Rank(0, 1), Rank(0, 1),
+                                                                     np.arange(4), np.arange(4))))
+    assert src_be.poll(handle) == Poll.pending()
+    assert not dst.arrays[0].any()
+    standin.resume(src_be.engine_key)
+    assert wait(src_be, handle) == Poll.done()
+    assert dst.arrays[0][:4].all()
+    src_be.close()
+    dst_be.close()
+
+
+def test_receiver_confirms_landing_through_inbound_status() -> None:
+    model = Model()
+    src_be, dst_be = MoriBackend(name="p", api=standin), MoriBackend(name="d", api=standin)
+    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
+    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
+    peer = src_be.add_peer(peer_info("d", dst))
+    dst_be.add_peer(peer_info("p", src))
+    plan = plan_for(src, dst, Rank(0, 1), Rank(0, 1), np.arange(3), np.arange(3))
+    handle = src_be.send_component(transfer(src, dst, peer, plan))
+    assert wait(src_be, handle) == Poll.done()
+    uids = src_be.transfer_uids(handle)
+    assert len(uids) == model.buffers
+    assert all(dst_be.inbound_status("p", uid) == Poll.done() for uid in uids)
+    assert dst_be.inbound_status("p", uids[0]) is None          # popped once
+    assert src_be.notify_completion(peer, b"room 1 kv") is False  # notices go through the control plane
+    assert dst_be.drain_notifications() == []
+    src_be.close()
+    dst_be.close()
+
+
+def test_inbound_status_is_absent_without_notifications() -> None:
+    model = Model()
+    src_be = MoriBackend(name="p", api=standin, options={"enable_notification": "false"})
+    dst_be = MoriBackend(name="d", api=standin)
+    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
+    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
+    peer = src_be.add_peer(peer_info("d", dst))
+    dst_be.add_peer(peer_info("p", src))
+    handle = src_be.send_component(transfer(src, dst, peer, plan_for(src, dst, Rank(0, 1), Rank(0, 1),
+                                                                     np.arange(2), np.arange(2))))
+    assert wait(src_be, handle) == Poll.done()
+    assert dst_be.inbound_status("p", src_be.transfer_uids(handle)[0]) is None
+    src_be.close()
+    dst_be.close()
