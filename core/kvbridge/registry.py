@@ -127,10 +127,12 @@ class Registry:
         block_set = frozenset(block) if block is not None else (_split_env(env.get("KVBRIDGE_DISABLE_PLUGINS"))
                                                                 or frozenset())
 
-        def wanted(name: str) -> bool:
+        def wanted(name: str, plugin: str | None = None) -> bool:
+            """An entry point, or a spec declared by entry point ``plugin``, is loaded unless its own name
+            is blocked; with an allowlist, its name or its plugin's name must be on the list."""
             if "*" in block_set or name in block_set:
                 return False
-            return allow_set is None or name in allow_set
+            return allow_set is None or name in allow_set or (plugin is not None and plugin in allow_set)
 
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(hookspecs.KVBridgeSpecs)
@@ -139,11 +141,17 @@ class Registry:
         sources: list[_Source] = []
         if entry_points:
             seen: set[str] = set()
+            seen_in: set[tuple[str, str]] = set()
             for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-                if ep.name in seen or not wanted(ep.name):
+                if not wanted(ep.name):
+                    continue
+                dist, version = _dist_of(ep)
+                # one distribution found twice on sys.path is loaded once; two distributions using one
+                # entry-point name are both loaded, so a clash of what they declare is reported
+                if (ep.name, dist) in seen_in:
                     continue
                 seen.add(ep.name)
-                dist, version = _dist_of(ep)
+                seen_in.add((ep.name, dist))
                 try:
                     sources.append(_Source(ep.load(), ep.name, dist, version))
                 except Exception as exc:  # noqa: BLE001 - a broken plugin is listed, never fatal
@@ -263,10 +271,13 @@ def _load_source(pm: pluggy.PluginManager, source: _Source,
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin is source.plugin and not impl.wrapper and not impl.hookwrapper:
                 pm.unregister(source.plugin)
-                raise PluginError(f"plugin {source.name!r} ({source.distribution}) implements {hook_name} without "
-                                  "wrapper=True; operations are answered by the backend or state type selected "
-                                  "by name, plugins may only wrap them")
-    out: list[PluginRecord] = []
+                reason = (f"plugin {source.name!r} ({source.distribution}) implements {hook_name} without "
+                          "wrapper=True; operations are answered by the backend or state type selected by name, "
+                          "plugins may only wrap them")
+                if source.distribution == "<explicit>":
+                    raise PluginError(reason)
+                return failed(f"refused: {reason}", "")
+    declared: list[PluginRecord] = []
     for hook_name, kind in (("kvbridge_transfer_backends", PluginKind.BACKEND),
                             ("kvbridge_state_types", PluginKind.STATE)):
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
@@ -277,11 +288,16 @@ def _load_source(pm: pluggy.PluginManager, source: _Source,
             except Exception as exc:  # noqa: BLE001
                 return failed(f"{hook_name} raised {type(exc).__name__}: {exc}", traceback.format_exc())
             for spec in specs:
-                if source.distribution == "<explicit>" or wanted(spec.name) or spec.name == source.name:
-                    record = _record_for(spec, kind, source)
-                    if record is not None and _claim(record, source, claimed):
-                        out.append(record)
-    return out
+                if source.distribution == "<explicit>" or wanted(spec.name, source.name) or spec.name == source.name:
+                    try:
+                        record = _record_for(spec, kind, source)
+                    except PluginError as exc:
+                        if source.distribution == "<explicit>":
+                            raise
+                        return failed(str(exc), "")
+                    if record is not None:
+                        declared.append(record)
+    return [record for record in declared if _claim(record, source, claimed)]
 
 
 def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _Source) -> PluginRecord | None:
