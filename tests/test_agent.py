@@ -1,0 +1,295 @@
+"""Sender/Receiver over the in-process hub: completion, chunking, abort quiescence, bad input, handshake."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvbridge.agent import AgentConfig, Receiver, Sender, TransferAgent
+from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, TransferError
+from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
+from kvbridge.links import LocalHub
+from kvbridge.testkit import reference as ref
+from kvbridge.wire import Codec, KVPoll, Notice, PackedIndices, Role, TransferRequest
+
+H, D, P, LAYERS, NUM_PAGES = 4, 8, 4, 2, 16
+SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
+
+
+def kv_layout(tp: int, rank: int, *, page_size: int = P, heads: int = H, model: str = "m") -> PoolLayout:
+    local = len(ref.units_held(heads, tp, rank))
+    bufs = tuple(BufferGeometry(f"{t}.{l}", NUM_PAGES, (page_size, local, D), DType.BFLOAT16, ShardAxis(1, heads))
+                 for t in "kv" for l in range(LAYERS))
+    return PoolLayout((Component("kv", "kv", bufs),), tp, rank, page_size, model)
+
+
+def kv_buffers(layout: PoolLayout) -> list[np.ndarray]:
+    return [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in layout.components[0].buffers]
+
+
+@dataclass
+class Pair:
+    hub: LocalHub
+    prefill: list[TransferAgent]
+    decode: list[TransferAgent]
+    src: list[list[np.ndarray]]
+    dst: list[list[np.ndarray]]
+
+    def close(self) -> None:
+        for agent in self.prefill + self.decode:
+            agent.close()
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    made: list[Pair] = []
+
+    def make(pt: int, dt: int, *, config: AgentConfig | None = None, connect: bool = True) -> Pair:
+        hub = LocalHub()
+        src = [kv_buffers(kv_layout(pt, r)) for r in range(pt)]
+        dst = [kv_buffers(kv_layout(dt, r)) for r in range(dt)]
+        pre = [TransferAgent(layout=kv_layout(pt, r), buffers={"kv": src[r]}, role=Role.PREFILL,
+                             link=hub.link(f"p{r}"), instance="inst", config=config) for r in range(pt)]
+        dec = [TransferAgent(layout=kv_layout(dt, r), buffers={"kv": dst[r]}, role=Role.DECODE,
+                             link=hub.link(f"d{r}"), config=config) for r in range(dt)]
+        for a in pre:
+            a.start(0.001)
+        if connect:
+            for d in dec:
+                d.connect("inst", timeout_s=5)
+        pair = Pair(hub, pre, dec, src, dst)
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.close()
+
+
+def wait(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.001)
+
+
+def fill(pair: Pair, pt: int, seed: int, pages: np.ndarray, positions: np.ndarray) -> None:
+    for r in range(pt):
+        for b, buf in enumerate(pair.src[r]):
+            ref.fill_source(buf, SPEC, seed, b % LAYERS, b // LAYERS, pt, r, pages, positions)
+
+
+def check(pair: Pair, dt: int, seed: int, pages: np.ndarray, positions: np.ndarray) -> None:
+    for r in range(dt):
+        for b, buf in enumerate(pair.dst[r]):
+            want = ref.expected_pages(SPEC, seed, b % LAYERS, b // LAYERS, dt, r, positions)
+            got = buf.reshape(NUM_PAGES, *SPEC.local_page_shape(dt))[pages]
+            assert np.array_equal(got, want), f"decode rank {r} buffer {b} differs"
+
+
+def start_room(pair: Pair, room: int, dst_pages: np.ndarray, **kw: object) -> tuple[list[Sender], list[Receiver]]:
+    receivers = [d.receiver(room, "inst") for d in pair.decode]
+    for rc in receivers:
+        rc.send_metadata({"kv": dst_pages}, **kw)  # type: ignore[arg-type]
+    senders = [a.sender(room) for a in pair.prefill]
+    wait(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+    return senders, receivers
+
+
+@pytest.mark.parametrize("pt, dt", [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 4), (8, 2), (1, 8)])
+def test_chunked_transfer_is_byte_exact_and_completes_once(make_pair: Callable[..., Pair], pt: int, dt: int) -> None:
+    pair = make_pair(pt, dt)
+    src_pages, dst_pages = np.array([3, 9, 4, 11, 5]), np.array([14, 2, 7, 1, 8])
+    positions = np.arange(5)
+    fill(pair, pt, 42, src_pages, positions)
+    senders, receivers = start_room(pair, 77, dst_pages)
+    assert all(r.poll() == KVPoll.WaitingForInput for r in receivers)
+    for s in senders:
+        s.send(src_pages[:2])
+    assert all(r.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring) for r in receivers)
+    for s in senders:
+        s.send(src_pages[2:], last=True)
+    wait(lambda: all(r.poll() == KVPoll.Success for r in receivers))
+    wait(lambda: all(s.poll() == KVPoll.Success for s in senders))
+    check(pair, dt, 42, dst_pages, positions)
+    assert all(s.safe_to_reuse for s in senders) and all(r.safe_to_reuse for r in receivers)
+    assert sum(r.nbytes for r in receivers) == sum(s.stats[0] for s in senders)
+
+
+def test_empty_last_chunk_completes_a_full_prefix_hit(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(2, 2)
+    senders, receivers = start_room(pair, 5, np.zeros(0, np.int64), prefix_len=3 * P)
+    assert senders[0].decode_prefix_len == 3 * P
+    for s in senders:
+        s.send(np.zeros(0, np.int64), last=True)
+    wait(lambda: all(r.poll() == KVPoll.Success for r in receivers))
+
+
+def test_duplicate_and_late_notices_are_dropped(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    senders, receivers = start_room(pair, 9, np.array([1, 2]))
+    codec = Codec()
+    dec = pair.decode[0]
+    # a forged "last" notice for chunk 1 must not complete the room while chunk 0 is missing
+    dec._handle_frame(codec.encode(Notice(9, 0, "kv", 1, True)))
+    assert receivers[0].poll() == KVPoll.Transferring
+    senders[0].send(np.array([3]))
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
+    senders[0].send(np.array([4]), last=True)   # the real chunk 1: a duplicate for the receiver
+    wait(lambda: senders[0].poll() == KVPoll.Success)
+    assert receivers[0].poll() == KVPoll.Success
+    receivers[0].clear()
+    dec._handle_frame(codec.encode(Notice(9, 0, "kv", 0, True)))   # late: room cleared
+    with pytest.raises(KVBridgeError, match="cleared"):
+        receivers[0].poll()
+
+
+def test_decode_abort_waits_for_sender_quiescence(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(2, 1)
+    senders, receivers = start_room(pair, 11, np.array([1, 2, 3]))
+    senders[0].send(np.array([4]))
+    receivers[0].abort("client went away")
+    assert receivers[0].poll() == KVPoll.Failed
+    assert "client went away" in receivers[0].failure_reason
+    wait(lambda: receivers[0].safe_to_reuse)      # both prefill ranks confirmed: nothing in flight
+    wait(lambda: all(s.poll() == KVPoll.Failed for s in senders))
+    with pytest.raises(TransferError, match="aborted by decode"):
+        senders[1].send(np.array([5]), last=True)
+    assert all(s.safe_to_reuse for s in senders)
+
+
+def test_prefill_abort_fails_the_receiver_and_confirms(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 2)
+    senders, receivers = start_room(pair, 12, np.array([1, 2]))
+    senders[0].abort("prefill OOM")
+    wait(lambda: all(r.poll() == KVPoll.Failed for r in receivers))
+    assert all("prefill OOM" in r.failure_reason for r in receivers)
+    wait(lambda: all(r.safe_to_reuse for r in receivers))
+    assert senders[0].poll() == KVPoll.Failed       # sticky
+    with pytest.raises(TransferError):
+        senders[0].send(np.array([1]), last=True)
+
+
+def test_abort_before_the_sender_exists_fails_it_on_arrival(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    receiver = pair.decode[0].receiver(13, "inst")
+    receiver.send_metadata({"kv": np.array([1])})
+    receiver.abort("cancelled early")
+    wait(lambda: receiver.safe_to_reuse)
+    sender = pair.prefill[0].sender(13)
+    assert sender.poll() == KVPoll.Failed
+    assert "cancelled early" in sender.failure_reason
+
+
+def test_out_of_range_destination_from_peer_is_refused_before_any_write(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    pre, dec = pair.prefill[0], pair.decode[0]
+    sender = pre.sender(21)
+    forged = TransferRequest(21, dec.name, 0, 1, {"kv": PackedIndices.pack(np.array([1, NUM_PAGES + 5]))})
+    pre._handle_frame(Codec().encode(forged))
+    assert sender.poll() == KVPoll.Failed            # the bad request fails the room, with the reason
+    assert "outside [0, 16)" in sender.failure_reason
+    with pytest.raises(TransferError):
+        sender.send(np.array([1, 2]), last=True)
+    assert all(not np.any(b) for b in pair.dst[0])    # nothing written
+
+
+def test_bad_source_indices_raise_and_fail_the_room(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    senders, receivers = start_room(pair, 22, np.array([1, 2]))
+    with pytest.raises(GeometryError, match="outside"):
+        senders[0].send(np.array([1, NUM_PAGES]), last=True)
+    assert senders[0].poll() == KVPoll.Failed
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    with pytest.raises(GeometryError, match="prefill sends pages up to 3"):
+        pair2 = make_pair(1, 1)
+        s2, _ = start_room(pair2, 23, np.array([1, 2]))
+        s2[0].send(np.array([1, 2, 3]), last=True)
+
+
+def test_receiver_validates_its_own_indices(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    receiver = pair.decode[0].receiver(30, "inst")
+    with pytest.raises(GeometryError, match="outside"):
+        receiver.send_metadata({"kv": np.array([-1])})
+    with pytest.raises(GeometryError, match="no destination indices"):
+        receiver.send_metadata({})
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(page_size=8), "page size differs"),
+    (dict(heads=8), "sharding"),
+    (dict(model="other"), "model differs"),
+])
+def test_incompatible_peer_is_refused_with_the_reason(change: dict, reason: str) -> None:
+    hub = LocalHub()
+    p_layout, d_layout = kv_layout(1, 0), kv_layout(1, 0, **change)
+    with TransferAgent(layout=p_layout, buffers={"kv": kv_buffers(p_layout)}, role=Role.PREFILL,
+                       link=hub.link("p"), instance="i") as pre, \
+         TransferAgent(layout=d_layout, buffers={"kv": kv_buffers(d_layout)}, role=Role.DECODE,
+                       link=hub.link("d")) as dec:
+        pre.start(0.001)
+        with pytest.raises(IncompatiblePeer, match=reason):
+            dec.connect("i", timeout_s=5)
+
+
+def test_hmac_rejects_unauthenticated_frames(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1, config=AgentConfig(secret=b"s3cret"))
+    senders, receivers = start_room(pair, 40, np.array([1]))
+    dec = pair.decode[0]
+    before = dec.rejected_frames
+    dec._handle_frame(Codec().encode(Notice(40, 0, "kv", 0, True)))     # no MAC
+    dec._handle_frame(Codec(b"wrong").encode(Notice(40, 0, "kv", 0, True)))
+    assert dec.rejected_frames == before + 2
+    assert receivers[0].poll() == KVPoll.WaitingForInput
+    senders[0].send(np.array([2]), last=True)
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
+
+
+def test_malformed_frames_are_rejected_and_the_agent_keeps_working(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    dec = pair.decode[0]
+    for junk in (b"", b"\x00\x01", b"\x92\x07\xc0", b"\x92\x01\x81\xa4type\xa6nosuch", b"\xff" * 100):
+        dec._handle_frame(junk)
+    assert dec.rejected_frames == 5
+    senders, receivers = start_room(pair, 41, np.array([1]))
+    senders[0].send(np.array([2]), last=True)
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
+
+
+def test_waiting_timeout_fails_and_asks_the_sender_to_stop(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1, config=AgentConfig(waiting_timeout_s=0.2))
+    senders, receivers = start_room(pair, 50, np.array([1, 2]))
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    assert "waiting timeout" in receivers[0].failure_reason
+    wait(lambda: senders[0].poll() == KVPoll.Failed)
+    wait(lambda: receivers[0].safe_to_reuse)
+
+
+def test_bootstrap_timeout_fails_a_sender_nobody_asked_for(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1, config=AgentConfig(bootstrap_timeout_s=0.2))
+    sender = pair.prefill[0].sender(60)
+    wait(lambda: sender.poll() == KVPoll.Failed)
+    assert "bootstrap timeout" in sender.failure_reason
+
+
+def test_silent_peer_fails_its_rooms_within_the_bound(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1, config=AgentConfig(peer_timeout_s=0.3, heartbeat_interval_s=0.05))
+    senders, receivers = start_room(pair, 70, np.array([1, 2]))
+    pair.prefill[0]._stop.set()                     # the prefill stops answering (its thread ends)
+    pair.prefill[0].link.close()
+    started = time.monotonic()
+    wait(lambda: receivers[0].poll() == KVPoll.Failed, timeout_s=3)
+    assert time.monotonic() - started < 1.5
+    assert "no message" in receivers[0].failure_reason
+    assert receivers[0].safe_to_reuse               # a dead sender writes nothing more
+
+
+def test_status_order_supports_min_reduction() -> None:
+    assert KVPoll.Failed < KVPoll.Bootstrapping < KVPoll.WaitingForInput < KVPoll.Transferring < KVPoll.Success
+    assert min(KVPoll.Success, KVPoll.Failed) is KVPoll.Failed
