@@ -86,7 +86,7 @@ def pattern(seed: int, *coords: int | np.ndarray) -> np.ndarray:
     ((4,), array([ True]))
     """
     with np.errstate(over="ignore"):
-        state = np.full(1, seed % 2**64, dtype=np.uint64)
+        state = np.full(1, int(seed) % 2**64, dtype=np.uint64)
         for coord in coords:
             c = np.asarray(coord)
             if c.size and int(c.min()) < 0:

@@ -1,0 +1,140 @@
+"""Prefill and decode ranks in separate processes: the demo matrix, rank kills, and resource hygiene."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.demo.presets import get_preset
+from kvbridge.demo.run import run_demo
+from kvbridge.demo.worker import INSTANCE, WorkerConfig, _Pool, allocate_items, make_requests, run_worker
+from kvbridge.geometry import PoolLayout
+from kvbridge.wire import KVPoll, Role
+from kvbridge.zmq_link import BootstrapServer, ZmqLink
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    before = _shm()
+    yield
+    leaked = {n for n in _shm() - before if n.startswith("psm_")}
+    assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
+
+
+@pytest.mark.parametrize("preset", ["dense-gqa", "mla"])
+@pytest.mark.parametrize("pt, dt", [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)])
+def test_demo_across_processes_is_byte_exact(preset: str, pt: int, dt: int) -> None:
+    out = io.StringIO()
+    summary = run_demo(backend="loopback", preset=preset, prefill_tp=pt, decode_tp=dt, requests=6, seed=pt * 10 + dt,
+                       window=3, region_pages=6, timeout_s=60, out=out)
+    assert summary.ok, out.getvalue()
+    assert "verified: 6/6 byte-exact" in out.getvalue()
+    assert not mp.active_children()
+
+
+def _layout(role: Role, rank: int, tp: int, window: int, region_pages: int) -> PoolLayout:
+    preset = get_preset("dense-gqa")
+    items = 1 + window * region_pages
+    return PoolLayout(tuple(m.component(tp, items) for m in preset.components), tp, rank, preset.page_size, preset.model)
+
+
+def _child(cfg: WorkerConfig) -> mp.Process:
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=run_worker, args=(cfg, ctx.Queue()), daemon=True)
+    proc.start()
+    return proc
+
+
+def _kill(proc: mp.Process) -> None:
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    proc.join(timeout=10)
+
+
+def _wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> None:
+    server = BootstrapServer().start()
+    cfg = WorkerConfig(Role.DECODE, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=3, window=1,
+                       region_pages=8, timeout_s=60)
+    request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
+    layout = _layout(Role.PREFILL, 0, 1, 1, cfg.region_pages)
+    pool = _Pool(layout, shared=True)
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
+                          instance=INSTANCE, config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
+    agent.start()
+    child = _child(cfg)
+    try:
+        sender = agent.sender(request.room)
+        _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 30)
+        items = allocate_items(WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", "", 1, 3, 1, 8, 60), request)
+        if len(items) > 1:
+            sender.send(items[:1])
+        _kill(child)
+        took = _wait(lambda: sender.poll() == KVPoll.Failed, 5)
+        assert took < 1.0 + 1.5, f"took {took:.2f} s to notice the dead decode rank"
+        assert "dead" in sender.failure_reason or "gone" in sender.failure_reason
+        assert sender.safe_to_reuse
+        sender.clear()
+    finally:
+        _kill(child)
+        agent.close()
+        pool.close()
+        server.close()
+
+
+def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> None:
+    server = BootstrapServer().start()
+    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=5, window=1,
+                       region_pages=8, timeout_s=60, pace_s=30.0)
+    requests = make_requests(cfg.seed, 1, 16, cfg.region_pages)
+    request = requests[0]
+    layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
+    pool = _Pool(layout, shared=True)
+    child = _child(cfg)
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
+                          config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
+    agent.start()
+    try:
+        agent.connect(INSTANCE, timeout_s=30)
+        receiver = agent.receiver(request.room, INSTANCE)
+        items = np.arange(1, 1 + max(1, len(request.positions)))
+        receiver.send_metadata({"kv": items[: len(request.positions)]})
+        time.sleep(0.5)                    # the child sends its first chunk, then pauses
+        _kill(child)
+        took = _wait(lambda: receiver.poll() == KVPoll.Failed, 5)
+        assert took < 1.0 + 1.5, f"took {took:.2f} s to notice the dead prefill rank"
+        assert receiver.safe_to_reuse      # a dead sender writes nothing more
+        receiver.clear()
+    finally:
+        _kill(child)
+        agent.close()
+        pool.close()
+        server.close()
+
+
+def test_unsupported_topology_is_refused_before_starting() -> None:
+    from kvbridge.errors import UnsupportedTopology
+
+    with pytest.raises(UnsupportedTopology, match="prefill TP 3 and decode TP 2"):
+        run_demo(backend="loopback", preset="dense-gqa", prefill_tp=3, decode_tp=2, requests=1, seed=0)
