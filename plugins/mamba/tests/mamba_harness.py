@@ -70,9 +70,9 @@ class Outcome:
     expected_writes: list[list[np.ndarray]]
     descriptors: np.ndarray  # [pt, dt] descriptor count of each pair
 
-    def assert_exact(self, *, exactly_once: bool = True) -> None:
-        """Bytes equal the reference; with ``exactly_once`` each destination byte was written once
-        (else at least once), and nothing outside the request's items was touched."""
+    def assert_exact(self) -> None:
+        """Bytes equal the reference; each destination byte of the request's items was written exactly
+        once, and nothing outside them was touched."""
         for d, (got, exp) in enumerate(zip(self.got, self.expected)):
             for b, (g, e) in enumerate(zip(got, exp)):
                 if not np.array_equal(g, e):
@@ -80,7 +80,7 @@ class Outcome:
                     raise AssertionError(f"decode rank {d} buffer {b}: bytes differ at (item, byte) {bad}")
         for d, (w, e) in enumerate(zip(self.writes, self.expected_writes)):
             for b, (wb, eb) in enumerate(zip(w, e)):
-                wrong = (wb != eb) if exactly_once else ((wb == 0) != (eb == 0))
+                wrong = wb != eb
                 if wrong.any():
                     bad = np.flatnonzero(wrong)[:3].tolist()
                     raise AssertionError(f"decode rank {d} buffer {b}: bytes {bad} written "
