@@ -1,0 +1,34 @@
+"""A backend spec bound to the in-process stand-in, for the conformance kit's basic tier and tests.
+
+Not registered through entry points (it must never look like a usable Ascend engine). Every instance
+joins the stand-in config store ``tcp://standin:1`` unless ``store_url`` is given::
+
+    from kvbridge_ascend.testing import STANDIN_SPEC
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.specs import Availability, BackendSpec, Capability
+from kvbridge_ascend import standin
+from kvbridge_ascend.backend import AscendBackend
+
+__all__ = ["STANDIN_SPEC", "STANDIN_STORE", "standin_backend"]
+
+STANDIN_STORE = "tcp://standin:1"
+
+
+def standin_backend(*, name: str, options: dict[str, str] | None = None) -> AscendBackend:
+    """An AscendBackend over the stand-in; the first one in a store hosts it (memfabric's Decode default)."""
+    opts: dict[str, Any] = {"store_url": STANDIN_STORE, "host": "127.0.0.1", "store_server_role": "Prefill",
+                            **(options or {})}
+    return AscendBackend(name=name, options=opts, api=standin)
+
+
+STANDIN_SPEC = BackendSpec(
+    name="ascend-standin", factory=standin_backend,
+    capabilities=frozenset({Capability.HOST_MEMORY, Capability.ASYNC}),
+    probe=Availability.ok,
+    description="the ascend backend over kvbridge_ascend.standin (one process, host memory)",
+)
