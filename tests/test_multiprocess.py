@@ -15,7 +15,9 @@ import pytest
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.run import run_demo
-from kvbridge.demo.worker import INSTANCE, WorkerConfig, _Pool, allocate_items, make_requests, run_worker
+from kvbridge.demo.worker import (
+    INSTANCE, SEGMENT_PREFIX, WorkerConfig, _Pool, allocate_items, make_requests, reap_segments, run_worker,
+)
 from kvbridge.geometry import PoolLayout
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
@@ -31,7 +33,7 @@ def _shm() -> set[str]:
 def no_leaked_segments() -> Iterator[None]:
     before = _shm()
     yield
-    leaked = {n for n in _shm() - before if n.startswith("psm_")}
+    leaked = {n for n in _shm() - before if n.startswith(("psm_", SEGMENT_PREFIX))}
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
 
 
@@ -52,9 +54,14 @@ def _layout(role: Role, rank: int, tp: int, window: int, region_pages: int) -> P
     return PoolLayout(tuple(m.component(tp, items) for m in preset.components), tp, rank, preset.page_size, preset.model)
 
 
+_QUEUES: list[object] = []
+
+
 def _child(cfg: WorkerConfig) -> mp.Process:
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=run_worker, args=(cfg, ctx.Queue()), daemon=True)
+    results = ctx.Queue()
+    _QUEUES.append(results)          # the queue must outlive the child's start-up
+    proc = ctx.Process(target=run_worker, args=(cfg, results), daemon=True)
     proc.start()
     return proc
 
@@ -63,6 +70,7 @@ def _kill(proc: mp.Process) -> None:
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
     proc.join(timeout=10)
+    reap_segments(proc.pid)  # type: ignore[arg-type]
 
 
 def _wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from typing import TextIO
 import numpy as np
 
 from kvbridge.demo.presets import get_preset
-from kvbridge.demo.worker import WorkerConfig, run_worker
+from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
 from kvbridge.wire import Role
 from kvbridge.zmq_link import BootstrapServer
 
@@ -102,6 +102,8 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+            if p.pid is not None:
+                reap_segments(p.pid)     # a rank that crashed or was killed cannot unlink its own
         server.close()
         results.close()
     print(file=out)

@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,26 @@ import numpy as np
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.presets import Preset, RequestShape, get_preset
+from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 
 INSTANCE = "prefill"
+SEGMENT_PREFIX = "kvbridge-demo-"
+
+
+def reap_segments(pid: int) -> list[str]:
+    """Unlink the /dev/shm segments a (killed) demo rank process left behind; return their names."""
+    gone = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"{SEGMENT_PREFIX}{pid}-"):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+    return gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +62,8 @@ class WorkerConfig:
     timeout_s: float
     dump: str | None = None
     secret: bytes | None = None
+    pace_s: float = 0.0          # pause between prefill chunks (fault tests kill a rank mid-transfer)
+    peer_timeout_s: float = 3.0
 
     @property
     def tp_size(self) -> int:
@@ -83,7 +101,9 @@ class _Pool:
             arrays = []
             for geom in comp.buffers:
                 if shared:
-                    seg = SharedMemory(create=True, size=geom.nbytes)
+                    seg = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-{len(self._segments)}", create=True,
+                                       size=geom.nbytes)
+                    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
                     self._segments.append(seg)
                     arr = np.ndarray((geom.num_items, geom.item_nbytes), np.uint8, seg.buf)
                 else:
@@ -116,7 +136,7 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         link = ZmqLink(bootstrap=cfg.bootstrap)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
-                              name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", config=AgentConfig(secret=cfg.secret))
+                              name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", config=AgentConfig(secret=cfg.secret, peer_timeout_s=cfg.peer_timeout_s))
         agent.start()
         results.put(("ready", cfg.role.value, cfg.rank))
         if cfg.role is Role.DECODE:
@@ -172,7 +192,13 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
                                   replace=False)) if len(items) > 1 else np.zeros(0, np.int64)
         chunks = np.split(items, cuts)
         for k, chunk in enumerate(chunks):
-            sender.send(chunk, last=k == len(chunks) - 1)
+            try:
+                sender.send(chunk, last=k == len(chunks) - 1)
+            except TransferError:       # the room failed meanwhile (peer died, abort): stop sending
+                break
+            resume = time.monotonic() + cfg.pace_s
+            while time.monotonic() < resume:
+                yield
             yield
         while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
             yield
