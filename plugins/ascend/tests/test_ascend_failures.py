@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ascend_harness import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
+from kvbridge_ascend.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
 
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ascend_harness import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
+from kvbridge_ascend.testing import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
 
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mori_harness import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
+from kvbridge_mori.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
 
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import PluginUnavailableError, RegionError
