@@ -1,0 +1,221 @@
+"""Two or more NixlBackend instances in one process: TP reshards byte for byte, notices, bounds, leaks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
+from kvbridge.errors import RegionError
+from kvbridge.geometry import Rank
+from kvbridge.planner import TransferPlan
+
+from kvbridge_nixl.backend import NixlBackend
+from kvbridge_nixl.options import NixlOptions
+
+from kvcase import (Side, decode_pool, expected_decode, full_kv, make_transfer, prefill_pool, regions,
+                    request_pages, same_bytes)
+
+Factory = Callable[[str], NixlBackend]
+DEADLINE_S = 20.0
+
+
+def wait_done(backend: NixlBackend, handles: list[object]) -> None:
+    end = time.monotonic() + DEADLINE_S
+    pending = list(handles)
+    while pending:
+        polls = [(h, backend.poll(h)) for h in pending]
+        failed = [p.reason for _, p in polls if p.state is HandleState.FAILED]
+        assert not failed, failed
+        pending = [h for h, p in polls if p.state is HandleState.PENDING]
+        assert time.monotonic() < end, f"{len(pending)} transfers still pending"
+        time.sleep(0.0005)
+
+
+def wait_notices(backend: NixlBackend, expected: set[tuple[str, bytes]],
+                 senders: list[tuple[NixlBackend, object]] = ()) -> list[tuple[str, bytes]]:
+    """Drain ``backend`` until ``expected`` arrived, polling the senders' handles meanwhile (NIXL sends a
+    WRITE's notice when the initiator observes its completion, so the sender must keep polling)."""
+    got: list[tuple[str, bytes]] = []
+    end = time.monotonic() + DEADLINE_S
+    while not expected <= set(got):
+        for sender, handle in senders:
+            assert sender.poll(handle).state is not HandleState.FAILED, sender.poll(handle).reason
+        got += backend.drain_notifications()
+        assert time.monotonic() < end, f"notices missing: {expected - set(got)}"
+        time.sleep(0.0005)
+    return got
+
+
+def run_reshard(backends: Factory, pt: int, dt: int, heads: int, seed: int) -> None:
+    full = full_kv(seed, heads)
+    pre = [Side(Rank(p, pt), prefill_pool(full, pt, p), heads) for p in range(pt)]
+    dec = [Side(Rank(d, dt), decode_pool(heads, dt, d), heads) for d in range(dt)]
+    pb = [backends(f"prefill-{p}") for p in range(pt)]
+    db = [backends(f"decode-{d}") for d in range(dt)]
+    preg = [b.register_buffers("kv", regions(s.pool)) for b, s in zip(pb, pre)]
+    dreg = [b.register_buffers("kv", regions(s.pool)) for b, s in zip(db, dec)]
+    infos = [PeerInfo(f"decode-{d}", db[d].endpoint, (dreg[d].remote(),)) for d in range(dt)]
+    try:
+        for b in pb:
+            for info in infos:
+                b.add_peer(info)
+        for room, n in ((7, 9), (8, 6)):   # the second request reuses the prepped dlists
+            src_idx, dst_idx = request_pages(seed + room, n)
+            sent: dict[int, list[object]] = {}
+            expected: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}
+            for p in range(pt):
+                for d in range(dt):
+                    notice = f"room{room}:{p}->{d}".encode()
+                    xfer = make_transfer(pre[p], dec[d], preg[p], infos[d].component("kv"), f"decode-{d}",
+                                         src_idx, dst_idx, room, notice)
+                    if xfer is not None:
+                        sent.setdefault(p, []).append(pb[p].send_component(xfer))
+                        expected[d].add((f"prefill-{p}", notice))
+            dlists = sum(b.resources()["dlists"] for b in pb)
+            for d in range(dt):
+                assert expected[d], f"nobody writes decode rank {d}"
+                wait_notices(db[d], expected[d], [(pb[p], h) for p, hs in sent.items() for h in hs])
+                # the notice rides on the data: once it is here, every byte must be too
+                assert same_bytes(dec[d].pool, expected_decode(full, dt, d, src_idx, dst_idx)), (pt, dt, d, room)
+            for p, handles in sent.items():
+                wait_done(pb[p], handles)
+                for h in handles:
+                    pb[p].release(h)
+                assert pb[p].resources()["handles"] == 0
+            for d in range(dt):   # re-arm the sentinel for the next request
+                for buf in dec[d].pool:
+                    buf.view(np.uint8)[:] = 0xA5
+        assert sum(b.resources()["dlists"] for b in pb) == dlists, "second request rebuilt dlists"
+    finally:
+        for b in pb:
+            for d in range(dt):
+                b.remove_peer(f"decode-{d}")
+            for reg in preg:
+                b.deregister_buffers(reg)
+        for b, reg in zip(db, dreg):
+            b.deregister_buffers(reg)
+    for b in pb + db:
+        assert b.resources() == {"handles": 0, "peers": 0, "registrations": 0, "dlists": 0}
+
+
+@pytest.mark.parametrize("pt", [1, 2, 4])
+@pytest.mark.parametrize("dt", [1, 2, 4])
+def test_token_major_reshard(backends: Factory, pt: int, dt: int) -> None:
+    run_reshard(backends, pt, dt, heads=4, seed=10 * pt + dt)
+
+
+@pytest.mark.parametrize(("pt", "dt"), [(4, 2), (1, 4), (4, 1)])
+def test_fewer_heads_than_ranks(backends: Factory, pt: int, dt: int) -> None:
+    """Two KV heads over TP 4: replicas; one elected writer per destination."""
+    run_reshard(backends, pt, dt, heads=2, seed=100 + pt + dt)
+
+
+@pytest.fixture()
+def pair(backends: Factory):  # type: ignore[no-untyped-def]
+    """A prefill and a decode backend with one registered TP-1 pool each, peered."""
+    full = full_kv(3, 4)
+    src = Side(Rank(0, 1), prefill_pool(full, 1, 0), 4)
+    dst = Side(Rank(0, 1), decode_pool(4, 1, 0), 4)
+    pb, db = backends("prefill-0"), backends("decode-0")
+    preg = pb.register_buffers("kv", regions(src.pool))
+    dreg = db.register_buffers("kv", regions(dst.pool))
+    info = PeerInfo("decode-0", db.endpoint, (dreg.remote(),))
+    pb.add_peer(info)
+    yield pb, db, src, dst, preg, info, full
+    pb.remove_peer("decode-0")
+    pb.deregister_buffers(preg)
+    db.deregister_buffers(dreg)
+
+
+def _shifted(xfer: ComponentTransfer, *, src: int = 0, dst: int = 0) -> ComponentTransfer:
+    p = xfer.plan
+    plan = TransferPlan(p.src_addr + np.uint64(src), p.dst_addr + np.uint64(dst), p.nbytes, p.buffer)
+    return ComponentTransfer(xfer.room, xfer.component, xfer.peer, 0, True, xfer.src, xfer.dst, plan, xfer.notice,
+                             xfer.src_items, xfer.dst_items, xfer.segments)
+
+
+def test_out_of_bounds_refused(pair) -> None:  # type: ignore[no-untyped-def]
+    pb, db, src, dst, preg, info, _ = pair
+    src_idx = np.array([0, 19]); dst_idx = np.array([1, 19])   # noqa: E702
+    xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 1, b"x")
+    assert xfer is not None
+    page = dst.pool[0][0].nbytes
+    with pytest.raises(RegionError, match="destination"):
+        pb.send_component(_shifted(xfer, dst=page))          # last page runs past the decode region
+    with pytest.raises(RegionError, match="source"):
+        pb.send_component(_shifted(xfer, src=1 << 40))
+    bad_items = ComponentTransfer(1, "kv", "decode-0", 0, True, preg, xfer.dst, xfer.plan, b"x",
+                                  xfer.src_items, xfer.dst_items + 1, xfer.segments)
+    with pytest.raises(RegionError, match="disagree"):
+        pb.send_component(bad_items)                         # plan in bounds, structured form lies
+    with pytest.raises(RegionError, match="unknown peer"):
+        pb.send_component(ComponentTransfer(1, "kv", "nobody", 0, True, preg, xfer.dst, xfer.plan))
+    foreign = RegisteredBuffers("kv", preg.regions, preg.descriptor)
+    with pytest.raises(RegionError, match="not registered"):
+        pb.send_component(ComponentTransfer(1, "kv", "decode-0", 0, True, foreign, xfer.dst, xfer.plan))
+    assert all((b.view(np.uint8) == 0xA5).all() for b in dst.pool), "a refused transfer wrote bytes"
+    assert pb.resources()["handles"] == 0
+
+
+def test_plan_without_structured_form(pair) -> None:  # type: ignore[no-untyped-def]
+    """A plan alone (third-party caller) still moves the right bytes, through one-off descriptor lists."""
+    pb, db, src, dst, preg, info, full = pair
+    src_idx, dst_idx = request_pages(5, 7)
+    xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 2, b"plain")
+    assert xfer is not None
+    bare = ComponentTransfer(2, "kv", "decode-0", 0, True, preg, xfer.dst, xfer.plan, b"plain")
+    handle = pb.send_component(bare)
+    wait_notices(db, {("prefill-0", b"plain")}, [(pb, handle)])
+    wait_done(pb, [handle])
+    pb.release(handle)
+    assert same_bytes(dst.pool, expected_decode(full, 1, 0, src_idx, dst_idx))
+
+
+def test_empty_plan_and_standalone_notice(pair) -> None:  # type: ignore[no-untyped-def]
+    pb, db, _, _, preg, info, _ = pair
+    empty = ComponentTransfer(3, "kv", "decode-0", 0, True, preg, info.component("kv"), TransferPlan.empty(),
+                              b"nothing-to-move")
+    handle = pb.send_component(empty)
+    assert pb.poll(handle).state is HandleState.DONE
+    pb.release(handle)
+    assert pb.notify_completion("decode-0", b"standalone") is True
+    assert pb.notify_completion("nobody", b"x") is False
+    wait_notices(db, {("prefill-0", b"nothing-to-move"), ("prefill-0", b"standalone")})
+
+
+def test_peer_readd_and_endpoint_refresh(backends: Factory) -> None:
+    """The endpoint covers regions registered before it was taken; re-adding a peer picks up new ones."""
+    db, pb = backends("decode-0"), backends("prefill-0")
+    first = db.endpoint
+    a = np.zeros(4096, np.uint8)
+    reg = db.register_buffers("extra", regions([a]))
+    assert db.endpoint != first
+    info = PeerInfo("decode-0", db.endpoint, (reg.remote(),))
+    assert pb.add_peer(info) == "decode-0"
+    assert pb.add_peer(info) == "decode-0"   # identical re-add is a no-op
+    pb.remove_peer("decode-0")
+    db.deregister_buffers(reg)
+
+
+def test_options() -> None:
+    assert NixlOptions.parse({"ucx_tls": "tcp", "num_threads": "2"}).env == {"UCX_TLS": "tcp"}
+    with pytest.raises(ValueError, match="unknown nixl option"):
+        NixlOptions.parse({"ucx_tsl": "tcp"})
+    with pytest.raises(ValueError, match="sync_mode"):
+        NixlOptions.parse({"sync_mode": "sometimes"})
+
+
+def test_registry_lists_nixl() -> None:
+    from kvbridge.registry import Registry
+
+    registry = Registry.build(entry_points=True)
+    assert "nixl" in registry.backend_names()
+    backend = registry.create_backend("nixl", name="via-registry", options={"ucx_tls": "tcp"})
+    try:
+        assert backend.name == "nixl" and backend.endpoint
+    finally:
+        backend.close()
