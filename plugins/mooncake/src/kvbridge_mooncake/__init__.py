@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvbridge.plugin import hookimpl
 from kvbridge.specs import BackendSpec, Capability
 
-from kvbridge_mooncake.probe import APT_HINT, PIP_HINT, probe
+from kvbridge_mooncake.availability import APT_HINT, PIP_HINT, probe
 
 __all__ = ["APT_HINT", "PIP_HINT", "SPEC", "kvbridge_transfer_backends", "probe"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvbridge.errors import PluginUnavailableError
 
-from kvbridge_mooncake.probe import hint_for, quiet_glog
+from kvbridge_mooncake.availability import hint_for, quiet_glog
 
 PROTOCOLS = ("tcp", "rdma")
 # One engine batch holds at most DEFAULT_CHUNK descriptors, and at most DEFAULT_WINDOW batches per peer are

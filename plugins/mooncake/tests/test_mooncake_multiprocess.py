@@ -1,0 +1,86 @@
+"""Prefill (this process) -> decode (a spawned process) over Mooncake TCP on 127.0.0.1.
+
+PeerInfo crosses a pipe as msgpack bytes; the decode side checks its bytes the moment the notice lands,
+which is the cross-process check that notices are ordered after the data.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import msgspec
+import numpy as np
+import pytest
+from mooncake_harness import (
+    KVShape, PeerSetup, decode_peer, needs_mooncake, plan_between, reference_reshard, shard, transfer, wait_all,
+)
+
+from kvbridge.backends.base import HandleState, PeerInfo
+from kvbridge.geometry import Rank, region_of
+
+pytestmark = [needs_mooncake, pytest.mark.multiprocess]
+_PIPE_WAIT_S = 30.0
+
+
+def _recv(conn: multiprocessing.connection.Connection, what: str) -> object:
+    if not conn.poll(_PIPE_WAIT_S):
+        raise AssertionError(f"the decode process sent no {what} within {_PIPE_WAIT_S} s")
+    return conn.recv()
+
+
+def test_two_process_reshard_with_notice() -> None:
+    from kvbridge_mooncake.backend import MooncakeBackend
+
+    shape, pt, dt = KVShape(heads=4, layers=2, pages=16, page=8, head_dim=16), 2, 1
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=decode_peer, args=(child,), daemon=True)
+    proc.start()
+    try:
+        with MooncakeBackend(name="prefill-2p") as prefill:
+            parent.send_bytes(msgspec.msgpack.encode(PeerSetup(shape.heads, shape.layers, shape.pages, shape.page,
+                                                               shape.head_dim, dt)))
+            if not parent.poll(_PIPE_WAIT_S):
+                raise AssertionError("the decode process never sent its PeerInfo")
+            info = msgspec.msgpack.decode(parent.recv_bytes(), type=PeerInfo)
+            peer = prefill.add_peer(info)
+            remote = info.component("kv")
+
+            full = shape.full(seed=7)
+            rng = np.random.default_rng(7)
+            src_idx = rng.choice(shape.pages, 9, replace=False)
+            dst_idx = rng.choice(shape.pages, 9, replace=False)
+            expected = reference_reshard(full, src_idx, dst_idx, 0, dt, shape.heads, shape.pages)
+            for arr in expected:
+                parent.send_bytes(arr.tobytes())
+
+            src_arrays = [shard(full, p, pt, shape.heads) for p in range(pt)]
+            handles = []
+            for p in range(pt):
+                reg = prefill.register_buffers("kv", [region_of(a) for a in src_arrays[p]])
+                plan = plan_between(shape.component(pt), shape.component(dt), src_arrays[p],
+                                    [r.region() for r in remote.regions], Rank(p, pt), Rank(0, dt), src_idx, dst_idx)
+                handles.append(prefill.send_component(transfer(plan, reg, remote, peer)))
+            assert all(r.state is HandleState.DONE for r in wait_all(prefill, handles))
+            assert prefill.notify_completion(peer, b"room-1 kv")
+
+            tag, notices, ok_at_notice = _recv(parent, "notice report")
+            assert tag == "notice"
+            assert notices == [("prefill-2p", b"room-1 kv")]
+            assert ok_at_notice, "the notice arrived before every byte had landed"
+            parent.send("bye")
+            tag, final_ok = _recv(parent, "final report")
+            assert final_ok
+            proc.join(_PIPE_WAIT_S)
+            assert proc.exitcode == 0
+
+            # the peer is gone now: the next send fails with the engine's reason instead of hanging
+            late = prefill.send_component(transfer(plan, reg, remote, peer))
+            result = wait_all(prefill, [late])[0]
+            assert result.state is HandleState.FAILED and "mooncake" in result.reason
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        parent.close()
+        child.close()
