@@ -293,3 +293,25 @@ def test_silent_peer_fails_its_rooms_within_the_bound(make_pair: Callable[..., P
 def test_status_order_supports_min_reduction() -> None:
     assert KVPoll.Failed < KVPoll.Bootstrapping < KVPoll.WaitingForInput < KVPoll.Transferring < KVPoll.Success
     assert min(KVPoll.Success, KVPoll.Failed) is KVPoll.Failed
+
+
+def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pair: Callable[..., Pair]) -> None:
+    import msgspec
+
+    from kvbridge import wire
+
+    pair = make_pair(1, 1, connect=False)
+    dec = pair.decode[0]
+    hello = wire.Hello(wire.PROTOCOL_VERSION, dec.name, dec.link.address, Role.DECODE, dec.layout, "loopback",
+                       dec.backend.endpoint, dec._remote_buffers())
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(wire.Envelope(wire.PROTOCOL_VERSION, hello)))
+    raw[0] = wire.PROTOCOL_VERSION + 1                     # a newer decode speaks version 2
+    future_hello = msgspec.msgpack.encode(raw)
+    info = dec.link.lookup("inst")
+    assert info is not None
+    dec._pending_welcome = {info.addresses[0]: ""}
+    dec.link.send(info.addresses[0], future_hello)
+    wait(lambda: (dec.progress(), dec._pending_welcome[info.addresses[0]])[1] != "")
+    assert dec._pending_welcome[info.addresses[0]] == (
+        f"refused:prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
+        f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + 1}")

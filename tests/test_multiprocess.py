@@ -29,11 +29,22 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def _orphans(names: set[str]) -> set[str]:
+    """Demo segments whose owning process is gone (other test sessions on this host may be running)."""
+    out = set()
+    for name in names:
+        if name.startswith(SEGMENT_PREFIX):
+            pid = int(name[len(SEGMENT_PREFIX):].split("-")[0])
+            if not os.path.exists(f"/proc/{pid}"):
+                out.add(name)
+    return out
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_leaked_segments() -> Iterator[None]:
     before = _shm()
     yield
-    leaked = {n for n in _shm() - before if n.startswith(("psm_", SEGMENT_PREFIX))}
+    leaked = _orphans(_shm() - before)
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
 
 
@@ -146,3 +157,39 @@ def test_unsupported_topology_is_refused_before_starting() -> None:
 
     with pytest.raises(UnsupportedTopology, match="prefill TP 3 and decode TP 2"):
         run_demo(backend="loopback", preset="dense-gqa", prefill_tp=3, decode_tp=2, requests=1, seed=0)
+
+
+def test_garbage_frames_do_not_kill_a_peer_process() -> None:
+    server = BootstrapServer().start()
+    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=9, window=1,
+                       region_pages=4, timeout_s=60)
+    request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
+    layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
+    pool = _Pool(layout, shared=True)
+    child = _child(cfg)
+    link = ZmqLink(bootstrap=server.address)
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.DECODE, link=link)
+    try:
+        _wait(lambda: (info := link.lookup(INSTANCE)) is not None and info.complete, 30)
+        target = link.lookup(INSTANCE).addresses[0]  # type: ignore[union-attr]
+        rng = np.random.default_rng(0)
+        for size in (0, 1, 7, 64, 4096):
+            link.send(target, rng.bytes(size))
+        link.send(target, b"\x92\x01\x81\xa4type\xa5hello")           # a Hello with no fields
+        link.send(target, b"\x92\x09\x81\xa4type\xa6notice")          # an unknown protocol version
+        agent.start()
+        agent.connect(INSTANCE, timeout_s=30)
+        items = np.arange(1, 1 + len(request.positions))
+        receiver = agent.receiver(request.room, INSTANCE)
+        receiver.send_metadata({"kv": items}, prefix_len=request.prefix_pages * 16)
+        _wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 30)
+        assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+        model = get_preset("dense-gqa").components[0]
+        assert model.verify(pool.buffers["kv"], 1, 0, request, items) == 0
+        assert child.is_alive() or child.exitcode == 0
+    finally:
+        agent.close()
+        child.join(timeout=20)
+        _kill(child)
+        pool.close()
+        server.close()

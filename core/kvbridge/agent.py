@@ -44,7 +44,7 @@ from kvbridge.slicing import ComponentSlice, served_ranks, target_ranks
 from kvbridge.state.base import StateType
 from kvbridge.wire import (
     PROTOCOL_VERSION, Abort, Codec, Goodbye, Heartbeat, Hello, KVPoll, Message, Notice, PackedIndices, Role,
-    StatusPush, TransferRequest, Welcome,
+    StatusPush, TransferRequest, VersionMismatch, Welcome,
 )
 
 log = logging.getLogger(__name__)
@@ -293,12 +293,27 @@ class TransferAgent:
         try:
             message = self._codec.decode(frame)
             self._dispatch(message)
+        except VersionMismatch as exc:
+            self.rejected_frames += 1
+            log.error("%s: rejected control frame: %s", self.name, exc)
+            self._refuse_other_version(exc)
         except ProtocolError as exc:
             self.rejected_frames += 1
             log.error("%s: rejected control frame: %s", self.name, exc)
         except Exception:  # noqa: BLE001 - never let a bad frame kill the progress thread
             self.rejected_frames += 1
             log.exception("%s: error while handling a control frame", self.name)
+
+    def _refuse_other_version(self, exc: VersionMismatch) -> None:
+        """A Hello of another protocol version gets a refusal naming both versions; a refusal of ours by
+        a peer of another version still ends our handshake with its reason."""
+        tag, address = exc.field("type"), exc.field("address")
+        reason = f"protocol version differs: prefill speaks {PROTOCOL_VERSION}, decode {exc.peer_version}"
+        if tag == "hello" and isinstance(address, str) and self.role is Role.PREFILL:
+            self._post(address, Welcome(PROTOCOL_VERSION, self.name, self.link.address, False, reason))
+        elif tag == "welcome" and address in self._pending_welcome:
+            theirs = exc.field("reason") or f"peer speaks protocol version {exc.peer_version}, we speak {PROTOCOL_VERSION}"
+            self._pending_welcome[str(address)] = f"refused:{theirs}"
 
     def _dispatch(self, message: Message) -> None:
         peer = self._peers.get(getattr(message, "agent", ""))

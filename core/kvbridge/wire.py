@@ -165,23 +165,34 @@ class Codec:
             tag, frame = frame[:_MAC_BYTES], frame[_MAC_BYTES:]
             if not hmac.compare_digest(tag, hmac.new(self._secret, frame, hashlib.sha256).digest()):
                 raise ProtocolError("frame rejected: bad or missing HMAC (is the shared secret the same?)")
+        version = _peek_version(frame)
+        if version is not None and version != PROTOCOL_VERSION:
+            raise VersionMismatch(version, msgspec.msgpack.decode(frame))
         try:
             envelope = _DECODER.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            version = _peek_version(frame)
-            if version is not None and version != PROTOCOL_VERSION:
-                raise ProtocolError(f"unknown protocol version {version} (this side speaks {PROTOCOL_VERSION})") from None
             raise ProtocolError(f"malformed frame: {exc}") from None
-        if envelope.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"unknown protocol version {envelope.version} (this side speaks {PROTOCOL_VERSION})")
         _check_ranges(envelope.body)
         return envelope.body
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed frame of another protocol version; ``peer_version`` and the raw body are kept so a
+    handshake can still be refused (or its refusal read) with the reason."""
+
+    def __init__(self, peer_version: int, raw: object) -> None:
+        self.peer_version, self.raw = peer_version, raw
+        super().__init__(f"unknown protocol version {peer_version} (this side speaks {PROTOCOL_VERSION})")
+
+    def field(self, name: str) -> object:
+        body = self.raw[1] if isinstance(self.raw, list) and len(self.raw) > 1 else None
+        return body.get(name) if isinstance(body, dict) else None
 
 
 def _peek_version(frame: bytes) -> int | None:
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ValueError, RecursionError):
         return None
     if isinstance(raw, list) and raw and isinstance(raw[0], int):
         return raw[0]

@@ -119,7 +119,10 @@ class _Pool:
                 seg.close()
             except BufferError:
                 pass
-            seg.unlink()
+            try:  # not seg.unlink(): the segment is not tracked by the resource tracker (see __init__)
+                os.unlink(f"/dev/shm/{seg.name}")
+            except FileNotFoundError:
+                pass
         self._segments.clear()
 
 
