@@ -18,7 +18,6 @@ import sys
 from typing import Any
 
 import pytest
-
 from kvbridge_ascend import standin
 
 real = pytest.importorskip("memfabric_hybrid", reason="memfabric-hybrid is not installed")
@@ -75,7 +74,8 @@ def test_transfer_engine_methods_match_by_name() -> None:
 
 @pytest.mark.parametrize("method", sorted(_public(real.TransferEngine)))
 def test_transfer_engine_signatures_match(method: str) -> None:
-    assert standin_params(getattr(standin.TransferEngine, method)) == pybind_params(getattr(real.TransferEngine, method))
+    want = pybind_params(getattr(real.TransferEngine, method))
+    assert standin_params(getattr(standin.TransferEngine, method)) == want
 
 
 def test_module_level_create_config_store_matches() -> None:

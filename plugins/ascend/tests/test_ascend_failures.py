@@ -8,8 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvbridge_ascend.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
-
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion, Rank
@@ -17,7 +15,17 @@ from kvbridge.planner import TransferPlan
 from kvbridge_ascend import standin
 from kvbridge_ascend.backend import AscendBackend, AscendOptions, Protocol, Role
 from kvbridge_ascend.codes import SmemCode
-from kvbridge_ascend.testing import STANDIN_STORE, standin_backend
+from kvbridge_ascend.testing import (
+    STANDIN_STORE,
+    Model,
+    Rig,
+    make_rank,
+    peer_info,
+    plan_for,
+    standin_backend,
+    transfer,
+    wait,
+)
 
 MODEL = Model()
 

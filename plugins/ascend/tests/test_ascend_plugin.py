@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import kvbridge_ascend
+import pytest
 from kvbridge.backends.base import TransferBackend
 from kvbridge.specs import Capability
 from kvbridge_ascend import standin

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 from typing import Any
 
+import kvbridge_ascend
 import numpy as np
 import pytest
-from kvbridge_ascend.testing import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
-
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
 from kvbridge_ascend import standin
-from kvbridge_ascend.testing import standin_backend
+from kvbridge_ascend.backend import AscendBackend
+from kvbridge_ascend.testing import (
+    Model,
+    make_rank,
+    peer_info,
+    plan_for,
+    run_reshard,
+    standin_backend,
+    transfer,
+    wait,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -58,3 +69,24 @@ def test_max_batch_splits_the_call_but_not_the_bytes(monkeypatch: pytest.MonkeyP
         assert np.all(dst.arrays[b][:7] == b + 1) and not dst.arrays[b][7:].any()
     src_be.close()
     dst_be.close()
+
+
+
+@pytest.mark.skipif(not kvbridge_ascend.probe().available,
+                    reason="hardware check: needs memfabric_hybrid and the Ascend NPU driver")
+@pytest.mark.parametrize(("pt", "dt"), [(1, 1), (2, 1), (1, 2)])
+def test_real_engine_reshard_of_host_memory(pt: int, dt: int) -> None:
+    """The same byte-exact check against the real memfabric engine, in host memory. The protocol is
+    $ASCEND_MF_TRANSFER_PROTOCOL, else host_rdma (the one meant for host memory); rank 0 hosts the store."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    protocol = os.environ.get("ASCEND_MF_TRANSFER_PROTOCOL", "host_rdma").lower()
+    made: list[AscendBackend] = []
+
+    def make(name: str) -> AscendBackend:
+        opts = {"store_url": url, "host": "127.0.0.1", "protocol": protocol, "host_store": str(not made).lower()}
+        made.append(AscendBackend(name=name, options=opts))
+        return made[-1]
+
+    run_reshard(make, pt, dt, Model(heads=4))

@@ -13,7 +13,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
 from kvbridge_mori import standin
 
 ENUMS = {

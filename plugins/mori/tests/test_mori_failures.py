@@ -6,14 +6,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvbridge_mori.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
-
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion, Rank
 from kvbridge.planner import TransferPlan
 from kvbridge_mori import standin
 from kvbridge_mori.backend import MoriBackend
+from kvbridge_mori.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
 
 MODEL = Model()
 

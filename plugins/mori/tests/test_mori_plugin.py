@@ -6,9 +6,8 @@ import importlib.metadata as md
 import subprocess
 import sys
 
-import pytest
-
 import kvbridge_mori
+import pytest
 from kvbridge.backends.base import TransferBackend
 from kvbridge.specs import Capability
 from kvbridge_mori import standin

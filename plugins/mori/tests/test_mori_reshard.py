@@ -7,12 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvbridge_mori.testing import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
-
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
 from kvbridge_mori import standin
 from kvbridge_mori.backend import BatchForm, MoriBackend
+from kvbridge_mori.testing import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +64,8 @@ def test_one_list_form_call_per_component_with_one_entry_per_buffer(monkeypatch:
     assert len(lmds) == len(rmds) == len(uids) == model.buffers and len(set(uids)) == model.buffers
     assert [md.id for md in lmds] == [md.id for md in src_be._registrations[id(src.registered.handle)].handle.descs]
     # offsets are relative to each registered region, and every entry fits its region
-    for md, offs, size in zip(rmds, roffs, sizes):
-        assert max(o + s for o, s in zip(offs, size)) <= md.size
+    for md, offs, size in zip(rmds, roffs, sizes, strict=True):
+        assert max(o + s for o, s in zip(offs, size, strict=True)) <= md.size
     assert sum(map(len, sizes)) == len(plan)
     for b in range(model.buffers):   # decode rank 0 of TP 1 holds heads 2,3 of prefill rank 1 at [.., 2:4, ..]
         assert np.all(dst.arrays[b][[4, 5, 6, 0]][:, :, 2:4, :] == b)
@@ -127,3 +126,18 @@ def test_inbound_status_is_absent_without_notifications() -> None:
     assert dst_be.inbound_status("p", src_be.transfer_uids(handle)[0]) is None
     src_be.close()
     dst_be.close()
+
+
+def _real_mori_imports() -> bool:
+    try:
+        import mori.io  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or present without ROCm
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _real_mori_imports(), reason="hardware check: needs amd-mori on a ROCm host with an RDMA NIC")
+@pytest.mark.parametrize(("pt", "dt"), [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_real_engine_reshard_of_host_memory(pt: int, dt: int) -> None:
+    """The same byte-exact check against the real mori.io (host memory; MORI_RDMA_DEVICES picks NICs)."""
+    run_reshard(lambda name: MoriBackend(name=name, options={"host": "127.0.0.1"}), pt, dt, Model(heads=4))

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
 from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, check_within
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
+
 from kvbridge_ascend.codes import describe
 
 log = logging.getLogger("kvbridge.ascend")
@@ -174,8 +174,8 @@ class AscendBackend:
         if rc != 0:
             raise PluginUnavailableError(
                 "ascend", f"TransferEngine.initialize(store {opts.store_url!r}, session {self.session_id!r}, "
-                          f"role {opts.role.value}, NPU {opts.device_id}, {opts.protocol.name}) returned {describe(rc)}",
-                NPU_HINT)
+                          f"role {opts.role.value}, NPU {opts.device_id}, {opts.protocol.name}) returned "
+                          f"{describe(rc)}", NPU_HINT)
         self.endpoint: bytes = msgspec.msgpack.encode(_Endpoint(self.session_id, opts.store_url))
         self._lock = threading.Lock()
         self._registrations: dict[int, RegisteredBuffers] = {}   # id(handle) -> registered buffers

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from kvbridge.backends.loopback import copy_descriptors
+
 from kvbridge_ascend.codes import SmemCode
 
 _ROLES = ("Prefill", "Decode")
@@ -185,7 +185,7 @@ class TransferEngine:
             return SmemCode.ERROR
         if any(int(c) <= 0 for c in capacities) or any(int(a) <= 0 for a in buffer_addrs):
             return SmemCode.INVALID_PARAM
-        for addr, cap in zip(buffer_addrs, capacities):
+        for addr, cap in zip(buffer_addrs, capacities, strict=True):
             self._memory[int(addr)] = int(cap)
         return SmemCode.OK
 

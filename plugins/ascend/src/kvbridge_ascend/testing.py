@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers
 from kvbridge.geometry import BufferGeometry, DType, Rank, ShardAxis, region_of
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
 from kvbridge.slicing import buffer_segments, target_ranks
 from kvbridge.specs import Availability, BackendSpec, Capability
+
 from kvbridge_ascend import standin
 from kvbridge_ascend.backend import AscendBackend
 
@@ -100,7 +100,7 @@ def make_rank(model: Model, tp: int, rank: int, num_pages: int, backend: Any,
 def plan_for(src: Rig, dst: Rig, src_rank: Rank, dst_rank: Rank, src_idx: np.ndarray,
              dst_idx: np.ndarray) -> TransferPlan:
     pairs = []
-    for sg, dg, sa, da in zip(src.geometry, dst.geometry, src.arrays, dst.arrays):
+    for sg, dg, sa, da in zip(src.geometry, dst.geometry, src.arrays, dst.arrays, strict=True):
         seg = buffer_segments(sg, dg, src_rank, dst_rank)
         pairs.append(BufferPair(sa.ctypes.data, sg.item_nbytes, sg.num_items, da.ctypes.data, dg.item_nbytes,
                                 dg.num_items, seg))

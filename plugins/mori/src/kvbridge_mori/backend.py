@@ -32,9 +32,13 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
 from kvbridge.backends.base import (
-    ComponentTransfer, PeerInfo, Poll, RegionWire, RegisteredBuffers, RemoteBuffers,
+    ComponentTransfer,
+    PeerInfo,
+    Poll,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
 )
 from kvbridge.errors import PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
@@ -233,7 +237,7 @@ class MoriBackend:
         if len(mds) != len(buffers.regions):
             raise RegionError(f"peer component {buffers.component!r}: {len(buffers.regions)} regions but "
                               f"{len(mds)} MoRI memory descriptors")
-        for i, (md, region) in enumerate(zip(mds, buffers.regions)):
+        for i, (md, region) in enumerate(zip(mds, buffers.regions, strict=True)):
             if md.engine_key != desc.key:
                 raise RegionError(f"peer component {buffers.component!r} region {i} belongs to engine "
                                   f"{md.engine_key!r}, not the peer's engine {desc.key!r}")
@@ -407,7 +411,7 @@ class MoriBackend:
             registered.handle.live = False
             for md in registered.handle.descs:
                 self._engine.deregister_memory(md)
-        for key, peer in {p.desc.key: p for p in peers}.items():
+        for peer in {p.desc.key: p for p in peers}.values():
             self._engine.deregister_remote_engine(peer.desc)
 
 
