@@ -3,6 +3,7 @@ notices. Every destination byte is checked against a numpy reference."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import numpy as np
@@ -246,8 +247,11 @@ def test_closed_backend_refuses_work() -> None:
     from kvbridge_mooncake.backend import MooncakeBackend
 
     backend = MooncakeBackend(name="closing")
+    port = int(backend.session.rsplit(":", 1)[1])
     backend.close()
     backend.close()
+    with pytest.raises(ConnectionRefusedError):   # the engine itself is gone, not just forgotten
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with pytest.raises(RegionError, match="closed"):
         backend.register_buffers("x", [MemoryRegion(4096, 64)])
     assert backend.drain_notifications() == []

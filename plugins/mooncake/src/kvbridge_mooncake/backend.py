@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, check_within
-from kvbridge.errors import IncompatiblePeer, ProtocolError, RegionError, TransferError
+from kvbridge.errors import IncompatiblePeer, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 
 from kvbridge_mooncake.engine import MooncakeOptions, create_engine
@@ -140,8 +140,7 @@ class MooncakeBackend:
 
     # -- transfers
     def send_component(self, transfer: ComponentTransfer) -> MooncakeHandle:
-        if self._closed:
-            raise TransferError(transfer.room, "mooncake backend is closed")
+        self._check_open()
         plan = transfer.plan
         with self._lock:
             peer = self._peers.get(transfer.peer)
@@ -154,9 +153,15 @@ class MooncakeBackend:
         if len(plan) == 0:
             handle.finish(Poll.done())
             return handle
-        self._workers[peer.worker].submit(SendJob(handle, peer.endpoint.session, plan.src_addr, plan.dst_addr,
-                                                  plan.nbytes, self.options.chunk, self.options.window))
+        self._submit(peer, SendJob(handle, peer.endpoint.session, plan.src_addr, plan.dst_addr, plan.nbytes,
+                                   self.options.chunk, self.options.window))
         return handle
+
+    def _submit(self, peer: _Peer, job: SendJob | NotifyJob) -> None:
+        workers = self._workers
+        if not workers:
+            raise RegionError("mooncake backend is closed")
+        workers[peer.worker].submit(job)
 
     def poll(self, handle: Any) -> Poll:
         if not isinstance(handle, MooncakeHandle):
@@ -177,9 +182,11 @@ class MooncakeBackend:
             peer = self._peers.get(peer_id)
         if peer is None or self._closed:
             return False
-        self._workers[peer.worker].submit(NotifyJob(peer.endpoint.session, self._scratch.ctypes.data,
-                                                    peer.endpoint.scratch, self.endpoint_name,
-                                                    bytes(notice).decode("latin-1"), self.notify_failures))
+        try:
+            self._submit(peer, NotifyJob(peer.endpoint.session, self._scratch.ctypes.data, peer.endpoint.scratch,
+                                         self.endpoint_name, bytes(notice).decode("latin-1"), self.notify_failures))
+        except RegionError:
+            return False
         return True
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
@@ -210,7 +217,8 @@ class MooncakeBackend:
                         self.endpoint_name, len(stuck), _CLOSE_WAIT_S)
             return
         self._engine.batch_unregister_memory(addrs)
-        self._engine = None  # the engine stops its threads and closes its sockets when collected
+        self._workers = []
+        self._engine = None  # the last reference: the engine stops its threads and closes its sockets
 
     def _check_open(self) -> None:
         if self._closed:

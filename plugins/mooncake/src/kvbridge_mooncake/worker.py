@@ -143,7 +143,10 @@ class Worker:
         """Abandon what has not started, wait for what has; True when the thread ended in time."""
         self._jobs.put(None)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._engine = None  # drop the reference so the engine can be destroyed
+        return True
 
     def _loop(self) -> None:
         while True:
