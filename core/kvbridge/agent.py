@@ -734,7 +734,10 @@ class TransferAgent:
         with self._lock:
             for peer in self._peers.values():
                 if peer.alive:
-                    self._post(peer.address, Goodbye(self.name))
+                    try:   # best effort: a peer that already left cannot hear it
+                        self.link.send(peer.address, self._codec.encode(Goodbye(self.name)))
+                    except Exception:  # noqa: BLE001
+                        log.debug("%s: %s left before our goodbye", self.name, peer.agent)
             for reg in self.registered.values():
                 try:
                     self.backend.deregister_buffers(reg)

@@ -42,6 +42,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvbridge import bench
+
+    if args.backend:
+        return bench.main_backend(args.backend)
+    return {"planner": bench.main_planner, "control": bench.main_control}[args.what]()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is declared hung")
     d.add_argument("--dump", default=None, metavar="DIR", help="write decode buffers and indices as .npy")
     d.set_defaults(func=_demo)
+    b = sub.add_parser("bench", help="benchmarks, printed as ratios against a baseline of the same run")
+    b.add_argument("what", nargs="?", choices=("planner", "control"), default="planner")
+    b.add_argument("--backend", default=None, help="run this backend plugin's benchmark instead")
+    b.set_defaults(func=_bench)
     return parser
 
 

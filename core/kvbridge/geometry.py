@@ -288,7 +288,10 @@ def region_of(array: object) -> MemoryRegion:
     if not array.is_contiguous():  # type: ignore[attr-defined]
         raise GeometryError("torch buffer must be contiguous")
     device = array.device  # type: ignore[attr-defined]
-    kind = DeviceKind.CUDA if device.type == "cuda" else DeviceKind.CPU
+    kinds = {"cpu": DeviceKind.CPU, "cuda": DeviceKind.CUDA, "npu": DeviceKind.NPU}
+    if device.type not in kinds:
+        raise GeometryError(f"cannot take a memory region of a tensor on {device.type!r}; known: {sorted(kinds)}")
+    kind = kinds[device.type]
     nbytes = array.numel() * array.element_size()  # type: ignore[attr-defined]
     return MemoryRegion(data_ptr(), nbytes, kind, device.index or 0)
 

@@ -28,6 +28,7 @@ class Capability(str, enum.Enum):
 
     HOST_MEMORY = "host-memory"          # registers and moves CPU memory
     CUDA_MEMORY = "cuda-memory"          # registers and moves CUDA memory
+    NPU_MEMORY = "npu-memory"            # registers and moves Ascend NPU memory
     MULTI_PROCESS = "multi-process"      # peers may live in other processes
     NOTIFICATIONS = "notifications"      # delivers completion notices itself, after the data landed
     ABORT = "abort"                      # can cancel an in-flight transfer

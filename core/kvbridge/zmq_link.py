@@ -12,6 +12,7 @@ prefill ranks publish themselves there, decode ranks look their targets up.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import msgspec
@@ -142,8 +143,8 @@ class ZmqLink:
     def recv(self, timeout_s: float = 0.0) -> list[bytes]:
         out: list[bytes] = []
         with self._recv_lock:
-            if timeout_s > 0 and not self._poller.poll(int(timeout_s * 1000)):
-                return out
+            if timeout_s > 0 and not self._poller.poll(max(1, math.ceil(timeout_s * 1000))):
+                return out   # (poll takes whole milliseconds: never round a short wait down to a spin)
             while True:
                 try:
                     out.append(self._pull.recv(zmq.NOBLOCK))
