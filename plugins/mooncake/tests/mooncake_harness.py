@@ -16,7 +16,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers
+from kvbridge.backends.base import (
+    ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers,
+)
 from kvbridge.geometry import BufferGeometry, Component, DType, Rank, ShardAxis, region_of
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
 from kvbridge.slicing import buffer_segments
@@ -70,7 +72,7 @@ def shard(full: list[np.ndarray], rank: int, tp: int, total: int) -> list[np.nda
 
 def reference_reshard(full: list[np.ndarray], src_idx: np.ndarray, dst_idx: np.ndarray, rank: int, tp: int,
                       total: int, pages: int) -> list[np.ndarray]:
-    """What decode rank ``rank`` must hold after the transfer: request pages at ``dst_idx``, zeros elsewhere."""
+    """What decode rank ``rank`` holds after the transfer: request pages at ``dst_idx``, zeros elsewhere."""
     out = []
     for f in full:
         expected = np.zeros((pages, f.shape[1], len(heads_of(rank, tp, total)), f.shape[3]), dtype=f.dtype)
@@ -84,7 +86,7 @@ def plan_between(src_comp: Component, dst_comp: Component, src_arrays: Sequence[
                  dst_idx: np.ndarray) -> TransferPlan:
     """The real planner's plan of what ``src`` writes into ``dst`` (empty when it writes nothing)."""
     pairs = []
-    for sb, db, arr, dreg in zip(src_comp.buffers, dst_comp.buffers, src_arrays, dst_regions):
+    for sb, db, arr, dreg in zip(src_comp.buffers, dst_comp.buffers, src_arrays, dst_regions, strict=True):
         segments = buffer_segments(sb, db, src, dst)
         pairs.append(BufferPair(region_of(arr).addr, sb.item_nbytes, sb.num_items, dreg.addr, db.item_nbytes,
                                 db.num_items, segments))
@@ -97,7 +99,8 @@ def transfer(plan: TransferPlan, src: RegisteredBuffers, dst: RemoteBuffers, pee
                              plan=plan)
 
 
-def raw_plan(src: np.ndarray, dst: np.ndarray, dst_addr: np.ndarray | None = None, nbytes: int = 0) -> TransferPlan:
+def raw_plan(src: np.ndarray, dst: np.ndarray, dst_addr: np.ndarray | None = None,
+             nbytes: int = 0) -> TransferPlan:
     """A plan copying all of ``src`` into ``dst`` as one descriptor (or to explicit addresses)."""
     n = nbytes or src.nbytes
     d = np.array([dst.ctypes.data], dtype=np.uint64) if dst_addr is None else dst_addr
@@ -118,8 +121,8 @@ def wait_all(backend: Any, handles: Sequence[Any], timeout: float = 30.0) -> lis
         if all(r is not None for r in results):
             return [r for r in results if r is not None]
         if time.monotonic() > deadline:
-            raise AssertionError(f"{sum(r is None for r in results)} of {len(handles)} transfers still pending "
-                                 f"after {timeout} s")
+            pending = sum(r is None for r in results)
+            raise AssertionError(f"{pending} of {len(handles)} transfers still pending after {timeout} s")
         time.sleep(0.001)
 
 
@@ -143,7 +146,7 @@ class PeerSetup(msgspec.Struct, frozen=True):
 
 
 def decode_peer(conn: Any) -> None:
-    """Child process: a decode rank. Registers its pool, sends PeerInfo, checks bytes when the notice lands."""
+    """Child process, a decode rank: registers its pool, sends PeerInfo, checks bytes as the notice lands."""
     from kvbridge_mooncake.backend import MooncakeBackend
 
     setup = msgspec.msgpack.decode(conn.recv_bytes(), type=PeerSetup)
@@ -157,10 +160,11 @@ def decode_peer(conn: Any) -> None:
         conn.send_bytes(msgspec.msgpack.encode(info))
         expected = [np.frombuffer(conn.recv_bytes(), dtype=np.uint16).reshape(a.shape) for a in arrays]
         notices = drain_until(backend, 1, timeout=30.0)
-        ok_at_notice = all(np.array_equal(a, e) for a, e in zip(arrays, expected))  # checked the moment it lands
+        # checked the moment the notice lands
+        ok_at_notice = all(np.array_equal(a, e) for a, e in zip(arrays, expected, strict=True))
         conn.send(("notice", notices, ok_at_notice))
         if conn.poll(30.0):
             conn.recv()
-        conn.send(("final", all(np.array_equal(a, e) for a, e in zip(arrays, expected))))
+        conn.send(("final", all(np.array_equal(a, e) for a, e in zip(arrays, expected, strict=True))))
     finally:
         backend.close()

@@ -9,46 +9,46 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from mooncake_harness import (
-    KVShape, drain_until, needs_mooncake, plan_between, raw_plan, reference_reshard, shard, transfer, wait_all,
+    KVShape, drain_until, needs_mooncake, plan_between, raw_plan, reference_reshard, shard, transfer,
+    wait_all,
 )
 
-from kvbridge.backends.base import HandleState, PeerInfo, RegionWire, RemoteBuffers, TransferBackend
+from kvbridge.backends.base import (
+    HandleState, PeerInfo, RegionWire, RegisteredBuffers, RemoteBuffers, TransferBackend,
+)
 from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion, Rank, region_of
 from kvbridge.planner import TransferPlan
+from kvbridge_mooncake.backend import MooncakeBackend
 
 pytestmark = needs_mooncake
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Iterator[TransferBackend]:
-    from kvbridge_mooncake.backend import MooncakeBackend
-
+def prefill() -> Iterator[MooncakeBackend]:
     with MooncakeBackend(name="prefill") as backend:
         yield backend
 
 
 @pytest.fixture(scope="module")
-def decode() -> Iterator[TransferBackend]:
-    from kvbridge_mooncake.backend import MooncakeBackend
-
+def decode() -> Iterator[MooncakeBackend]:
     with MooncakeBackend(name="decode") as backend:
         yield backend
 
 
-def _peer(backend: TransferBackend, name: str, *registered: object) -> PeerInfo:
+def _peer(backend: MooncakeBackend, name: str, *registered: RegisteredBuffers) -> PeerInfo:
     return PeerInfo(name=name, endpoint=backend.endpoint, buffers=tuple(r.remote() for r in registered))
 
 
-def test_is_a_transfer_backend(prefill: TransferBackend) -> None:
+def test_is_a_transfer_backend(prefill: MooncakeBackend) -> None:
     assert isinstance(prefill, TransferBackend)
     assert prefill.name == "mooncake"
 
 
 @pytest.mark.parametrize(("heads", "pt", "dt"), [(4, p, d) for p in (1, 2, 4) for d in (1, 2, 4)]
                          + [(2, 4, 1), (2, 1, 4), (2, 2, 4)])
-def test_token_major_reshard_is_byte_exact(prefill: TransferBackend, decode: TransferBackend, heads: int, pt: int,
-                                           dt: int) -> None:
+def test_token_major_reshard_is_byte_exact(prefill: MooncakeBackend, decode: MooncakeBackend, heads: int,
+                                           pt: int, dt: int) -> None:
     shape = KVShape(heads=heads)
     full = shape.full(seed=100 * pt + 10 * dt + heads)
     rng = np.random.default_rng(pt * dt)
@@ -56,7 +56,8 @@ def test_token_major_reshard_is_byte_exact(prefill: TransferBackend, decode: Tra
     dst_idx = rng.choice(shape.pages, 7, replace=False)
     src_comp, dst_comp = shape.component(pt), shape.component(dt)
     src_arrays = [shard(full, p, pt, heads) for p in range(pt)]
-    dst_arrays = [[np.zeros((shape.pages, *b.item_shape), np.uint16) for b in dst_comp.buffers] for _ in range(dt)]
+    dst_arrays = [[np.zeros((shape.pages, *b.item_shape), np.uint16) for b in dst_comp.buffers]
+                  for _ in range(dt)]
     src_reg = [prefill.register_buffers("kv", [region_of(a) for a in arrs]) for arrs in src_arrays]
     dst_reg = [decode.register_buffers("kv", [region_of(a) for a in arrs]) for arrs in dst_arrays]
     try:
@@ -65,8 +66,8 @@ def test_token_major_reshard_is_byte_exact(prefill: TransferBackend, decode: Tra
         handles = []
         for p in range(pt):
             for d in range(dt):
-                plan = plan_between(src_comp, dst_comp, src_arrays[p], dst_reg[d].regions, Rank(p, pt), Rank(d, dt),
-                                    src_idx, dst_idx)
+                plan = plan_between(src_comp, dst_comp, src_arrays[p], dst_reg[d].regions, Rank(p, pt),
+                                    Rank(d, dt), src_idx, dst_idx)
                 if len(plan):
                     handles.append(prefill.send_component(transfer(plan, src_reg[p], dst_reg[d].remote(),
                                                                    f"decode{d}")))
@@ -74,7 +75,7 @@ def test_token_major_reshard_is_byte_exact(prefill: TransferBackend, decode: Tra
         assert all(r.state is HandleState.DONE for r in wait_all(prefill, handles)), handles
         for d in range(dt):
             expected = reference_reshard(full, src_idx, dst_idx, d, dt, heads, shape.pages)
-            for got, want in zip(dst_arrays[d], expected):
+            for got, want in zip(dst_arrays[d], expected, strict=True):
                 np.testing.assert_array_equal(got, want)
     finally:
         for reg in src_reg:
@@ -86,7 +87,8 @@ def test_token_major_reshard_is_byte_exact(prefill: TransferBackend, decode: Tra
 def _scattered(n: int, size: int, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
     """``n`` descriptors of ``size`` bytes, item i -> item n-1-i, so no two merge."""
     i = np.arange(n, dtype=np.uint64)
-    return TransferPlan(src.ctypes.data + i * np.uint64(size), dst.ctypes.data + (np.uint64(n - 1) - i) * np.uint64(size),
+    step = np.uint64(size)
+    return TransferPlan(src.ctypes.data + i * step, dst.ctypes.data + (np.uint64(n - 1) - i) * step,
                         np.full(n, size, dtype=np.uint64), np.zeros(n, dtype=np.int32))
 
 
@@ -94,7 +96,8 @@ def _expected_scattered(src: np.ndarray, n: int, size: int) -> np.ndarray:
     return src.reshape(n, size)[::-1].ravel()
 
 
-def test_batch_over_the_tcp_queue_limit_goes_through(prefill: TransferBackend, decode: TransferBackend) -> None:
+def test_batch_over_the_tcp_queue_limit_goes_through(prefill: MooncakeBackend,
+                                                      decode: MooncakeBackend) -> None:
     n, size = 5000, 64   # 5000 descriptors: 2.4x the ~2048 the TCP transport queues per peer
     src = np.random.default_rng(1).integers(0, 256, n * size, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -111,9 +114,7 @@ def test_batch_over_the_tcp_queue_limit_goes_through(prefill: TransferBackend, d
         decode.deregister_buffers(d)
 
 
-def test_odd_chunk_and_window_sizes(decode: TransferBackend) -> None:
-    from kvbridge_mooncake.backend import MooncakeBackend
-
+def test_odd_chunk_and_window_sizes(decode: MooncakeBackend) -> None:
     n, size = 101, 48
     src = np.random.default_rng(2).integers(0, 256, n * size, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -129,7 +130,7 @@ def test_odd_chunk_and_window_sizes(decode: TransferBackend) -> None:
             decode.deregister_buffers(d)
 
 
-def test_out_of_bounds_is_refused_before_posting(prefill: TransferBackend, decode: TransferBackend) -> None:
+def test_out_of_bounds_is_refused_before_posting(prefill: MooncakeBackend, decode: MooncakeBackend) -> None:
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
     s, d = prefill.register_buffers("oob", [region_of(src)]), decode.register_buffers("oob", [region_of(dst)])
@@ -140,7 +141,8 @@ def test_out_of_bounds_is_refused_before_posting(prefill: TransferBackend, decod
             prefill.send_component(transfer(too_far, s, d.remote(), "decode-oob", component="oob"))
         foreign = np.ones(4096, dtype=np.uint8)
         with pytest.raises(RegionError, match="source"):
-            prefill.send_component(transfer(raw_plan(foreign, dst), s, d.remote(), "decode-oob", component="oob"))
+            prefill.send_component(transfer(raw_plan(foreign, dst), s, d.remote(), "decode-oob",
+                                            component="oob"))
         with pytest.raises(RegionError, match="unknown peer"):
             prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "nobody", component="oob"))
         assert not dst.any()
@@ -149,11 +151,13 @@ def test_out_of_bounds_is_refused_before_posting(prefill: TransferBackend, decod
         decode.deregister_buffers(d)
 
 
-def test_failure_then_retry_same_peer_is_not_blacklisted(prefill: TransferBackend, decode: TransferBackend) -> None:
+def test_failure_then_retry_same_peer_is_not_blacklisted(prefill: MooncakeBackend,
+                                                          decode: MooncakeBackend) -> None:
     """The peer rejects one write (its region is smaller than it claimed); the next send to it still goes."""
     src = np.random.default_rng(5).integers(0, 256, 8192, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
-    s, d = prefill.register_buffers("retry", [region_of(src)]), decode.register_buffers("retry", [region_of(dst)])
+    s = prefill.register_buffers("retry", [region_of(src)])
+    d = decode.register_buffers("retry", [region_of(dst)])
     try:
         prefill.add_peer(_peer(decode, "decode-retry", d))
         claimed = RemoteBuffers("retry", (RegionWire(dst.ctypes.data, 8192),))   # stale: twice the real size
@@ -171,9 +175,8 @@ def test_failure_then_retry_same_peer_is_not_blacklisted(prefill: TransferBacken
         decode.deregister_buffers(d)
 
 
-def test_peer_gone_fails_and_a_healthy_peer_still_works(prefill: TransferBackend, decode: TransferBackend) -> None:
-    from kvbridge_mooncake.backend import MooncakeBackend
-
+def test_peer_gone_fails_and_a_healthy_peer_still_works(prefill: MooncakeBackend,
+                                                         decode: MooncakeBackend) -> None:
     src = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8)
     dst_gone, dst = np.zeros_like(src), np.zeros_like(src)
     s = prefill.register_buffers("gone", [region_of(src)])
@@ -184,11 +187,13 @@ def test_peer_gone_fails_and_a_healthy_peer_still_works(prefill: TransferBackend
         prefill.add_peer(_peer(victim, "victim", g))
         prefill.add_peer(_peer(decode, "decode-gone", d))
         victim.close()
-        lost = prefill.send_component(transfer(raw_plan(src, dst_gone), s, g.remote(), "victim", component="gone"))
+        lost = prefill.send_component(transfer(raw_plan(src, dst_gone), s, g.remote(), "victim",
+                                               component="gone"))
         result = wait_all(prefill, [lost])[0]
         assert result.state is HandleState.FAILED and "mooncake" in result.reason, result
         assert not dst_gone.any()
-        ok = prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "decode-gone", component="gone"))
+        ok = prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "decode-gone",
+                                             component="gone"))
         assert wait_all(prefill, [ok])[0].state is HandleState.DONE
         np.testing.assert_array_equal(dst, src)
     finally:
@@ -197,14 +202,17 @@ def test_peer_gone_fails_and_a_healthy_peer_still_works(prefill: TransferBackend
         victim.close()
 
 
-def test_notices_arrive_after_the_data_and_keep_every_byte(prefill: TransferBackend, decode: TransferBackend) -> None:
+def test_notices_arrive_after_the_data_and_keep_every_byte(prefill: MooncakeBackend,
+                                                            decode: MooncakeBackend) -> None:
     decode.drain_notifications()
     src = np.random.default_rng(4).integers(0, 256, 8 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
-    s, d = prefill.register_buffers("note", [region_of(src)]), decode.register_buffers("note", [region_of(dst)])
+    s = prefill.register_buffers("note", [region_of(src)])
+    d = decode.register_buffers("note", [region_of(dst)])
     try:
         prefill.add_peer(_peer(decode, "decode-note", d))
-        handle = prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "decode-note", component="note"))
+        handle = prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "decode-note",
+                                                 component="note"))
         notice = bytes(range(256)) + b"room-1 kv done"
         assert prefill.notify_completion("decode-note", notice)   # queued behind the write to that peer
         got = drain_until(decode, 1)
@@ -219,7 +227,7 @@ def test_notices_arrive_after_the_data_and_keep_every_byte(prefill: TransferBack
         decode.deregister_buffers(d)
 
 
-def test_shared_regions_are_refcounted(prefill: TransferBackend) -> None:
+def test_shared_regions_are_refcounted(prefill: MooncakeBackend) -> None:
     buf = np.zeros(1 << 12, dtype=np.uint8)
     a = prefill.register_buffers("a", [region_of(buf)])
     b = prefill.register_buffers("b", [region_of(buf)])    # the same memory in two components
@@ -230,12 +238,14 @@ def test_shared_regions_are_refcounted(prefill: TransferBackend) -> None:
     assert MemoryRegion(buf.ctypes.data, buf.nbytes) not in prefill.registered_regions
 
 
-def test_empty_plan_is_done_at_once(prefill: TransferBackend, decode: TransferBackend) -> None:
+def test_empty_plan_is_done_at_once(prefill: MooncakeBackend, decode: MooncakeBackend) -> None:
     buf = np.zeros(64, dtype=np.uint8)
-    s, d = prefill.register_buffers("e", [region_of(buf)]), decode.register_buffers("e", [region_of(buf.copy())])
+    other = buf.copy()
+    s, d = prefill.register_buffers("e", [region_of(buf)]), decode.register_buffers("e", [region_of(other)])
     try:
         prefill.add_peer(_peer(decode, "decode-e", d))
-        handle = prefill.send_component(transfer(TransferPlan.empty(), s, d.remote(), "decode-e", component="e"))
+        handle = prefill.send_component(transfer(TransferPlan.empty(), s, d.remote(), "decode-e",
+                                                 component="e"))
         assert prefill.poll(handle).state is HandleState.DONE
         assert prefill.poll(object()).state is HandleState.FAILED
     finally:
@@ -244,8 +254,6 @@ def test_empty_plan_is_done_at_once(prefill: TransferBackend, decode: TransferBa
 
 
 def test_closed_backend_refuses_work() -> None:
-    from kvbridge_mooncake.backend import MooncakeBackend
-
     backend = MooncakeBackend(name="closing")
     port = int(backend.session.rsplit(":", 1)[1])
     backend.close()

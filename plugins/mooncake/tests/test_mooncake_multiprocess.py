@@ -7,12 +7,15 @@ which is the cross-process check that notices are ordered after the data.
 from __future__ import annotations
 
 import multiprocessing
+from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 from mooncake_harness import (
-    KVShape, PeerSetup, decode_peer, needs_mooncake, plan_between, reference_reshard, shard, transfer, wait_all,
+    KVShape, PeerSetup, decode_peer, needs_mooncake, plan_between, reference_reshard, shard, transfer,
+    wait_all,
 )
 
 from kvbridge.backends.base import HandleState, PeerInfo
@@ -22,7 +25,7 @@ pytestmark = [needs_mooncake, pytest.mark.multiprocess]
 _PIPE_WAIT_S = 30.0
 
 
-def _recv(conn: multiprocessing.connection.Connection, what: str) -> object:
+def _recv(conn: Connection, what: str) -> Any:
     if not conn.poll(_PIPE_WAIT_S):
         raise AssertionError(f"the decode process sent no {what} within {_PIPE_WAIT_S} s")
     return conn.recv()
@@ -38,8 +41,8 @@ def test_two_process_reshard_with_notice() -> None:
     proc.start()
     try:
         with MooncakeBackend(name="prefill-2p") as prefill:
-            parent.send_bytes(msgspec.msgpack.encode(PeerSetup(shape.heads, shape.layers, shape.pages, shape.page,
-                                                               shape.head_dim, dt)))
+            setup = PeerSetup(shape.heads, shape.layers, shape.pages, shape.page, shape.head_dim, dt)
+            parent.send_bytes(msgspec.msgpack.encode(setup))
             if not parent.poll(_PIPE_WAIT_S):
                 raise AssertionError("the decode process never sent its PeerInfo")
             info = msgspec.msgpack.decode(parent.recv_bytes(), type=PeerInfo)
@@ -59,7 +62,8 @@ def test_two_process_reshard_with_notice() -> None:
             for p in range(pt):
                 reg = prefill.register_buffers("kv", [region_of(a) for a in src_arrays[p]])
                 plan = plan_between(shape.component(pt), shape.component(dt), src_arrays[p],
-                                    [r.region() for r in remote.regions], Rank(p, pt), Rank(0, dt), src_idx, dst_idx)
+                                    [r.region() for r in remote.regions], Rank(p, pt), Rank(0, dt), src_idx,
+                                    dst_idx)
                 handles.append(prefill.send_component(transfer(plan, reg, remote, peer)))
             assert all(r.state is HandleState.DONE for r in wait_all(prefill, handles))
             assert prefill.notify_completion(peer, b"room-1 kv")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import glob
 import importlib.util
 
@@ -14,6 +16,7 @@ from kvbridge.errors import PluginUnavailableError
 from kvbridge.registry import Registry
 from kvbridge.specs import Capability
 from kvbridge_mooncake import availability as probe_mod
+from kvbridge_mooncake.backend import MooncakeBackend
 from kvbridge_mooncake.engine import DEFAULT_CHUNK, DEFAULT_WINDOW, MooncakeOptions, create_engine, has_hca
 
 
@@ -39,19 +42,19 @@ def test_registry_builds_a_working_backend() -> None:
     registry = Registry.build(allow=["mooncake"])
     backend = registry.create_backend("mooncake", name="via-registry", options={"protocol": "tcp"})
     try:
-        assert isinstance(backend, TransferBackend)
+        assert isinstance(backend, TransferBackend) and isinstance(backend, MooncakeBackend)
         assert backend.session.startswith("127.0.0.1:")
     finally:
         backend.close()
 
 
 def test_probe_names_the_missing_system_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(probe_mod.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
 
     def no_lib(name: str) -> None:
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(probe_mod.ctypes, "CDLL", no_lib)
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     result = kvbridge_mooncake.probe()
     assert not result.available and "libibverbs.so.1" in result.reason
@@ -73,11 +76,14 @@ def test_import_error_hints() -> None:
 
 def test_options() -> None:
     opts = MooncakeOptions.parse(None, env={})
-    assert (opts.protocol, opts.host, opts.chunk, opts.window) == ("tcp", "127.0.0.1", DEFAULT_CHUNK, DEFAULT_WINDOW)
+    assert (opts.protocol, opts.host) == ("tcp", "127.0.0.1")
+    assert (opts.chunk, opts.window) == (DEFAULT_CHUNK, DEFAULT_WINDOW)
     assert DEFAULT_CHUNK * DEFAULT_WINDOW < 2048
-    assert MooncakeOptions.parse({"protocol": "RDMA", "device": "mlx5_0,mlx5_1"}, env={}).device == "mlx5_0,mlx5_1"
+    rdma = MooncakeOptions.parse({"protocol": "RDMA", "device": "mlx5_0,mlx5_1"}, env={})
+    assert (rdma.protocol, rdma.device) == ("rdma", "mlx5_0,mlx5_1")
     assert MooncakeOptions.parse({"window": "4"}, env={}).chunk == (2048 - 128) // 4
-    assert MooncakeOptions.parse(None, env={"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192"}).chunk == (8192 - 128) // 2
+    bigger_queue = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192"}
+    assert MooncakeOptions.parse(None, env=bigger_queue).chunk == (8192 - 128) // 2
     with pytest.raises(ValueError, match="unknown mooncake option"):
         MooncakeOptions.parse({"protocl": "tcp"}, env={})
     with pytest.raises(ValueError, match="not one of"):

@@ -51,5 +51,6 @@ def probe() -> Availability:
     try:
         import mooncake.engine  # noqa: F401 - the probe's whole point is whether this loads
     except Exception as exc:  # noqa: BLE001 - any failure to load means "unavailable", with its text
-        return Availability.missing(f"cannot import mooncake.engine: {type(exc).__name__}: {exc}", hint_for(exc))
+        reason = f"cannot import mooncake.engine: {type(exc).__name__}: {exc}"
+        return Availability.missing(reason, hint_for(exc))
     return Availability.ok()

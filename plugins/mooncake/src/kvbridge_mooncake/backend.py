@@ -100,8 +100,9 @@ class MooncakeBackend:
             gone = list(dict.fromkeys(k for k in keys if self._refs[k] <= 0))
             for key in gone:
                 del self._refs[key]
-        if gone and not self._closed:
-            rc = self._engine.batch_unregister_memory([addr for addr, _ in gone])
+        engine = self._engine
+        if gone and engine is not None and not self._closed:
+            rc = engine.batch_unregister_memory([addr for addr, _ in gone])
             if rc != 0:
                 log.warning("mooncake batch_unregister_memory of %d regions of %s returned %d",
                             len(gone), registered.component, rc)
@@ -111,8 +112,8 @@ class MooncakeBackend:
             return
         rc = self._engine.batch_register_memory([a for a, _ in keys], [n for _, n in keys])
         if rc != 0:
-            raise RegionError(f"mooncake batch_register_memory of {len(keys)} regions of {what} returned {rc} "
-                              "(does a region overlap one registered before?)")
+            raise RegionError(f"mooncake batch_register_memory of {len(keys)} regions of {what} returned "
+                              f"{rc} (does a region overlap one registered before?)")
 
     @property
     def registered_regions(self) -> list[MemoryRegion]:
@@ -125,7 +126,8 @@ class MooncakeBackend:
         try:
             endpoint = msgspec.msgpack.decode(peer.endpoint, type=MooncakeEndpoint)
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"peer {peer.name!r} sent an endpoint that is not a mooncake endpoint: {exc}") from None
+            raise ProtocolError(f"peer {peer.name!r} sent an endpoint that is not a mooncake endpoint: "
+                                f"{exc}") from None
         if endpoint.protocol != self.options.protocol:
             raise IncompatiblePeer(f"peer {peer.name!r} speaks mooncake {endpoint.protocol}, this backend "
                                    f"{self.options.protocol}")
@@ -183,17 +185,19 @@ class MooncakeBackend:
         if peer is None or self._closed:
             return False
         try:
-            self._submit(peer, NotifyJob(peer.endpoint.session, self._scratch.ctypes.data, peer.endpoint.scratch,
-                                         self.endpoint_name, bytes(notice).decode("latin-1"), self.notify_failures))
+            self._submit(peer, NotifyJob(peer.endpoint.session, self._scratch.ctypes.data,
+                                         peer.endpoint.scratch, self.endpoint_name,
+                                         bytes(notice).decode("latin-1"), self.notify_failures))
         except RegionError:
             return False
         return True
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
-        if self._closed:
+        engine = self._engine
+        if engine is None or self._closed:
             return []
         out: list[tuple[str, bytes]] = []
-        for note in self._engine.get_notifies():
+        for note in engine.get_notifies():
             try:
                 out.append((note.name, note.msg.encode("latin-1")))
             except (UnicodeError, ValueError) as exc:  # not from kvbridge: a notice we cannot have sent
@@ -213,8 +217,8 @@ class MooncakeBackend:
             self._registered.clear()
             self._peers.clear()
         if stuck:  # a transfer is still inside the engine: keep the engine (and memory) alive, say so
-            log.warning("mooncake backend %s: %d transfer thread(s) still busy after %.0f s; engine left running",
-                        self.endpoint_name, len(stuck), _CLOSE_WAIT_S)
+            log.warning("mooncake backend %s: %d transfer thread(s) still busy after %.0f s; engine left "
+                        "running", self.endpoint_name, len(stuck), _CLOSE_WAIT_S)
             return
         self._engine.batch_unregister_memory(addrs)
         self._workers = []

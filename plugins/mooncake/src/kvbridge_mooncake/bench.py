@@ -62,8 +62,8 @@ class Scenario(msgspec.Struct, frozen=True):
     def component(self, tp: int) -> Component:
         shape = (self.page, self.local_heads(tp), self.head_dim)
         return Component("kv", "kv", tuple(
-            BufferGeometry(name=f"{t}.{layer}", num_items=self.pool_pages, item_shape=shape, dtype=DType.BFLOAT16,
-                           shard=ShardAxis(axis=1, total=self.heads))
+            BufferGeometry(name=f"{t}.{layer}", num_items=self.pool_pages, item_shape=shape,
+                           dtype=DType.BFLOAT16, shard=ShardAxis(axis=1, total=self.heads))
             for t in "kv" for layer in range(self.layers)))
 
     def heads_of(self, rank: int, tp: int) -> list[int]:
@@ -119,7 +119,7 @@ def _decode_side(conn: Any) -> None:
 def _digest(arrays: Sequence[np.ndarray]) -> str:
     h = hashlib.sha256()
     for a in arrays:
-        h.update(memoryview(a).cast("B"))
+        h.update(a.tobytes())
     return h.hexdigest()
 
 
@@ -131,9 +131,10 @@ def _median(values: Sequence[float]) -> float:
 def _plan(sc: Scenario, src_arrays: Sequence[np.ndarray], remote: RemoteBuffers, src_idx: np.ndarray,
           dst_idx: np.ndarray) -> TransferPlan:
     src_comp, dst_comp = sc.component(sc.pt), sc.component(sc.dt)
+    buffers = zip(src_comp.buffers, dst_comp.buffers, src_arrays, remote.regions, strict=True)
     pairs = [BufferPair(region_of(a).addr, sb.item_nbytes, sb.num_items, r.addr, db.item_nbytes, db.num_items,
                         buffer_segments(sb, db, Rank(0, sc.pt), Rank(0, sc.dt)))
-             for sb, db, a, r in zip(src_comp.buffers, dst_comp.buffers, src_arrays, remote.regions)]
+             for sb, db, a, r in buffers]
     return plan_transfer(pairs, src_idx, dst_idx)
 
 
@@ -177,8 +178,8 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
             t = time.perf_counter()
             plan = _plan(sc, src_arrays, remote, src_idx, dst_idx)
             plan_times.append(time.perf_counter() - t)
-        ct = ComponentTransfer(room=1, component="kv", peer=peer, chunk=0, last=True, src=registered, dst=remote,
-                               plan=plan)
+        ct = ComponentTransfer(room=1, component="kv", peer=peer, chunk=0, last=True, src=registered,
+                               dst=remote, plan=plan)
         engine = backend._engine  # the raw baselines drive the very same engine directly
         session = msgspec.msgpack.decode(info.endpoint, type=MooncakeEndpoint).session
         src_l, dst_l, len_l = plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()
@@ -214,7 +215,8 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
 
         block_src = np.ones(nbytes, dtype=np.uint8)
         block_dst = np.zeros(nbytes, dtype=np.uint8)
-        local_pool = [np.zeros((sc.pool_pages, *b.item_shape), dtype=np.uint16) for b in sc.component(sc.dt).buffers]
+        local_pool = [np.zeros((sc.pool_pages, *b.item_shape), dtype=np.uint16)
+                      for b in sc.component(sc.dt).buffers]
         remote_base = np.array([r.addr for r in remote.regions], dtype=np.uint64)
         local_base = np.array([region_of(a).addr for a in local_pool], dtype=np.uint64)
         local_dst = plan.dst_addr - remote_base[plan.buffer] + local_base[plan.buffer]
@@ -231,10 +233,11 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
             raise RuntimeError(f"{sc.name}: the decode pool does not match the reference reshard")
         call_times.clear()
 
-        methods: dict[str, Callable[[], None]] = {"kvbridge": kvbridge, "raw_sync": raw_sync, "raw_window": raw_window,
-                                                  "memcpy": memcpy, "memcpy_scattered": memcpy_scattered}
+        methods: dict[str, Callable[[], None]] = {
+            "kvbridge": kvbridge, "raw_sync": raw_sync, "raw_window": raw_window, "memcpy": memcpy,
+            "memcpy_scattered": memcpy_scattered}
         times: dict[str, list[float]] = {k: [] for k in methods}
-        for name, fn in methods.items():  # warm-up: connections, page faults
+        for fn in methods.values():  # warm-up: connections, page faults
             fn()
         for _ in range(repeats):
             for name, fn in methods.items():
@@ -247,7 +250,8 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
                   "kvbridge/raw_window": seconds["raw_window"] / seconds["kvbridge"],
                   "kvbridge/memcpy": seconds["memcpy"] / seconds["kvbridge"],
                   "kvbridge/memcpy_scattered": seconds["memcpy_scattered"] / seconds["kvbridge"]}
-        return Result(sc.name, nbytes, n, _median(plan_times) * 1e3, _median(call_times) * 1e6, gbps, ratios, seconds)
+        return Result(sc.name, nbytes, n, _median(plan_times) * 1e3, _median(call_times) * 1e6, gbps, ratios,
+                      seconds)
     finally:
         backend.deregister_buffers(registered)
         backend.remove_peer(peer)
@@ -256,12 +260,14 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
 def default_scenarios(layers: int = 8, pages: int = 256) -> list[Scenario]:
     return [
         Scenario("same-tp scattered pages", layers, pool_pages=2 * pages, pages=pages),
-        Scenario("tp 2->1 per-token rows", layers, pool_pages=max(8, pages // 4), pages=max(4, pages // 8), pt=2),
+        Scenario("tp 2->1 per-token rows", layers, pool_pages=max(8, pages // 4), pages=max(4, pages // 8),
+                 pt=2),
         Scenario("small request (1 page)", layers, pool_pages=64, pages=1),
     ]
 
 
-def run_bench(scenarios: Sequence[Scenario] | None = None, *, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+def run_bench(scenarios: Sequence[Scenario] | None = None, *, repeats: int = 5,
+              seed: int = 0) -> dict[str, Any]:
     """Run every scenario between this process and a spawned decode process; return the figures."""
     from kvbridge_mooncake.backend import MooncakeBackend
 
@@ -272,7 +278,8 @@ def run_bench(scenarios: Sequence[Scenario] | None = None, *, repeats: int = 5, 
     proc.start()
     try:
         with MooncakeBackend(name="bench-prefill") as backend:
-            results = [_run_scenario(sc, backend, parent, repeats, seed + i) for i, sc in enumerate(scenarios)]
+            results = [_run_scenario(sc, backend, parent, repeats, seed + i)
+                       for i, sc in enumerate(scenarios)]
             parent.send(("exit", None))
         proc.join(30)
     finally:

@@ -13,6 +13,7 @@ Facts of mooncake-transfer-engine 0.3.13.post1 this module relies on (checked on
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -52,7 +53,8 @@ class MooncakeOptions:
     workers: int = 1          # transfer threads; a peer always uses the same one (keeps its order)
 
     @classmethod
-    def parse(cls, options: Mapping[str, str] | None, env: Mapping[str, str] | None = None) -> MooncakeOptions:
+    def parse(cls, options: Mapping[str, str] | None,
+              env: Mapping[str, str] | None = None) -> MooncakeOptions:
         opts = dict(options or {})
         unknown = sorted(set(opts) - set(_KNOWN))
         if unknown:
@@ -62,14 +64,14 @@ class MooncakeOptions:
             raise ValueError(f"mooncake protocol {protocol!r} is not one of {PROTOCOLS}")
         window = _positive(opts, "window", DEFAULT_WINDOW)
         env = os.environ if env is None else env
-        limit = int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", DEFAULT_QUEUE_LIMIT) or DEFAULT_QUEUE_LIMIT)
+        limit = int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER") or DEFAULT_QUEUE_LIMIT)
         default_chunk = max(1, (limit - min(_HEADROOM, limit // 2)) // window)
         chunk = _positive(opts, "chunk", default_chunk)
         if protocol == "tcp" and chunk * window > limit:
             raise ValueError(f"chunk {chunk} x window {window} exceeds the TCP transport's {limit} queued "
                              "transfers per peer; lower one of them")
-        return cls(protocol, opts.get("device", ""), opts.get("host", "127.0.0.1") or "127.0.0.1", chunk, window,
-                   _positive(opts, "workers", 1))
+        host = opts.get("host") or "127.0.0.1"
+        return cls(protocol, opts.get("device", ""), host, chunk, window, _positive(opts, "workers", 1))
 
 
 def _positive(opts: Mapping[str, str], key: str, default: int) -> int:
@@ -89,9 +91,9 @@ def import_engine() -> ModuleType:
     """``mooncake.engine``, or PluginUnavailableError with the install command that fixes it."""
     quiet_glog()
     try:
-        from mooncake import engine
+        engine: ModuleType = importlib.import_module("mooncake.engine")
     except ImportError as exc:
-        raise PluginUnavailableError("mooncake", f"cannot import mooncake.engine: {exc}", hint_for(exc)) from exc
+        raise _unavailable(f"cannot import mooncake.engine: {exc}", hint_for(exc)) from exc
     return engine
 
 
@@ -113,9 +115,9 @@ def create_engine(opts: MooncakeOptions) -> tuple[Any, str]:
     mc = import_engine()
     if opts.protocol == "tcp":
         if os.environ.get("MC_TCP_PROTO") == "1":
-            raise _unavailable("MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, where a finished "
-                               "write may still be on its way to the peer; kvbridge needs acknowledged writes",
-                               "unset MC_TCP_PROTO")
+            raise _unavailable("MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, where a "
+                               "finished write may still be on its way to the peer; kvbridge needs "
+                               "acknowledged writes", "unset MC_TCP_PROTO")
         os.environ.setdefault("MC_FORCE_TCP", "1")  # read by initialize(); see the module docstring
     elif os.environ.get("MC_FORCE_TCP"):
         raise _unavailable("protocol 'rdma' was asked for, but MC_FORCE_TCP is set in this process (a TCP "
@@ -124,7 +126,8 @@ def create_engine(opts: MooncakeOptions) -> tuple[Any, str]:
     rc = engine.initialize(opts.host, "P2PHANDSHAKE", opts.protocol, opts.device)
     if rc != 0:
         raise _unavailable(f"TransferEngine.initialize({opts.host!r}, 'P2PHANDSHAKE', {opts.protocol!r}, "
-                           f"{opts.device!r}) returned {rc}", "check the host address and, for RDMA, the devices")
+                           f"{opts.device!r}) returned {rc}",
+                           "check the host address and, for RDMA, the devices")
     if opts.protocol == "rdma" and not has_hca(engine.get_local_topology()):
         raise _unavailable(f"protocol 'rdma' was asked for, but the engine found no RDMA device (filter "
                            f"{opts.device or 'none'}) and would silently use TCP",

@@ -73,11 +73,12 @@ class SendJob:
                 if error:
                     break
             end = min(start + self.chunk, total)
-            batch = engine.batch_transfer_async_write(self.session, self.src[start:end].tolist(),
-                                                      self.dst[start:end].tolist(), self.nbytes[start:end].tolist())
+            batch = engine.batch_transfer_async_write(
+                self.session, self.src[start:end].tolist(), self.dst[start:end].tolist(),
+                self.nbytes[start:end].tolist())
             if batch in _BAD_BATCH_IDS:
-                error = (f"mooncake batch_transfer_async_write to {self.session} returned {_signed(batch)} for "
-                         f"descriptors [{start}, {end}) of {total} (peer unreachable or engine queue full)")
+                error = (f"mooncake batch_transfer_async_write to {self.session} returned {_signed(batch)} "
+                         f"for descriptors [{start}, {end}) of {total} (peer unreachable or queue full)")
                 break
             in_flight.append((batch, start))
         while in_flight:  # nothing may stay in flight once the handle is terminal
@@ -90,8 +91,8 @@ class SendJob:
         if rc == 0:
             return ""
         end = min(start + self.chunk, total)
-        return (f"mooncake get_batch_transfer_status returned {rc} for descriptors [{start}, {end}) of {total} "
-                f"to {self.session} (write failed, rejected by the peer, or timed out)")
+        return (f"mooncake get_batch_transfer_status returned {rc} for descriptors [{start}, {end}) of "
+                f"{total} to {self.session} (write failed, rejected by the peer, or timed out)")
 
     def abandon(self, reason: str) -> None:
         self.handle.finish(Poll.failed(reason))
@@ -113,8 +114,8 @@ class NotifyJob:
 
         rc = -1
         for attempt in range(_NOTIFY_ATTEMPTS):
-            rc = engine.transfer_sync(self.session, self.local_scratch, self.peer_scratch, 1, TransferOpcode.Write,
-                                      TransferNotify(self.sender, self.message))
+            rc = engine.transfer_sync(self.session, self.local_scratch, self.peer_scratch, 1,
+                                      TransferOpcode.Write, TransferNotify(self.sender, self.message))
             if rc == 0:
                 return
             time.sleep(0.01 * 2**attempt)
