@@ -26,21 +26,32 @@ _NOTIFY_ATTEMPTS = 3
 
 
 class MooncakeHandle:
-    """What ``send_component`` returns: a pollable, thread-safe completion slot."""
+    """What ``send_component`` returns: a pollable, thread-safe completion slot.
 
-    __slots__ = ("_poll", "descriptors", "nbytes", "peer")
+    ``elapsed`` is the time from posting to the terminal state as the transfer thread saw it (None while
+    pending), which excludes how late the caller polls.
+    """
+
+    __slots__ = ("_poll", "descriptors", "finished_at", "nbytes", "peer", "posted_at")
 
     def __init__(self, peer: str, descriptors: int, nbytes: int) -> None:
         self._poll = Poll.pending()
         self.peer, self.descriptors, self.nbytes = peer, descriptors, nbytes
+        self.posted_at = time.perf_counter()
+        self.finished_at: float | None = None
 
     @property
     def poll(self) -> Poll:
         return self._poll
 
+    @property
+    def elapsed(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.posted_at
+
     def finish(self, result: Poll) -> None:
         if self._poll.state is HandleState.PENDING:
-            self._poll = result  # one reference store: atomic under the GIL
+            self.finished_at = time.perf_counter()
+            self._poll = result  # one reference store, after the timestamp: atomic under the GIL
 
     def __repr__(self) -> str:
         return f"MooncakeHandle(peer={self.peer!r}, {self.descriptors} descriptors, {self._poll.state.name})"

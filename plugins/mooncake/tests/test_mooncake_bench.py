@@ -1,0 +1,22 @@
+"""The benchmark runs end to end on a tiny request (its transfers are digest-checked); no timing asserted."""
+
+from __future__ import annotations
+
+import pytest
+from mooncake_harness import needs_mooncake
+
+from kvbridge_mooncake.bench import Scenario, run_bench
+
+pytestmark = [needs_mooncake, pytest.mark.multiprocess]
+
+
+def test_bench_smoke() -> None:
+    scenarios = [Scenario("same tp", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16),
+                 Scenario("tp 2->1", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16, pt=2)]
+    report = run_bench(scenarios, repeats=1)
+    assert [r["scenario"] for r in report["results"]] == ["same tp", "tp 2->1"]
+    for result in report["results"]:
+        assert result["descriptors"] > 0 and result["nbytes"] > 0
+        assert set(result["gbps"]) == {"kvbridge", "kvbridge_handle", "raw_sync", "raw_window", "memcpy",
+                                       "memcpy_scattered"}
+        assert all(v > 0 for v in result["gbps"].values())
