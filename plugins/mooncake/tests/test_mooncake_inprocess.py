@@ -4,6 +4,7 @@ notices. Every destination byte is checked against a numpy reference."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -192,6 +193,11 @@ def test_peer_gone_fails_and_a_healthy_peer_still_works(prefill: MooncakeBackend
         result = wait_all(prefill, [lost])[0]
         assert result.state is HandleState.FAILED and "mooncake" in result.reason, result
         assert not dst_gone.any()
+        assert prefill.notify_completion("victim", b"room-9 \x00\xff")   # accepted, then fails to deliver
+        deadline = time.monotonic() + 20
+        while not (failed := prefill.drain_notify_failures()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(f.peer, f.notice) for f in failed] == [("victim", b"room-9 \x00\xff")], failed
         ok = prefill.send_component(transfer(raw_plan(src, dst), s, d.remote(), "decode-gone",
                                              component="gone"))
         assert wait_all(prefill, [ok])[0].state is HandleState.DONE
@@ -221,7 +227,7 @@ def test_notices_arrive_after_the_data_and_keep_every_byte(prefill: MooncakeBack
         assert landed
         assert wait_all(prefill, [handle])[0].state is HandleState.DONE
         assert not prefill.notify_completion("nobody", b"x")
-        assert prefill.notify_failures == []
+        assert prefill.drain_notify_failures() == []
     finally:
         prefill.deregister_buffers(s)
         decode.deregister_buffers(d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ from kvbridge.errors import IncompatiblePeer, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 
 from kvbridge_mooncake.engine import MooncakeOptions, create_engine
-from kvbridge_mooncake.worker import MooncakeHandle, NotifyJob, SendJob, Worker
+from kvbridge_mooncake.worker import MooncakeHandle, NotifyFailure, NotifyJob, SendJob, Worker
 
 log = logging.getLogger("kvbridge.mooncake")
 _CLOSE_WAIT_S = 60.0
@@ -63,7 +63,7 @@ class MooncakeBackend:
         self._peers: dict[str, _Peer] = {}
         self._closing = threading.Event()
         self._closed = False
-        self.notify_failures: list[str] = []
+        self._notify_failures: deque[NotifyFailure] = deque()
         self._scratch = np.zeros(_SCRATCH_NBYTES, dtype=np.uint8)
         self._engine_register([(self._scratch.ctypes.data, _SCRATCH_NBYTES)], "notify scratch")
         self.endpoint = msgspec.msgpack.encode(
@@ -178,19 +178,26 @@ class MooncakeBackend:
         """Queue ``notice`` behind everything already posted to the peer; False if the peer is unknown.
 
         Delivery is asynchronous (a stalled peer must not stall the caller): a notice that still fails
-        after retries is logged and appended to ``notify_failures``.
+        after retries is logged and handed out by ``drain_notify_failures``.
         """
         with self._lock:
             peer = self._peers.get(peer_id)
         if peer is None or self._closed:
             return False
         try:
-            self._submit(peer, NotifyJob(peer.endpoint.session, self._scratch.ctypes.data,
-                                         peer.endpoint.scratch, self.endpoint_name,
-                                         bytes(notice).decode("latin-1"), self.notify_failures))
+            self._submit(peer, NotifyJob(peer_id, peer.endpoint.session, self._scratch.ctypes.data,
+                                         peer.endpoint.scratch, self.endpoint_name, bytes(notice),
+                                         self._notify_failures))
         except RegionError:
             return False
         return True
+
+    def drain_notify_failures(self) -> list[NotifyFailure]:
+        """Notices accepted by ``notify_completion`` that could not be delivered, oldest first."""
+        out = []
+        while self._notify_failures:
+            out.append(self._notify_failures.popleft())
+        return out
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         engine = self._engine

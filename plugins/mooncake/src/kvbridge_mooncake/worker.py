@@ -2,8 +2,12 @@
 
 Every Mooncake call that waits (``get_batch_transfer_status``, ``transfer_sync``) releases the GIL, but it
 spins until the batch ends, so it runs here. A peer always maps to the same thread, which keeps that peer's
-writes and notices in posting order and its in-flight descriptors under the engine's per-peer limit. A
-handle turns DONE or FAILED only once nothing of its transfer is left in flight.
+writes and notices in posting order and its in-flight descriptors under the engine's per-peer limit.
+
+A handle turns DONE once every batch of its plan completed (acknowledged by the peer, see engine.py), and
+FAILED once every batch it posted was reported finished or failed. Mooncake reports a batch failed as soon
+as one of its transfers fails; the batch's other transfers may still be landing then, and the engine gives
+no way to wait for them.
 """
 
 from __future__ import annotations
@@ -109,24 +113,35 @@ class SendJob:
         self.handle.finish(Poll.failed(reason))
 
 
+@dataclass(frozen=True, slots=True)
+class NotifyFailure:
+    """A notice the backend accepted but could not deliver (the caller may carry it another way)."""
+
+    peer: str
+    notice: bytes
+    reason: str
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class NotifyJob:
     """Deliver one notice through Mooncake's notify channel, riding a 1-byte scratch-to-scratch write."""
 
+    peer: str
     session: str
     local_scratch: int
     peer_scratch: int
     sender: str
-    message: str
-    failures: list[str]
+    notice: bytes
+    failures: deque[NotifyFailure]
 
     def run(self, engine: Any) -> None:
         from mooncake.engine import TransferNotify, TransferOpcode
 
+        message = self.notice.decode("latin-1")  # every byte value survives Mooncake's str round trip
         rc = -1
         for attempt in range(_NOTIFY_ATTEMPTS):
             rc = engine.transfer_sync(self.session, self.local_scratch, self.peer_scratch, 1,
-                                      TransferOpcode.Write, TransferNotify(self.sender, self.message))
+                                      TransferOpcode.Write, TransferNotify(self.sender, message))
             if rc == 0:
                 return
             time.sleep(0.01 * 2**attempt)
@@ -135,7 +150,7 @@ class NotifyJob:
 
     def abandon(self, reason: str) -> None:
         log.warning("%s", reason)
-        self.failures.append(reason)
+        self.failures.append(NotifyFailure(self.peer, self.notice, reason))
 
 
 class Worker:
