@@ -315,3 +315,24 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     assert dec._pending_welcome[info.addresses[0]] == (
         f"refused:prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
         f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + 1}")
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 20])
+def test_staging_collapses_token_rows_into_one_write_per_chunk(make_pair: Callable[..., Pair], staging_bytes: int) -> None:
+    pair = make_pair(2, 1, config=AgentConfig(staging_bytes=staging_bytes))
+    src_pages, dst_pages = np.array([3, 9, 4, 11]), np.array([14, 2, 7, 1])
+    fill(pair, 2, 5, src_pages, np.arange(4))
+    senders, receivers = start_room(pair, 90, dst_pages)
+    for s in senders:
+        s.send(src_pages[:3])
+        s.send(src_pages[3:], last=True)
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
+    check(pair, 1, 5, dst_pages, np.arange(4))
+    descriptors = [s.stats[1] for s in senders]
+    if staging_bytes:
+        assert descriptors == [2, 2]                     # one write per chunk per sender
+        assert pair.decode[0].staging is not None
+        receivers[0].clear()
+        assert pair.decode[0].staging.free_bytes == staging_bytes   # reservations handed back
+    else:
+        assert descriptors == [4 * P * 2 * LAYERS] * 2   # one run per token row per buffer

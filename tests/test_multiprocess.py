@@ -99,7 +99,7 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
     request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
     layout = _layout(Role.PREFILL, 0, 1, 1, cfg.region_pages)
     pool = _Pool(layout, shared=True)
-    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
                           instance=INSTANCE, config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
     child = _child(cfg)
@@ -131,7 +131,7 @@ def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> Non
     layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
     pool = _Pool(layout, shared=True)
     child = _child(cfg)
-    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
                           config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
     try:
@@ -168,7 +168,7 @@ def test_garbage_frames_do_not_kill_a_peer_process() -> None:
     pool = _Pool(layout, shared=True)
     child = _child(cfg)
     link = ZmqLink(bootstrap=server.address)
-    agent = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.DECODE, link=link)
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link)
     try:
         _wait(lambda: (info := link.lookup(INSTANCE)) is not None and info.complete, 30)
         target = link.lookup(INSTANCE).addresses[0]  # type: ignore[union-attr]

@@ -34,13 +34,16 @@ import numpy as np
 from kvbridge.backends.base import (
     ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers, TransferBackend,
 )
-from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, ProtocolError, TransferError
-from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank, region_of
+from kvbridge.errors import (
+    GeometryError, IncompatiblePeer, KVBridgeError, ProtocolError, RegionError, TransferError,
+)
+from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, Rank, region_of
 from kvbridge.handshake import check_compatible
 from kvbridge.links import Link
-from kvbridge.planner import BufferPair, check_indices, plan_transfer
+from kvbridge.planner import BufferPair, TransferPlan, check_indices, plan_transfer
 from kvbridge.registry import Registry
 from kvbridge.slicing import ComponentSlice, served_ranks, target_ranks
+from kvbridge.staging import STAGING, Rows, StagingArea, gather, host_view, page_layout, regular_rows, scatter
 from kvbridge.state.base import StateType
 from kvbridge.wire import (
     PROTOCOL_VERSION, Abort, Codec, Goodbye, Heartbeat, Hello, KVPoll, Message, Notice, PackedIndices, Role,
@@ -61,6 +64,7 @@ class AgentConfig:
     bootstrap_timeout_s: float = 30.0      # connect() / a prefill room waiting for its requests
     waiting_timeout_s: float = 120.0       # a decode room waiting for data after send_metadata
     secret: bytes | None = None            # shared secret: HMAC on every control frame
+    staging_bytes: int = 32 << 20          # host staging area for the gather/one-write/scatter path (0: off)
     backend_options: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -79,6 +83,7 @@ class _InFlight:
     handle: Any
     peer: str
     notice: Notice
+    staging: tuple[int, int] | None = None     # (offset, bytes) of our staging area to free when done
 
 
 @dataclass(slots=True)
@@ -113,6 +118,8 @@ class _RecvRoom:
     quiesced: set[str] = field(default_factory=set)                  # prefill agents that confirmed
     metadata_at: float | None = None
     nbytes: int = 0
+    indices: dict[str, np.ndarray] = field(default_factory=dict)
+    staged: dict[tuple[int, str], tuple[int, int, tuple[Rows, ...]]] = field(default_factory=dict)
 
 
 class TransferAgent:
@@ -120,7 +127,8 @@ class TransferAgent:
 
     def __init__(self, *, layout: PoolLayout, buffers: Mapping[str, Sequence[Any]], role: Role, link: Link,
                  backend: str = "loopback", registry: Registry | None = None, instance: str = "",
-                 name: str | None = None, config: AgentConfig | None = None) -> None:
+                 name: str | None = None, config: AgentConfig | None = None,
+                 staging: np.ndarray | None = None) -> None:
         self.layout = layout
         self.role = role
         self.link = link
@@ -153,8 +161,14 @@ class TransferAgent:
         self.rejected_frames = 0
         self.registered: dict[str, RegisteredBuffers] = {}
         self._keepalive: list[Any] = []
+        self._views: dict[str, list[np.ndarray]] = {}
+        self._rows: dict[tuple[str, int], tuple[Rows, ...] | None] = {}
+        self._no_staging: set[str] = set()
+        self.staging: StagingArea | None = None
+        self._staging_reg: RegisteredBuffers | None = None
         try:
             self._register(buffers)
+            self._setup_staging(staging)
         except BaseException:
             self.backend.close()
             raise
@@ -180,9 +194,26 @@ class TransferAgent:
                 geom.check_region(region)
                 regions.append(region)
             self.registered[comp.name] = self.registry.register_buffers(self.backend, comp.name, regions)
+            if all(r.device is DeviceKind.CPU for r in regions):
+                self._views[comp.name] = [host_view(r).reshape(g.num_items, g.item_nbytes)
+                                          for r, g in zip(regions, comp.buffers)]
+
+    def _setup_staging(self, staging: np.ndarray | None) -> None:
+        """Register the staging area (given, e.g. in /dev/shm for loopback peers in other processes, or
+        allocated here) when every buffer is host memory."""
+        if len(self._views) != len(self.layout.components):
+            return
+        if staging is None:
+            if self.config.staging_bytes <= 0:
+                return
+            staging = np.zeros(self.config.staging_bytes, np.uint8)   # zeros: pre-touched before registering
+        self._keepalive.append(staging)
+        self.staging = StagingArea(staging.reshape(-1).view(np.uint8))
+        self._staging_reg = self.registry.register_buffers(self.backend, STAGING, [self.staging.region])
 
     def _remote_buffers(self) -> tuple[RemoteBuffers, ...]:
-        return tuple(reg.remote() for reg in self.registered.values())
+        regs = list(self.registered.values()) + ([self._staging_reg] if self._staging_reg else [])
+        return tuple(reg.remote() for reg in regs)
 
     # ------------------------------------------------------------------ messaging
     def _post(self, address: str, message: Message) -> None:
@@ -464,8 +495,18 @@ class TransferAgent:
             self._pairs[key] = pairs
         return pairs
 
+    def _rows_for(self, peer: _Peer, comp_index: int, segs: ComponentSlice, src: PoolLayout,
+                  dst: PoolLayout) -> tuple[Rows, ...] | None:
+        """The staging pattern of a (peer, component) slice, or None when plain descriptors are used."""
+        key = (peer.agent, comp_index)
+        if key not in self._rows:
+            rows = [regular_rows(seg, sb.item_nbytes, db.item_nbytes) for seg, sb, db in
+                    zip(segs.buffers, src.components[comp_index].buffers, dst.components[comp_index].buffers)]
+            self._rows[key] = tuple(rows) if all(r is not None for r in rows) else None  # type: ignore[misc]
+        return self._rows[key]
+
     def _drop_peer_caches(self, agent: str) -> None:
-        for cache in (self._slices, self._pairs):
+        for cache in (self._slices, self._pairs, self._rows):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]
 
@@ -494,10 +535,15 @@ class TransferAgent:
                         raise GeometryError(f"room {room.room} {comp.name}: prefill sends pages up to "
                                             f"{room.cursor + len(src)}, decode {agent} gave {len(dst_all)}")
                     s_idx, d_idx = src, dst_all[room.cursor: room.cursor + len(src)]
+                    staged_at = req.staging.get(comp.name, {}).get(self.layout.tp_rank)
+                    if staged_at is not None and len(s_idx) and self._send_staged(
+                            room, peer, comp_index, segs, s_idx, staged_at, chunk, last):
+                        continue
                 else:
                     s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
                 plan = plan_transfer(self._pairs_for(peer, comp_index, segs), s_idx, d_idx)
-                notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes)
+                notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes,
+                                room.cursor if st.chunked else 0, len(s_idx))
                 if len(plan) == 0:
                     self._notify(peer, notice)
                     continue
@@ -513,6 +559,46 @@ class TransferAgent:
         room.status = KVPoll.Transferring
         if last:
             room.last_sent = True
+
+    def _send_staged(self, room: _SendRoom, peer: _Peer, comp_index: int, segs: ComponentSlice, items: np.ndarray,
+                     remote_offset: int, chunk: int, last: bool) -> bool:
+        """Gather the chunk into our staging area and post one write into the peer's; False to fall back."""
+        assert peer.info is not None
+        rows = self._rows_for(peer, comp_index, segs, self.layout, peer.layout)
+        remote = next((b for b in peer.info.buffers if b.component == STAGING), None)
+        if (rows is None or self.staging is None or self._staging_reg is None or remote is None
+                or peer.agent in self._no_staging):
+            return False
+        _, per_item = page_layout(rows)
+        nbytes = per_item * len(items)
+        local = self.staging.alloc(nbytes)
+        if local is None:
+            return False        # our staging area is full: plain descriptors, the notice says so
+        comp = self.layout.components[comp_index]
+        out = self.staging.array[local: local + nbytes].reshape(len(items), per_item)
+        gather(self._views[comp.name], rows, items, out)
+        dst = remote.regions[0].addr + remote_offset + room.cursor * per_item
+        u64 = np.uint64
+        plan = TransferPlan(np.array([self.staging.region.addr + local], u64), np.array([dst], u64),
+                            np.array([nbytes], u64), np.zeros(1, np.int32))
+        notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, nbytes, room.cursor, len(items), True)
+        transfer = ComponentTransfer(room.room, STAGING, peer.agent, chunk, last, self._staging_reg, remote, plan,
+                                     self._codec.encode(notice))
+        try:
+            handle = self.registry.send_component(self.backend, transfer)
+        except RegionError as exc:     # the engine cannot reach the peer's staging area: descriptors from now on
+            self.staging.free(local, nbytes)
+            log.warning("%s: staging to %s refused (%s); using plain descriptors for this peer", self.name,
+                        peer.agent, exc)
+            self._no_staging.add(peer.agent)
+            return False
+        except BaseException:
+            self.staging.free(local, nbytes)
+            raise
+        room.inflight.append(_InFlight(handle, peer.agent, notice, (local, nbytes)))
+        room.nbytes += nbytes
+        room.descriptors += 1
+        return True
 
     def _notify(self, peer: _Peer, notice: Notice) -> None:
         log.debug("%s: notice to %s: %s", self.name, peer.agent, notice)
@@ -536,6 +622,8 @@ class TransferAgent:
                         still.append(item)
                         continue
                     self._release(item.handle)
+                    if item.staging is not None and self.staging is not None:
+                        self.staging.free(*item.staging)
                     if result is not None and result.state is HandleState.DONE:
                         if room.status is not KVPoll.Failed:
                             self._notify(self._peers[item.peer], item.notice)
@@ -574,16 +662,27 @@ class TransferAgent:
         peers = {rank: self._peers[agent] for rank, agent in room.targets.items()}
         any_peer = next(iter(peers.values()))
         src_layout = any_peer.layout
+        staging: dict[str, dict[int, int]] = {}
         for comp_index, (comp, st) in enumerate(zip(self.layout.components, self.state_types)):
+            room.indices[comp.name] = indices[comp.name].unpack()
             if st.chunked:
                 room.chunked.add(comp.name)
-            for rank in peers:
+            for rank, peer in peers.items():
                 segs = self.registry.slice_state(st, src_layout.components[comp_index], comp,
                                                  Rank(rank, src_layout.tp_size), self.rank)
-                if not segs.is_empty:
-                    room.expected.add((rank, comp.name))
+                if segs.is_empty:
+                    continue
+                room.expected.add((rank, comp.name))
+                n_items = len(room.indices[comp.name])
+                rows = self._rows_for(peer, comp_index, segs, src_layout, self.layout) if st.chunked else None
+                if rows is not None and self.staging is not None and n_items:
+                    nbytes = page_layout(rows)[1] * n_items
+                    offset = self.staging.alloc(nbytes)
+                    if offset is not None:
+                        staging.setdefault(comp.name, {})[rank] = offset
+                        room.staged[(rank, comp.name)] = (offset, nbytes, rows)
         request = TransferRequest(room.room, self.name, self.layout.tp_rank, self.layout.tp_size, dict(indices),
-                                  prefix_len)
+                                  prefix_len, staging)
         room.metadata_at = time.monotonic()
         for peer in peers.values():
             self._post(peer.address, request)
@@ -602,12 +701,36 @@ class TransferAgent:
         chunks = room.received.setdefault(key, set())
         if notice.chunk in chunks:
             return
+        if notice.staged:
+            self._scatter(room, notice)
         chunks.add(notice.chunk)
         room.nbytes += notice.nbytes
         if notice.last:
             room.last_chunk[key] = notice.chunk
         room.status = KVPoll.Transferring
         self._check_done(room)
+
+    def _scatter(self, room: _RecvRoom, notice: Notice) -> None:
+        """Move a staged chunk from our staging area into its pages (validated against the reservation)."""
+        reserved = room.staged.get((notice.sender, notice.component))
+        dst = room.indices.get(notice.component)
+        if reserved is None or dst is None or self.staging is None:
+            raise ProtocolError(f"room {room.room}: staged notice from rank {notice.sender} for {notice.component}, "
+                                "which has no staging reservation")
+        offset, nbytes, rows = reserved
+        per_item = page_layout(rows)[1]
+        if notice.first + notice.count > len(dst) or (notice.first + notice.count) * per_item > nbytes:
+            raise ProtocolError(f"room {room.room}: staged chunk [{notice.first}, +{notice.count}) is outside the "
+                                f"{len(dst)} reserved items")
+        start = offset + notice.first * per_item
+        staged = self.staging.array[start: start + notice.count * per_item].reshape(notice.count, per_item)
+        scatter(self._views[notice.component], rows, dst[notice.first: notice.first + notice.count], staged)
+
+    def _release_staging(self, room: _RecvRoom) -> None:
+        if self.staging is not None:
+            for offset, nbytes, _ in room.staged.values():
+                self.staging.free(offset, nbytes)
+        room.staged.clear()
 
     @staticmethod
     def _delivered(room: _RecvRoom, rank: int) -> bool:
@@ -902,6 +1025,14 @@ class Receiver:
             return set(room.targets.values()) <= room.quiesced
 
     def clear(self) -> None:
+        """Forget the room. Its staging reservations are freed only once no write can still land in them."""
+        safe = self.safe_to_reuse if self.room in self._agent._recv_rooms else True
         with self._agent._lock:
-            self._agent._recv_rooms.pop(self.room, None)
+            room = self._agent._recv_rooms.pop(self.room, None)
+            if room is not None:
+                if safe:
+                    self._agent._release_staging(room)
+                elif room.staged:
+                    log.warning("%s: room %d cleared before its senders confirmed quiescence; keeping its staging "
+                                "reservations", self._agent.name, self.room)
             self._agent._bury(self.room)

@@ -116,7 +116,7 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
     child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages), daemon=True)
     child.start()
     pool = _Pool(layout, shared=True)      # loopback reaches another process's memory through /dev/shm
-    dec = TransferAgent(layout=layout, buffers=pool.buffers, role=Role.DECODE,  # type: ignore[arg-type]
+    dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,  # type: ignore[arg-type]
                         link=ZmqLink(bootstrap=server.address))
     pages = np.arange(1, 1 + n_pages)
     latencies = []

@@ -90,6 +90,8 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="request", forbid_unknown
     dst_size: int
     indices: dict[str, PackedIndices]
     prefix_len: int = 0
+    #: staging fast path: component -> {prefill rank: byte offset reserved for it in our staging area}
+    staging: dict[str, dict[int, int]] = {}
 
 
 class Notice(msgspec.Struct, frozen=True, tag="notice", forbid_unknown_fields=True):
@@ -101,6 +103,9 @@ class Notice(msgspec.Struct, frozen=True, tag="notice", forbid_unknown_fields=Tr
     chunk: int
     last: bool
     nbytes: int = 0
+    first: int = 0          # for chunked components: index of the chunk's first item in the request
+    count: int = 0          # and how many items it carries
+    staged: bool = False    # the bytes sit in the receiver's staging area: scatter before counting
 
 
 class StatusPush(msgspec.Struct, frozen=True, tag="status", forbid_unknown_fields=True):
@@ -208,5 +213,10 @@ def _check_ranges(message: Message) -> None:
             raise ProtocolError(f"request for room {message.room}: rank {message.dst_rank} outside TP {message.dst_size}")
         if message.prefix_len < 0:
             raise ProtocolError(f"request for room {message.room}: negative prefix length {message.prefix_len}")
-    if isinstance(message, Notice) and (message.chunk < 0 or message.sender < 0 or message.nbytes < 0):
-        raise ProtocolError(f"notice for room {message.room}: negative chunk, sender or size")
+    if isinstance(message, Notice) and min(message.chunk, message.sender, message.nbytes, message.first,
+                                           message.count) < 0:
+        raise ProtocolError(f"notice for room {message.room}: negative chunk, sender, size or item range")
+    if isinstance(message, TransferRequest):
+        for component, offsets in message.staging.items():
+            if any(rank < 0 or offset < 0 for rank, offset in offsets.items()):
+                raise ProtocolError(f"request for room {message.room}: negative staging offset for {component}")

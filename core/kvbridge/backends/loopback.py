@@ -155,8 +155,8 @@ class LoopbackBackend:
         pairs = np.zeros((len(buffers.regions), 2), dtype=np.uint64)
         for i, (region, where) in enumerate(zip(buffers.regions, backing)):
             if not where.shm_name:
-                raise RegionError(f"peer region of {buffers.component} at {region.addr:#x} is private memory of "
-                                  "another process; loopback reaches other processes only through /dev/shm")
+                pairs[i] = (region.addr, 0)   # private memory of the peer: unreachable, refused at send
+                continue
             fd = os.open(f"/dev/shm/{where.shm_name}", os.O_RDWR)
             try:
                 page = mmap.ALLOCATIONGRANULARITY
@@ -192,9 +192,12 @@ class LoopbackBackend:
             pairs = peer.translate.get(transfer.component)
             if pairs is None:
                 raise RegionError(f"peer {transfer.peer!r} registered no component {transfer.component!r}")
-            region_of = np.searchsorted(np.sort(pairs[:, 0]), dst, side="right") - 1
             order = np.argsort(pairs[:, 0])
-            dst = dst - pairs[order[region_of], 0] + pairs[order[region_of], 1]
+            rows = order[np.searchsorted(pairs[order, 0], dst, side="right") - 1]
+            if np.any(pairs[rows, 1] == 0):
+                raise RegionError(f"peer {transfer.peer!r}: {transfer.component} region is private memory of another "
+                                  "process; loopback reaches other processes only through /dev/shm")
+            dst = dst - pairs[rows, 0] + pairs[rows, 1]
         copy_descriptors(plan.src_addr, dst, plan.nbytes)
         return Poll.done()
 

@@ -63,6 +63,7 @@ class WorkerConfig:
     dump: str | None = None
     secret: bytes | None = None
     pace_s: float = 0.0          # pause between prefill chunks (fault tests kill a rank mid-transfer)
+    staging_bytes: int = 16 << 20  # staging area per rank (0: plain descriptors only)
     peer_timeout_s: float = 3.0
 
     @property
@@ -94,26 +95,30 @@ def allocate_items(cfg: WorkerConfig, request: RequestShape) -> np.ndarray:
 class _Pool:
     """Host buffers of every component; in /dev/shm for the loopback backend (so peers can map them)."""
 
-    def __init__(self, layout: PoolLayout, shared: bool) -> None:
+    def __init__(self, layout: PoolLayout, shared: bool, staging_bytes: int = 16 << 20) -> None:
         self._segments: list[SharedMemory] = []
         self.buffers: dict[str, list[np.ndarray]] = {}
         for comp in layout.components:
             arrays = []
             for geom in comp.buffers:
-                if shared:
-                    seg = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-{len(self._segments)}", create=True,
-                                       size=geom.nbytes)
-                    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-                    self._segments.append(seg)
-                    arr = np.ndarray((geom.num_items, geom.item_nbytes), np.uint8, seg.buf)
-                else:
-                    arr = np.empty((geom.num_items, geom.item_nbytes), np.uint8)
-                arr.fill(0)            # pre-touch: first-touch page faults would cost ~20x on the first write
-                arrays.append(arr)
+                arrays.append(self._array(geom.nbytes, shared).reshape(geom.num_items, geom.item_nbytes))
             self.buffers[comp.name] = arrays
+        self.staging = self._array(staging_bytes, shared) if staging_bytes else None
+
+    def _array(self, nbytes: int, shared: bool) -> np.ndarray:
+        if shared:
+            seg = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-{len(self._segments)}", create=True, size=nbytes)
+            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+            self._segments.append(seg)
+            arr = np.ndarray((nbytes,), np.uint8, seg.buf)
+        else:
+            arr = np.empty(nbytes, np.uint8)
+        arr.fill(0)            # pre-touch: first-touch page faults would cost ~20x on the first write
+        return arr
 
     def close(self) -> None:
         self.buffers.clear()
+        self.staging = None
         for seg in self._segments:
             try:
                 seg.close()
@@ -135,11 +140,13 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         num_items = 1 + cfg.window * cfg.region_pages
         layout = PoolLayout(tuple(m.component(cfg.tp_size, num_items) for m in preset.components), cfg.tp_size,
                             cfg.rank, preset.page_size, preset.model)
-        pool = _Pool(layout, shared=cfg.backend == "loopback")
+        pool = _Pool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
         link = ZmqLink(bootstrap=cfg.bootstrap)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
-                              name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", config=AgentConfig(secret=cfg.secret, peer_timeout_s=cfg.peer_timeout_s))
+                              name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", staging=pool.staging,
+                              config=AgentConfig(secret=cfg.secret, peer_timeout_s=cfg.peer_timeout_s,
+                                                 staging_bytes=cfg.staging_bytes))
         agent.start()
         results.put(("ready", cfg.role.value, cfg.rank))
         if cfg.role is Role.DECODE:
