@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mamba_harness import run_reshard
-
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, Rank, ShardAxis
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge_mamba import MambaState, mamba_component
+from mamba_harness import run_reshard
 
 STATE = MambaState()
 
@@ -243,7 +242,8 @@ def test_builder_single_group_has_no_groups() -> None:
     ({"layers": [1, 1]}, "duplicate"), ({"tp": 0}, "TP size"), ({"dtype": "complex64"}, "unknown dtype"),
 ])
 def test_builder_rejects(kwargs: dict, match: str) -> None:
-    args = dict(layers=1, conv_groups=8, kernel=4, heads=2, head_dim=2, state=2, tp=1, dtype="float32", num_slots=3)
+    args = {"layers": 1, "conv_groups": 8, "kernel": 4, "heads": 2, "head_dim": 2, "state": 2, "tp": 1,
+            "dtype": "float32", "num_slots": 3}
     args.update(kwargs)
     with pytest.raises(GeometryError, match=match):
         mamba_component("m", **args)

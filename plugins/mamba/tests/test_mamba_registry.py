@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import kvbridge.state.kv
 import kvbridge_mamba
+import pytest
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, ShardAxis
 from kvbridge.registry import Registry

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from mamba_harness import TP_SIZES, run_reshard, shardable
-
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge_mamba import MambaState, mamba_component
+from mamba_harness import TP_SIZES, run_reshard, shardable
 
 STATE = MambaState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))
@@ -65,18 +64,18 @@ GROUP_SIZES = st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])
 
 @st.composite
 def geometries(draw: st.DrawFn) -> dict:
-    return dict(
-        groups=tuple(draw(st.lists(GROUP_SIZES, min_size=1, max_size=3))),
-        heads=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
-        kernel=draw(st.integers(2, 4)),
-        head_dim=draw(st.integers(1, 3)),
-        state=draw(st.integers(1, 4)),
-        layers=draw(st.integers(1, 2)),
-        dtype=draw(st.sampled_from(["uint8", "bfloat16", "float32"])),
-        ssm_dtype=draw(st.sampled_from(["bfloat16", "float32"])),
-        channels_last=draw(st.booleans()),
-        num_slots=draw(st.integers(2, 5)),
-    )
+    return {
+        "groups": tuple(draw(st.lists(GROUP_SIZES, min_size=1, max_size=3))),
+        "heads": draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        "kernel": draw(st.integers(2, 4)),
+        "head_dim": draw(st.integers(1, 3)),
+        "state": draw(st.integers(1, 4)),
+        "layers": draw(st.integers(1, 2)),
+        "dtype": draw(st.sampled_from(["uint8", "bfloat16", "float32"])),
+        "ssm_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
+        "channels_last": draw(st.booleans()),
+        "num_slots": draw(st.integers(2, 5)),
+    }
 
 
 def build(g: dict, tp: int) -> Component:
@@ -108,8 +107,8 @@ def test_property_exactly_once_and_equal_to_reference(g: dict, pt: int, dt: int,
 def test_mixed_replication_groups_written_once() -> None:
     """conv groups (1, 2) at Pt=2: group 0 is replicated on both prefill ranks, group 1 is split. Writers
     are elected per group, so group 0 is written by prefill 0 only (found by the property above)."""
-    g = dict(groups=(1, 2), heads=1, kernel=2, head_dim=1, state=1, layers=1, dtype="uint8", ssm_dtype="bfloat16",
-             channels_last=False, num_slots=2)
+    g = {"groups": (1, 2), "heads": 1, "kernel": 2, "head_dim": 1, "state": 1, "layers": 1, "dtype": "uint8",
+         "ssm_dtype": "bfloat16", "channels_last": False, "num_slots": 2}
     src, dst = build(g, 2), build(g, 1)
     p1 = STATE.slice(src, dst, Rank(1, 2), Rank(0, 1)).buffers[0]
     assert (p1.src_off.tolist(), p1.dst_off.tolist(), p1.nbytes.tolist()) == ([1], [2], [1])  # its half of group 1

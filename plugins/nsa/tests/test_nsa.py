@@ -5,20 +5,19 @@ from __future__ import annotations
 import itertools
 from functools import partial
 
+import kvbridge.state.kv
+import kvbridge_nsa
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nsa_harness import TP_SIZES, run_reshard
-
-import kvbridge.state.kv
-import kvbridge_nsa
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis
 from kvbridge.registry import Registry
 from kvbridge.specs import PluginStatus
 from kvbridge.state.kv import KVState
 from kvbridge_nsa import NSAState, PageRange, indexer_pages, nsa_component
+from nsa_harness import TP_SIZES, run_reshard
 
 STATE = NSAState()
 NUM_PAGES = 12
@@ -69,9 +68,9 @@ def test_deepseek_v32_geometry() -> None:
     STATE.check_component(comp, Rank(3, 8))
 
 
-@pytest.mark.parametrize("bad", [dict(page_size=0), dict(bytes_per_token=-1), dict(layers=[]), dict(layers=[2, 2])])
+@pytest.mark.parametrize("bad", [{"page_size": 0}, {"bytes_per_token": -1}, {"layers": []}, {"layers": [2, 2]}])
 def test_builder_rejects(bad: dict) -> None:
-    args: dict = dict(layers=2, num_pages=8)
+    args: dict = {"layers": 2, "num_pages": 8}
     args.update(bad)
     with pytest.raises(GeometryError):
         nsa_component("indexer", **args)
@@ -189,8 +188,8 @@ def test_contiguous_pages_merge_into_one_descriptor_per_layer() -> None:
 
 @st.composite
 def geometries(draw: st.DrawFn) -> dict:
-    return dict(layers=draw(st.integers(1, 3)), page_size=draw(st.integers(1, 8)),
-                bytes_per_token=draw(st.integers(1, 20)))
+    return {"layers": draw(st.integers(1, 3)), "page_size": draw(st.integers(1, 8)),
+                "bytes_per_token": draw(st.integers(1, 20))}
 
 
 @settings(max_examples=150, deadline=None)

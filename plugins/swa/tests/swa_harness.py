@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
 from kvbridge.backends.loopback import copy_descriptors
 from kvbridge.geometry import BufferGeometry, Component, Rank
 from kvbridge.planner import BufferPair, plan_transfer

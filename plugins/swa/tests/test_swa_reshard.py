@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from swa_harness import TP_SIZES, run_reshard, shardable
-
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge_swa import SWAState, swa_component, window_pages
+from swa_harness import TP_SIZES, run_reshard, shardable
 
 STATE = SWAState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))
@@ -81,16 +80,16 @@ def test_v_head_dim_differs_from_k() -> None:
 # ----------------------------------------------------------------------------- properties
 @st.composite
 def geometries(draw: st.DrawFn) -> dict:
-    return dict(
-        heads=draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16])),
-        head_major=draw(st.booleans()),
-        head_dim=draw(st.integers(1, 4)),
-        v_head_dim=draw(st.one_of(st.none(), st.integers(1, 4))),
-        dtype=draw(st.sampled_from(["uint8", "float16", "float32"])),
-        page=draw(st.integers(1, 5)),
-        window=draw(st.integers(1, 12)),
-        layers=draw(st.integers(1, 2)),
-    )
+    return {
+        "heads": draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16])),
+        "head_major": draw(st.booleans()),
+        "head_dim": draw(st.integers(1, 4)),
+        "v_head_dim": draw(st.one_of(st.none(), st.integers(1, 4))),
+        "dtype": draw(st.sampled_from(["uint8", "float16", "float32"])),
+        "page": draw(st.integers(1, 5)),
+        "window": draw(st.integers(1, 12)),
+        "layers": draw(st.integers(1, 2)),
+    }
 
 
 def build(g: dict, tp: int) -> Component:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import kvbridge.state.kv
 import kvbridge_swa
+import numpy as np
+import pytest
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis
 from kvbridge.registry import Registry
@@ -18,8 +17,8 @@ STATE = SWAState()
 
 
 def comp(tp: int = 2, **overrides: object) -> Component:
-    args: dict = dict(layers=[0, 2], page_size=16, kv_heads=8, head_dim=8, tp=tp, dtype="bfloat16", num_pages=64,
-                      window=128)
+    args: dict = {"layers": [0, 2], "page_size": 16, "kv_heads": 8, "head_dim": 8, "tp": tp, "dtype": "bfloat16",
+                  "num_pages": 64, "window": 128}
     args.update(overrides)
     return swa_component("swa", **args)
 
@@ -48,7 +47,7 @@ def test_builder_refuses_indivisible_heads() -> None:
         comp(tp=4, kv_heads=6)
 
 
-@pytest.mark.parametrize("bad", [dict(window=0), dict(page_size=0), dict(tp=0), dict(layers=[]), dict(layers=[1, 1])])
+@pytest.mark.parametrize("bad", [{"window": 0}, {"page_size": 0}, {"tp": 0}, {"layers": []}, {"layers": [1, 1]}])
 def test_builder_rejects(bad: dict) -> None:
     with pytest.raises(GeometryError):
         comp(**bad)

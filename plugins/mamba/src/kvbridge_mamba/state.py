@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import Component, IndexKind, Rank
 from kvbridge.state.base import StateType

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-
 from kvbridge.errors import GeometryError, IncompatiblePeer
 from kvbridge.geometry import Component, IndexKind, Rank
 from kvbridge.slicing import ComponentSlice

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-
 from kvbridge.errors import GeometryError
 
 
