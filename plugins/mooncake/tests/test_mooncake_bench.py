@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from mooncake_harness import needs_mooncake
 
 from kvbridge_mooncake.bench import Scenario, run_bench
+from kvbridge_mooncake.testing import unavailable_reason
 
-pytestmark = [needs_mooncake, pytest.mark.multiprocess]
+NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [NEEDS_MOONCAKE, pytest.mark.multiprocess]
 
 
 def test_bench_smoke() -> None:

@@ -9,10 +9,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from mooncake_harness import (
-    KVShape, drain_until, needs_mooncake, plan_between, raw_plan, reference_reshard, shard, transfer,
-    wait_all,
-)
 
 from kvbridge.backends.base import (
     HandleState, PeerInfo, RegionWire, RegisteredBuffers, RemoteBuffers, TransferBackend,
@@ -21,8 +17,13 @@ from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion, Rank, region_of
 from kvbridge.planner import TransferPlan
 from kvbridge_mooncake.backend import MooncakeBackend
+from kvbridge_mooncake.testing import (
+    KVShape, drain_until, plan_between, raw_plan, reference_reshard, shard, transfer, unavailable_reason,
+    wait_all,
+)
 
-pytestmark = needs_mooncake
+NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = NEEDS_MOONCAKE
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,16 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from mooncake_harness import (
-    KVShape, PeerSetup, decode_peer, needs_mooncake, plan_between, reference_reshard, shard, transfer,
-    wait_all,
-)
 
 from kvbridge.backends.base import HandleState, PeerInfo
 from kvbridge.geometry import Rank, region_of
+from kvbridge_mooncake.testing import (
+    KVShape, PeerSetup, decode_peer, plan_between, reference_reshard, shard, transfer,
+    unavailable_reason, wait_all,
+)
 
-pytestmark = [needs_mooncake, pytest.mark.multiprocess]
+NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [NEEDS_MOONCAKE, pytest.mark.multiprocess]
 _PIPE_WAIT_S = 30.0
 
 

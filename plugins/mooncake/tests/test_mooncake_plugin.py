@@ -8,7 +8,6 @@ import glob
 import importlib.util
 
 import pytest
-from mooncake_harness import needs_mooncake
 
 import kvbridge_mooncake
 from kvbridge.backends.base import TransferBackend
@@ -18,6 +17,9 @@ from kvbridge.specs import Capability
 from kvbridge_mooncake import availability as probe_mod
 from kvbridge_mooncake.backend import MooncakeBackend
 from kvbridge_mooncake.engine import DEFAULT_CHUNK, DEFAULT_WINDOW, MooncakeOptions, create_engine, has_hca
+from kvbridge_mooncake.testing import unavailable_reason
+
+NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
 def test_entry_point_declares_the_backend() -> None:
@@ -37,7 +39,7 @@ def test_importing_the_plugin_does_not_import_mooncake() -> None:
     assert out.stdout.strip() == "False"
 
 
-@needs_mooncake
+@NEEDS_MOONCAKE
 def test_registry_builds_a_working_backend() -> None:
     registry = Registry.build(allow=["mooncake"])
     backend = registry.create_backend("mooncake", name="via-registry", options={"protocol": "tcp"})
@@ -100,7 +102,7 @@ def test_legacy_tcp_framing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         create_engine(MooncakeOptions.parse(None))
 
 
-@needs_mooncake
+@NEEDS_MOONCAKE
 @pytest.mark.skipif(bool(glob.glob("/sys/class/infiniband/*")), reason="this host has an RDMA device")
 def test_rdma_without_a_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)

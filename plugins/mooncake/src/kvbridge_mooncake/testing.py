@@ -1,5 +1,5 @@
-"""Shared helpers of the mooncake tests: KV pools, an independent reference reshard, planning, polling,
-and the decode-side peer process of the two-process test.
+"""Test helpers of the mooncake plugin: KV pools, an independent reference reshard, planning, polling,
+and the decode-side peer process of the two-process test (importable from a spawned process).
 
 The reference reshard uses only numpy head slicing of a full (all-heads) tensor; it never calls
 kvbridge.slicing, which the tests use only to *build* plans.
@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import pytest
 
 from kvbridge.backends.base import (
     ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers,
@@ -23,12 +22,13 @@ from kvbridge.geometry import BufferGeometry, Component, DType, Rank, ShardAxis,
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
 from kvbridge.slicing import buffer_segments
 
-import kvbridge_mooncake
+from kvbridge_mooncake.availability import probe
 
-BACKEND_AVAILABLE = kvbridge_mooncake.probe()
-needs_mooncake = pytest.mark.skipif(not BACKEND_AVAILABLE.available,
-                                    reason=f"mooncake unavailable: {BACKEND_AVAILABLE.reason} "
-                                           f"({BACKEND_AVAILABLE.hint})")
+
+def unavailable_reason() -> str | None:
+    """Why the real engine cannot run here (for a skip marker), or None when it can."""
+    result = probe()
+    return None if result.available else f"mooncake unavailable: {result.reason} ({result.hint})"
 
 
 @dataclass(frozen=True, slots=True)
