@@ -16,7 +16,7 @@ from kvbridge.planner import TransferPlan
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.options import NixlOptions
 
-from kvcase import (Side, decode_pool, expected_decode, full_kv, make_transfer, prefill_pool, regions,
+from kvbridge_nixl.testing import (Side, decode_pool, expected_decode, full_kv, make_transfer, prefill_pool, regions,
                     request_pages, same_bytes)
 
 Factory = Callable[[str], NixlBackend]

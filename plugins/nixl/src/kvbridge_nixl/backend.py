@@ -102,7 +102,7 @@ class NixlBackend:
         self._registered: dict[str, list[RegisteredBuffers]] = {}
         self._local: dict[tuple[str, bytes], _Dlist] = {}
         self._peers: dict[str, _Peer] = {}
-        self._patterns: OrderedDict[int, tuple[tuple[Segments, ...], Pattern]] = OrderedDict()
+        self._patterns: OrderedDict[tuple[int, ...], tuple[tuple[Segments, ...], Pattern]] = OrderedDict()
         self._live: set[NixlHandle] = set()
         self._stuck: list[Any] = []   # handles NIXL refused to release; retried on close
         self._endpoint: bytes | None = None
@@ -297,20 +297,21 @@ class NixlBackend:
         return reason
 
     def _pattern(self, segments: tuple[Segments, ...]) -> Pattern:
-        hit = self._patterns.get(id(segments))
-        if hit is not None and hit[0] is segments:
-            self._patterns.move_to_end(id(segments))
+        """Patterns are remembered by the identity of their Segments objects (a sender reuses them)."""
+        key = tuple(map(id, segments))
+        hit = self._patterns.get(key)
+        if hit is not None:
+            self._patterns.move_to_end(key)
             return hit[1]
         pattern = Pattern.of(segments)
-        self._patterns[id(segments)] = (segments, pattern)   # holding the tuple keeps its id unique
+        self._patterns[key] = (tuple(segments), pattern)   # holding the objects keeps their ids unique
         if len(self._patterns) > _PATTERN_CACHE:
             self._patterns.popitem(last=False)
         return pattern
 
     def _local_dlist(self, transfer: ComponentTransfer, pattern: Pattern, items: np.ndarray) -> _Dlist:
         plan, regions = transfer.plan, transfer.src.regions
-        geo = derive_side(plan.src_addr, plan.nbytes, plan.buffer, *_bases_sizes(regions), pattern.active,
-                          pattern.src_end, items, f"source ({transfer.component})")
+        geo = derive_side(plan.src_addr, plan.nbytes, plan.buffer, *_bases_sizes(regions), pattern, items, "src")
         key = (transfer.component, geo.key() + pattern.src_key)
         dlist = self._local.get(key)
         if dlist is None:
@@ -321,8 +322,7 @@ class NixlBackend:
 
     def _remote_dlist(self, peer: _Peer, transfer: ComponentTransfer, pattern: Pattern, items: np.ndarray) -> _Dlist:
         plan, dst = transfer.plan, transfer.dst
-        geo = derive_side(plan.dst_addr, plan.nbytes, plan.buffer, *_bases_sizes(dst.regions), pattern.active,
-                          pattern.dst_end, items, f"destination ({transfer.component})")
+        geo = derive_side(plan.dst_addr, plan.nbytes, plan.buffer, *_bases_sizes(dst.regions), pattern, items, "dst")
         key = (transfer.component, geo.key() + pattern.dst_key)
         dlist = peer.dlists.get(key)
         if dlist is None:
@@ -400,6 +400,17 @@ class NixlBackend:
             return []
         notifs = self._agent.get_new_notifs()
         return [(endpoint_name(agent), bytes(msg)) for agent, msgs in notifs.items() for msg in msgs]
+
+    # -- introspection (benchmarks, diagnostics)
+    @property
+    def agent(self) -> Any:
+        """The underlying ``nixl_agent`` (for benchmarks and diagnostics; do not post through it)."""
+        return self._agent
+
+    def peer_agent(self, peer_id: str) -> str:
+        """The NIXL agent name behind a peer id."""
+        with self._lock:
+            return self._peers[peer_id].agent
 
     # -- lifecycle
     def resources(self) -> dict[str, int]:

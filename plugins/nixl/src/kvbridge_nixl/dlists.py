@@ -71,44 +71,56 @@ class SideGeometry:
 
 
 def derive_side(addr: np.ndarray, length: np.ndarray, buffer: np.ndarray, bases: np.ndarray,
-                sizes: np.ndarray, active: np.ndarray, seg_end: np.ndarray, items: np.ndarray,
-                side: str) -> SideGeometry:
-    """Recover each active buffer's item size from one side of a plan, and check the plan against it.
+                sizes: np.ndarray, pattern: Pattern, items: np.ndarray, side: str) -> SideGeometry:
+    """Recover each active buffer's item size from one side of a plan (``side``: "src" or "dst").
 
     ``bases``/``sizes`` describe every buffer's region (uint64/int64, in buffer order); ``items`` are this
-    side's item indices. Raises RegionError when a descriptor leaves its own buffer's region or when the
-    plan and its structured form disagree.
+    side's item indices, paired with the other side's and sorted by source. The plan must already be
+    bounds-checked. Raises RegionError when the plan and its structured form disagree.
     """
+    active, seg_end = pattern.active, (pattern.src_end if side == "src" else pattern.dst_end)
     nbuf = bases.size
     if buffer.size and (int(buffer.min()) < 0 or int(buffer.max()) >= nbuf):
         raise RegionError(f"{side}: plan names buffer {int(buffer.max())} but the component has {nbuf} regions")
-    lo = bases[buffer]
-    ends = addr + length
-    outside = (addr < lo) | (ends > lo + sizes[buffer].astype(np.uint64))
-    if outside.any():
-        i = int(np.flatnonzero(outside)[0])
-        raise RegionError(f"{side} descriptor {i} at {int(addr[i]):#x} lies outside the region of its own buffer "
-                          f"{int(buffer[i])} (regions must be given in buffer order)")
     if items.size and int(items.min()) < 0:
         raise RegionError(f"{side}: negative item index {int(items.min())}")
     act_base, act_size = bases[active], sizes[active]
     top = int(items.max()) if items.size else 0
     if top == 0:  # only item 0 moves: any item size works; let the whole region be one item
-        return SideGeometry(act_base, act_size.astype(np.int64), np.ones(active.size, dtype=np.int64))
-    reach = np.zeros(nbuf, dtype=np.uint64)
-    if buffer.size > 1 and bool(np.all(buffer[1:] >= buffer[:-1])):
-        first = np.flatnonzero(np.concatenate(([True], buffer[1:] != buffer[:-1])))
-        reach[buffer[first]] = np.maximum.reduceat(ends, first)
+        geo = SideGeometry(act_base, act_size.astype(np.int64), np.ones(active.size, dtype=np.int64))
     else:
-        np.maximum.at(reach, buffer, ends)
-    span = (reach[active] - act_base).astype(np.int64) - seg_end
-    if np.any(reach[active] < act_base) or np.any(span <= 0) or np.any(span % top):
-        raise RegionError(f"{side}: the plan's descriptors do not match its item indices and segments "
-                          "(structured form and plan disagree)")
-    item = span // top
-    if np.any(item < seg_end):
-        raise RegionError(f"{side}: segments reach past the end of an item")
-    return SideGeometry(act_base, item, (act_size.astype(np.int64) - seg_end) // item + 1)
+        ends = addr + length
+        reach = np.zeros(nbuf, dtype=np.uint64)
+        if buffer.size > 1 and bool(np.all(buffer[1:] >= buffer[:-1])):
+            first = np.flatnonzero(np.concatenate(([True], buffer[1:] != buffer[:-1])))
+            reach[buffer[first]] = np.maximum.reduceat(ends, first)
+        else:
+            np.maximum.at(reach, buffer, ends)
+        span = (reach[active] - act_base).astype(np.int64) - seg_end
+        if np.any(reach[active] < act_base) or np.any(span <= 0) or np.any(span % top):
+            raise RegionError(f"{side}: the plan's descriptors and its item indices and segments disagree")
+        item = span // top
+        if np.any(item < seg_end):
+            raise RegionError(f"{side}: segments reach past the end of an item")
+        geo = SideGeometry(act_base, item, (act_size.astype(np.int64) - seg_end) // item + 1)
+    _spot_check(addr, buffer, geo, pattern, items, side)
+    return geo
+
+
+def _spot_check(addr: np.ndarray, buffer: np.ndarray, geo: SideGeometry, pattern: Pattern, items: np.ndarray,
+                side: str) -> None:
+    """The plan's first descriptor must be (first item, first segment) of its buffer (O(1))."""
+    if not addr.size:
+        return
+    pos = np.flatnonzero(pattern.active == buffer[0])
+    if not pos.size:
+        raise RegionError(f"{side}: the plan writes buffer {int(buffer[0])}, which has no segments")
+    k = int(pos[0])
+    off = (pattern.src_off if side == "src" else pattern.dst_off)[k]
+    want = int(geo.base[k]) + int(items[0]) * int(geo.item_nbytes[k]) + int(off[0])
+    if int(addr[0]) != want:
+        raise RegionError(f"{side}: the plan's first descriptor {int(addr[0]):#x} is not item {int(items[0])} "
+                          f"of buffer {int(buffer[0])} ({want:#x}); the plan and its items and segments disagree")
 
 
 def dlist_rows(geo: SideGeometry, offsets: Sequence[np.ndarray], lengths: Sequence[np.ndarray],

@@ -1,4 +1,5 @@
-"""A token-major paged KV case for the NIXL tests: pools, plans, and an independent reference reshard.
+"""Test support (importable by spawned peers): a token-major paged KV case, an independent reference
+reshard, and the body of a prefill peer process.
 
 The expected destination bytes are computed here with plain numpy head slicing of the full (unsharded)
 KV; ``kvbridge.slicing`` is used only to build the plans under test, never the expectation.
@@ -6,11 +7,18 @@ KV; ``kvbridge.slicing`` is used only to build the plans under test, never the e
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
+import msgspec
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, RemoteBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers
 from kvbridge.geometry import BufferGeometry, DType, MemoryRegion, Rank, ShardAxis, region_of
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.slicing import buffer_segments
@@ -113,3 +121,84 @@ def request_pages(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def same_bytes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(a, b))
+
+
+# -- a prefill peer in another process ---------------------------------------------------------------
+
+PEER_DEADLINE_S = 30.0
+
+
+class PeerOrder(msgspec.Struct, frozen=True):
+    """What the parent (decode side) tells a prefill peer process to do."""
+
+    decode: list[bytes]          # msgpack-encoded PeerInfo per decode rank
+    pt: int
+    heads: int
+    seed: int
+    src_idx: list[int]
+    dst_idx: list[int]
+    room: int
+
+
+def block_cma_with_seccomp() -> None:
+    """Make ``process_vm_readv/writev`` fail with EPERM in this process (as Docker's default seccomp
+    profile does without CAP_SYS_PTRACE). x86-64 Linux only; threads created afterwards inherit it."""
+    if platform.machine() != "x86_64":
+        raise OSError("the CMA seccomp filter is written for x86-64")
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    load_nr, jeq, ret = 0x20, 0x15, 0x06                      # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    readv, writev, allow, eperm = 310, 311, 0x7FFF0000, 0x00050001
+    rules = (Filter * 5)(Filter(load_nr, 0, 0, 0), Filter(jeq, 2, 0, readv), Filter(jeq, 1, 0, writev),
+                         Filter(ret, 0, 0, allow), Filter(ret, 0, 0, eperm))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(Program(5, rules)), 0, 0):  # NO_NEW_PRIVS, SECCOMP
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+
+
+def prefill_peer(conn: Connection, options: dict[str, str], block_cma: bool) -> None:
+    """Body of a prefill process: ``pt`` ranks write one request into the parent's decode ranks."""
+    from kvbridge_nixl.backend import NixlBackend
+
+    backends: list[Any] = []
+    try:
+        if block_cma:
+            block_cma_with_seccomp()
+        if not conn.poll(PEER_DEADLINE_S):
+            raise TimeoutError("no order from the parent")
+        order = msgspec.msgpack.decode(conn.recv_bytes(), type=PeerOrder)
+        infos = [msgspec.msgpack.decode(blob, type=PeerInfo) for blob in order.decode]
+        full, dt = full_kv(order.seed, order.heads), len(infos)
+        src_idx, dst_idx = np.array(order.src_idx), np.array(order.dst_idx)
+        handles = []
+        for p in range(order.pt):
+            backend = NixlBackend(name=f"prefill-{p}", options=options)
+            backends.append(backend)
+            side = Side(Rank(p, order.pt), prefill_pool(full, order.pt, p), order.heads)
+            reg = backend.register_buffers("kv", regions(side.pool))
+            for d, info in enumerate(infos):
+                backend.add_peer(info)
+                dst = Side(Rank(d, dt), decode_pool(order.heads, dt, d), order.heads)   # geometry only
+                xfer = make_transfer(side, dst, reg, info.component("kv"), info.name, src_idx, dst_idx,
+                                     order.room, f"room{order.room}:{p}->{d}".encode())
+                if xfer is not None:
+                    handles.append((backend, backend.send_component(xfer)))
+        end = time.monotonic() + PEER_DEADLINE_S
+        states = [b.poll(h) for b, h in handles]
+        while any(s.state is HandleState.PENDING for s in states) and time.monotonic() < end:
+            time.sleep(0.0005)
+            states = [b.poll(h) for b, h in handles]
+        for b, h in handles:
+            b.release(h)
+        conn.send(("sent", [f"{s.state.name} {s.reason}".strip() for s in states]))
+        conn.poll(PEER_DEADLINE_S)          # stay alive until the parent has checked the bytes
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        for backend in backends:
+            backend.close()

@@ -1,0 +1,262 @@
+"""``python -m kvbridge_nixl.bench``: what kvbridge adds on top of NIXL, and what NIXL costs against memcpy.
+
+One run, two agents in this process, the same bytes and descriptors for every method:
+
+* ``kvbridge``: ``NixlBackend.send_component`` with a real ``plan_transfer`` plan, polled to DONE;
+* ``raw_prepped``: NIXL alone, per-page dlists prepped once (outside the timing), ``make_prepped_xfer``;
+* ``raw_initialize``: NIXL alone, ``initialize_xfer`` from the plan's descriptor rows on every request;
+* ``memcpy``: one numpy copy of the same number of bytes (this host's limit).
+
+Cases: ``paged`` (same-TP KV: ``layers`` x 2 buffers, ``pages`` scattered pages of ``page_kib`` each) and
+``contiguous`` (one region of the same total size, one descriptor). Each method runs ``repeats`` times,
+interleaved, after one warm-up; figures are medians. Timings are not asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
+from kvbridge.geometry import MemoryRegion
+from kvbridge.planner import BufferPair, plan_transfer
+from kvbridge.slicing import Segments
+
+from kvbridge_nixl.backend import NixlBackend
+
+
+def _wait(agent: Any, xfer: Any) -> None:
+    state = agent.transfer(xfer)
+    while state == "PROC":
+        state = agent.check_xfer_state(xfer)
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL transfer ended in {state}")
+    agent.release_xfer_handle(xfer)
+
+
+def _clocked(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+    return call
+
+
+def _timed(fn: Callable[[], float | None], runs: list[float]) -> None:
+    start = time.perf_counter()
+    fn()
+    runs.append(time.perf_counter() - start)
+
+
+class _Case:
+    """One layout of source and destination pools, registered with both backends."""
+
+    def __init__(self, pb: NixlBackend, db: NixlBackend, nbuf: int, pool: int, item: int, fill: int) -> None:
+        self.pb, self.db, self.nbuf, self.pool, self.item = pb, db, nbuf, pool, item
+        self.src = np.empty((nbuf, pool, item), dtype=np.uint8)
+        self.src.fill(fill)                     # written once: pages are touched before registration
+        stamp = self.src.reshape(nbuf, pool, item)[:, :, :8].view(np.uint64)
+        stamp[:, :, 0] = (np.arange(nbuf, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(pool, dtype=np.uint64)
+        self.dst = np.full((nbuf, pool, item), 0, dtype=np.uint8)
+        self.src_reg = pb.register_buffers("bench", self._regions(self.src))
+        self.dst_reg = db.register_buffers("bench", self._regions(self.dst))
+        self.info = PeerInfo("bench-decode", db.endpoint, (self.dst_reg.remote(),))
+        pb.add_peer(self.info)
+
+    @staticmethod
+    def _regions(arr: np.ndarray) -> list[MemoryRegion]:
+        return [MemoryRegion(arr.ctypes.data + b * arr[0].nbytes, arr[0].nbytes) for b in range(arr.shape[0])]
+
+    def close(self) -> None:
+        self.pb.remove_peer("bench-decode")
+        self.pb.deregister_buffers(self.src_reg)
+        self.db.deregister_buffers(self.dst_reg)
+
+    def measure(self, src_idx: np.ndarray, dst_idx: np.ndarray, repeats: int) -> dict[str, Any]:
+        seg = Segments.whole(self.item)
+        pairs = [BufferPair(s.addr, self.item, self.pool, d.addr, self.item, self.pool, seg)
+                 for s, d in zip(self.src_reg.regions, self.dst_reg.regions)]
+        plan_runs: list[float] = []
+        for _ in range(repeats):
+            _timed(lambda: plan_transfer(pairs, src_idx, dst_idx), plan_runs)
+        plan = plan_transfer(pairs, src_idx, dst_idx)
+        order = np.argsort(src_idx, kind="stable")
+        s_sorted, d_sorted = src_idx[order], dst_idx[order]
+        transfer = ComponentTransfer(1, "bench", "bench-decode", 0, True, self.src_reg, self.info.component("bench"),
+                                     plan, b"bench", s_sorted, d_sorted, (seg,) * self.nbuf)
+        nbytes = plan.total_nbytes
+        agent, peer_agent = self.pb.agent, self.pb.peer_agent("bench-decode")
+
+        # raw NIXL, prepped: one descriptor per (buffer, page), prepped once, indexed per request
+        base_s = np.array([r.addr for r in self.src_reg.regions], dtype=np.uint64)
+        base_d = np.array([r.addr for r in self.dst_reg.regions], dtype=np.uint64)
+        pages = np.arange(self.pool, dtype=np.uint64) * np.uint64(self.item)
+
+        def rows(bases: np.ndarray) -> np.ndarray:
+            out = np.zeros((bases.size * self.pool, 3), dtype=np.uint64)
+            out[:, 0] = (bases[:, None] + pages[None, :]).ravel()
+            out[:, 1] = self.item
+            return out
+
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s), "DRAM")
+        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d), "DRAM")
+        buf_off = (np.arange(self.nbuf, dtype=np.int64) * self.pool)[:, None]
+        l_idx = (buf_off + s_sorted[None, :]).ravel().astype(np.int32)
+        r_idx = (buf_off + d_sorted[None, :]).ravel().astype(np.int32)
+        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.zeros_like(plan.nbytes)], axis=1)
+        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.zeros_like(plan.nbytes)], axis=1)
+        flat_s, flat_d = self.src.reshape(-1)[:nbytes], self.dst.reshape(-1)[:nbytes]
+        send_us: list[float] = []   # send_component: kvbridge's checks and indexing + NIXL's post
+        post_us: list[float] = []   # make_prepped_xfer + transfer alone, same descriptors
+        overhead_us: list[float] = []   # send_component minus the NIXL calls inside it
+
+        def kvbridge() -> None:
+            engine = [0.0]
+            for attr in ("make_prepped_xfer", "transfer"):   # time NIXL's own share of send_component
+                setattr(agent, attr, _clocked(getattr(agent, attr), engine))
+            try:
+                t0 = time.perf_counter()
+                handle = self.pb.send_component(transfer)
+                elapsed = time.perf_counter() - t0
+            finally:
+                del agent.make_prepped_xfer, agent.transfer
+            send_us.append(elapsed * 1e6)
+            overhead_us.append((elapsed - engine[0]) * 1e6)
+            while (poll := self.pb.poll(handle)).state is HandleState.PENDING:
+                pass
+            self.pb.release(handle)
+            if poll.state is HandleState.FAILED:
+                raise RuntimeError(poll.reason)
+            self.db.drain_notifications()
+
+        def raw_prepped() -> None:
+            t0 = time.perf_counter()
+            xfer = agent.make_prepped_xfer("WRITE", local, l_idx, remote, r_idx, b"bench")
+            state = agent.transfer(xfer)
+            post_us.append((time.perf_counter() - t0) * 1e6)
+            while state == "PROC":
+                state = agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL transfer ended in {state}")
+            agent.release_xfer_handle(xfer)
+            self.db.drain_notifications()
+
+        def raw_initialize() -> None:
+            src = agent.get_xfer_descs(plan_rows_s, "DRAM")
+            dst = agent.get_xfer_descs(plan_rows_d, "DRAM")
+            _wait(agent, agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench"))
+            self.db.drain_notifications()
+
+        def memcpy() -> None:
+            np.copyto(flat_d, flat_s)
+
+        methods = {"kvbridge": kvbridge, "raw_prepped": raw_prepped, "raw_initialize": raw_initialize}
+        runs: dict[str, list[float]] = {name: [] for name in (*methods, "memcpy")}
+        kvbridge()                                      # warm-up, then verify what it wrote
+        verified = self._verify(s_sorted, d_sorted)
+        for fn in methods.values():
+            fn()
+        for _ in range(repeats):
+            for name, fn in methods.items():
+                _timed(fn, runs[name])
+        memcpy()
+        for _ in range(repeats):
+            _timed(memcpy, runs["memcpy"])
+        agent.release_dlist_handle(local)
+        agent.release_dlist_handle(remote)
+        secs = {name: statistics.median(r) for name, r in runs.items()}
+        gbps = {name: nbytes / t / 1e9 for name, t in secs.items()}
+        return {
+            "bytes": nbytes, "descriptors": len(plan), "verified": verified,
+            "plan_ms": statistics.median(plan_runs) * 1e3,
+            "send_component_us": statistics.median(send_us), "raw_post_us": statistics.median(post_us),
+            "kvbridge_overhead_us": statistics.median(overhead_us),
+            "ms": {k: v * 1e3 for k, v in secs.items()}, "gbps": gbps,
+            "kvbridge_over_raw": gbps["kvbridge"] / gbps["raw_prepped"],
+            "raw_over_memcpy": gbps["raw_prepped"] / gbps["memcpy"],
+            "initialize_over_prepped": gbps["raw_initialize"] / gbps["raw_prepped"],
+        }
+
+    def _verify(self, s_sorted: np.ndarray, d_sorted: np.ndarray) -> bool:
+        got = self.dst[:, d_sorted, :8].view(np.uint64)[:, :, 0]
+        want = self.src[:, s_sorted, :8].view(np.uint64)[:, :, 0]
+        body = self.dst[[0, -1]][:, d_sorted, 8:]
+        return bool(np.array_equal(got, want) and np.array_equal(body, self.src[[0, -1]][:, s_sorted, 8:]))
+
+
+def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pages: int = 320,
+              repeats: int = 5, seed: int = 0, options: dict[str, str] | None = None) -> dict[str, Any]:
+    """Measure both cases; return a JSON-able dict (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    pb = NixlBackend(name="bench-prefill", options=options)
+    db = NixlBackend(name="bench-decode", options=options)
+    out: dict[str, Any] = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                                    "python": platform.python_version()},
+                           "params": {"layers": layers, "pages": pages, "page_kib": page_kib,
+                                      "pool_pages": pool_pages, "repeats": repeats, "options": options or {}},
+                           "cases": {}}
+    try:
+        paged = _Case(pb, db, 2 * layers, pool_pages, page_kib * 1024, fill=1)
+        try:
+            src = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
+            dst = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
+            out["cases"]["paged"] = paged.measure(src, dst, repeats)
+        finally:
+            paged.close()
+            del paged
+        total = 2 * layers * pages * page_kib * 1024
+        contiguous = _Case(pb, db, 1, 1, total, fill=2)
+        try:
+            one = np.zeros(1, dtype=np.int64)
+            out["cases"]["contiguous"] = contiguous.measure(one, one, repeats)
+        finally:
+            contiguous.close()
+    finally:
+        pb.close()
+        db.close()
+    return out
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"kvbridge-nixl bench  {result['params']}  host {result['host']}"]
+    for name, c in result["cases"].items():
+        g = c["gbps"]
+        lines.append(
+            f"{name:>10}: {c['bytes'] / 2**20:.0f} MiB in {c['descriptors']} descriptors (verified={c['verified']}); "
+            f"plan {c['plan_ms']:.2f} ms; kvbridge's own cost per send_component {c['kvbridge_overhead_us']:.0f} us "
+            f"(whole call {c['send_component_us']:.0f} us; UCX may copy inside the post)\n"
+            f"{'':>12}GB/s  kvbridge {g['kvbridge']:.2f} | raw prepped {g['raw_prepped']:.2f} | "
+            f"raw initialize_xfer {g['raw_initialize']:.2f} | memcpy {g['memcpy']:.2f}\n"
+            f"{'':>12}ratios kvbridge/raw {c['kvbridge_over_raw']:.3f} | raw/memcpy {c['raw_over_memcpy']:.3f} | "
+            f"initialize/prepped {c['initialize_over_prepped']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge_nixl.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--pages", type=int, default=256)
+    parser.add_argument("--page-kib", type=int, default=32)
+    parser.add_argument("--pool-pages", type=int, default=320)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ucx-tls", default="", help="pin UCX transports (e.g. tcp)")
+    parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
+    args = parser.parse_args(argv)
+    result = run_bench(layers=args.layers, pages=args.pages, page_kib=args.page_kib, pool_pages=args.pool_pages,
+                       repeats=args.repeats, options={"ucx_tls": args.ucx_tls} if args.ucx_tls else None)
+    print(json.dumps(result, indent=1) if args.json else format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
