@@ -311,12 +311,14 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Command line; with ``argv`` None (as ``kvbridge bench --backend mooncake`` calls it) the defaults."""
+    parser = argparse.ArgumentParser(prog="python -m kvbridge_mooncake.bench",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--pages", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_args([] if argv is None else argv)
     report = run_bench(default_scenarios(args.layers, args.pages), repeats=args.repeats)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -327,4 +329,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
