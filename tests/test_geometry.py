@@ -140,6 +140,8 @@ def test_memory_region_is_unsigned_64_bit() -> None:
         MemoryRegion(2**64, 16)
     with pytest.raises(GeometryError, match="unsigned 64-bit"):
         MemoryRegion(-1, 16)
+    with pytest.raises(GeometryError, match="runs past the end of the 64-bit address space"):
+        MemoryRegion(2**64 - 4096, 4097)  # its end would wrap to 0 in uint64 bounds checks
 
 
 def test_region_and_geometry_of_a_numpy_array() -> None:

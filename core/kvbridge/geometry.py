@@ -89,6 +89,9 @@ class MemoryRegion:
             raise GeometryError(f"region address {self.addr:#x} is not an unsigned 64-bit value")
         if self.nbytes <= 0:
             raise GeometryError(f"region at {self.addr:#x} has non-positive length {self.nbytes}")
+        if self.addr + self.nbytes > 2**64:
+            raise GeometryError(f"region at {self.addr:#x} of {self.nbytes} B runs past the end of the 64-bit "
+                                "address space")
 
     @property
     def end(self) -> int:
