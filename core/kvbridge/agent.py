@@ -53,6 +53,7 @@ from kvbridge.wire import (
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 1 << 16
+_GOODBYE_GRACE_S = 1.0   # after a peer's goodbye, its notices on the engine's channel may still arrive
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,7 @@ class _Peer:
     info: PeerInfo | None                  # set on the prefill side (where we write to)
     last_seen: float
     alive: bool = True
+    goodbye_at: float | None = None        # notices on the engine's own channel may still be in flight
 
 
 @dataclass(slots=True)
@@ -368,7 +370,7 @@ class TransferAgent:
             if peer is None:
                 log.debug("%s: heartbeat from unknown agent %s", self.name, message.agent)
         elif isinstance(message, Goodbye) and peer is not None:
-            self._peer_died(peer, "said goodbye")
+            peer.goodbye_at = time.monotonic()
 
     # -- handshake
     def _on_hello(self, hello: Hello) -> None:
@@ -734,12 +736,16 @@ class TransferAgent:
 
     @staticmethod
     def _delivered(room: _RecvRoom, rank: int) -> bool:
-        """Has prefill ``rank`` delivered every component chunk it owes this room?"""
+        """Has prefill ``rank`` delivered everything it owes this room? A chunked component (KV pages) owes
+        chunks 0..last; any other component owes the one notice of the last chunk."""
         for key in room.expected:
-            if key[0] == rank:
-                last = room.last_chunk.get(key)
-                if last is None or len(room.received.get(key, ())) != last + 1:
-                    return False
+            if key[0] != rank:
+                continue
+            last = room.last_chunk.get(key)
+            if last is None:
+                return False
+            if key[1] in room.chunked and len(room.received.get(key, ())) != last + 1:
+                return False
         return True
 
     def _check_done(self, room: _RecvRoom) -> None:
@@ -789,10 +795,15 @@ class TransferAgent:
             self._beat_seq += 1
             beat = Heartbeat(self.name, self.link.address, self._beat_seq)
             for peer in self._peers.values():
-                if peer.alive:
+                if peer.alive and peer.goodbye_at is None:
                     self._post(peer.address, beat)
+        grace = min(_GOODBYE_GRACE_S, self.config.peer_timeout_s)
         for peer in list(self._peers.values()):
-            if peer.alive and now - peer.last_seen > self.config.peer_timeout_s:
+            if not peer.alive:
+                continue
+            if peer.goodbye_at is not None and now - peer.goodbye_at > grace:
+                self._peer_died(peer, "said goodbye")
+            elif peer.goodbye_at is None and now - peer.last_seen > self.config.peer_timeout_s:
                 self._peer_died(peer, f"no message for {now - peer.last_seen:.1f} s")
         for room in self._send_rooms.values():
             if room.status is KVPoll.Bootstrapping and now - room.created > self.config.bootstrap_timeout_s:
