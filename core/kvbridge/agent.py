@@ -474,12 +474,14 @@ class TransferAgent:
 
     # -- sending (prefill side)
     def _slice_for(self, peer: _Peer, comp_index: int) -> ComponentSlice:
+        """What the prefill side of this pair writes for one component (pure; cached per peer)."""
         key = (peer.agent, comp_index)
         cached = self._slices.get(key)
         if cached is None:
-            cached = self.registry.slice_state(
-                self.state_types[comp_index], self.layout.components[comp_index],
-                peer.layout.components[comp_index], self.rank, Rank(peer.layout.tp_rank, peer.layout.tp_size))
+            src, dst = (self.layout, peer.layout) if self.role is Role.PREFILL else (peer.layout, self.layout)
+            cached = self.registry.slice_state(self.state_types[comp_index], src.components[comp_index],
+                                               dst.components[comp_index], Rank(src.tp_rank, src.tp_size),
+                                               Rank(dst.tp_rank, dst.tp_size))
             self._slices[key] = cached
         return cached
 
@@ -670,8 +672,7 @@ class TransferAgent:
             if st.chunked:
                 room.chunked.add(comp.name)
             for rank, peer in peers.items():
-                segs = self.registry.slice_state(st, src_layout.components[comp_index], comp,
-                                                 Rank(rank, src_layout.tp_size), self.rank)
+                segs = self._slice_for(peer, comp_index)
                 if segs.is_empty:
                     continue
                 room.expected.add((rank, comp.name))
