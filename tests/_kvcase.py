@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,8 @@ class KVModel:
 
     def spec(self, buffer: int) -> ref.KVSpec:
         tensor, _ = self.tensor_layer(buffer)
-        return ref.KVSpec(self.layout, self.total_heads, self.page_size, self.head_dims[tensor] * self.dtype.itemsize)
+        head_bytes = self.head_dims[tensor] * self.dtype.itemsize
+        return ref.KVSpec(self.layout, self.total_heads, self.page_size, head_bytes)
 
     def geometry(self, buffer: int, tp_size: int, num_pages: int, *, local_heads: int | None = None
                  ) -> BufferGeometry:
@@ -64,7 +66,8 @@ class KVModel:
                               ShardAxis(axis=0, total=self.total_heads))
 
     def component(self, tp_size: int, num_pages: int) -> Component:
-        return Component("kv", "kv", tuple(self.geometry(b, tp_size, num_pages) for b in range(self.num_buffers)))
+        buffers = tuple(self.geometry(b, tp_size, num_pages) for b in range(self.num_buffers))
+        return Component("kv", "kv", buffers)
 
     def buffers(self, tp_size: int, rank: int, num_pages: int, pages: Sequence[int] | np.ndarray,
                 positions: Sequence[int] | np.ndarray, background_seed: int) -> list[np.ndarray]:
@@ -92,7 +95,8 @@ def bases(buffers: Sequence[np.ndarray]) -> np.ndarray:
     return np.array([region_of(b).addr for b in buffers], dtype=np.uint64)
 
 
-def count_writes(plan: TransferPlan, dst_buffers: Sequence[np.ndarray], counters: Sequence[np.ndarray]) -> None:
+def count_writes(plan: TransferPlan, dst_buffers: Sequence[np.ndarray],
+                 counters: Sequence[np.ndarray]) -> None:
     """Add one to ``counters[b][i]`` for every byte ``i`` of destination buffer ``b`` that ``plan``
     writes (difference arrays; ``counters[b]`` is int64 of length nbytes + 1, cumsum it to read)."""
     if len(plan) == 0:
@@ -148,5 +152,27 @@ def plan_pair(src_comp: Component, dst_comp: Component, src_buffers: Sequence[np
 
     pairs = [BufferPair(region_of(sb).addr, sg.item_nbytes, sg.num_items, region_of(db).addr, dg.item_nbytes,
                         dg.num_items, seg)  # type: ignore[arg-type]
-             for sb, db, sg, dg, seg in zip(src_buffers, dst_buffers, src_comp.buffers, dst_comp.buffers, segments)]
+             for sb, db, sg, dg, seg in zip(src_buffers, dst_buffers, src_comp.buffers, dst_comp.buffers,
+                                            segments)]
     return plan_transfer(pairs, src_pages, dst_pages)
+
+
+def post_component(registry: Any, backend: Any, *, peer: str, src: Any, dst: Any, src_comp: Component,
+                   dst_comp: Component, cut: Any, src_items: np.ndarray, dst_items: np.ndarray,
+                   chunk: int = 0, last: bool = True, room: int = 7) -> TransferPlan:
+    """Plan one component for one peer from registered buffers and post it through the registry facade
+    (as the Sender does); assert the backend reports it done. Returns the plan."""
+    from kvbridge.backends.base import ComponentTransfer, HandleState
+    from kvbridge.planner import BufferPair, plan_transfer
+
+    pairs = [BufferPair(r.addr, sg.item_nbytes, sg.num_items, rr.addr, dg.item_nbytes, dg.num_items, seg)
+             for r, rr, sg, dg, seg in zip(src.regions, dst.regions, src_comp.buffers, dst_comp.buffers,
+                                            cut.buffers)]
+    plan = plan_transfer(pairs, src_items, dst_items)
+    transfer = ComponentTransfer(room=room, component=src_comp.name, peer=peer, chunk=chunk, last=last,
+                                 src=src, dst=dst, plan=plan, src_items=src_items, dst_items=dst_items,
+                                 segments=cut.buffers)
+    handle = registry.send_component(backend, transfer)
+    assert backend.poll(handle).state is HandleState.DONE
+    backend.release(handle)
+    return plan

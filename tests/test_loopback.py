@@ -30,12 +30,12 @@ class Rig:
     def addr(self, arrays: list[np.ndarray], i: int, off: int) -> int:
         return region_of(arrays[i]).addr + off
 
-    def send(self, rows: list[tuple[int, int, int]], *, peer: str = "d0", src: RegisteredBuffers | None = None,
-             dst: RemoteBuffers | None = None) -> object:
-        plan = TransferPlan(np.array([r[0] for r in rows], np.uint64), np.array([r[1] for r in rows], np.uint64),
-                            np.array([r[2] for r in rows], np.uint64), np.zeros(len(rows), np.int32))
-        transfer = ComponentTransfer(room=3, component="kv", peer=peer, chunk=0, last=True, src=src or self.reg,
-                                     dst=dst or self.remote, plan=plan)
+    def send(self, rows: list[tuple[int, int, int]], *, peer: str = "d0",
+             src: RegisteredBuffers | None = None, dst: RemoteBuffers | None = None) -> object:
+        column = [np.array([r[i] for r in rows], np.uint64) for i in range(3)]
+        plan = TransferPlan(column[0], column[1], column[2], np.zeros(len(rows), np.int32))
+        transfer = ComponentTransfer(room=3, component="kv", peer=peer, chunk=0, last=True,
+                                     src=src or self.reg, dst=dst or self.remote, plan=plan)
         return self.sender.send_component(transfer)
 
     def close(self) -> None:
@@ -52,7 +52,8 @@ def rig() -> Iterator[Rig]:
 
 def test_in_bounds_descriptors_copy_exactly(rig: Rig) -> None:
     a = rig.addr
-    handle = rig.send([(a(rig.src, 0, 100), a(rig.dst, 1, 7), 50), (a(rig.src, 1, 0), a(rig.dst, 0, 4000), 96)])
+    handle = rig.send([(a(rig.src, 0, 100), a(rig.dst, 1, 7), 50),
+                       (a(rig.src, 1, 0), a(rig.dst, 0, 4000), 96)])
     assert rig.sender.poll(handle).state is HandleState.DONE
     assert np.array_equal(rig.dst[1][7:57], rig.src[0][100:150])
     assert np.array_equal(rig.dst[0][4000:], rig.src[1][:96])
@@ -110,8 +111,8 @@ def test_copy_descriptors_matches_a_plain_copy(count: int, length: int) -> None:
     dst_off = rng.permutation(np.arange(0, dst.size - length + 1, length))[:count]
     lens = np.full(count, length, np.uint64)
     lens[::5] = max(1, length // 2)  # a second length group
-    copy_descriptors(region_of(src).addr + src_off.astype(np.uint64), region_of(dst).addr + dst_off.astype(np.uint64),
-                     lens)
+    copy_descriptors(region_of(src).addr + src_off.astype(np.uint64),
+                     region_of(dst).addr + dst_off.astype(np.uint64), lens)
     want = np.zeros_like(dst)
     for s, d, n in zip(src_off.tolist(), dst_off.tolist(), lens.tolist()):
         want[d:d + n] = src[s:s + n]
@@ -137,7 +138,8 @@ def test_notifications_reach_a_local_peer_once() -> None:
 # Known core bugs in kvbridge.backends.base.check_within (strict xfail: they flip to a failure when fixed,
 # so the marker gets removed). The addresses below are fake and never copied: the check must refuse them.
 @pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="core bug: check_within indexes an empty region table (IndexError, not RegionError)")
+                   reason="core bug: check_within indexes an empty region table "
+                          "(IndexError, not RegionError)")
 def test_sending_after_every_source_region_is_deregistered_is_refused(rig: Rig) -> None:
     a = rig.addr
     rig.sender.deregister_buffers(rig.reg)
@@ -152,4 +154,5 @@ def test_descriptor_wrapping_past_2_64_is_refused(addr: int, length: int) -> Non
     from kvbridge.backends.base import check_within
 
     with pytest.raises(RegionError):
-        check_within(np.array([addr], np.uint64), np.array([length], np.uint64), [MemoryRegion(0x1000, 0x1000)], "dst")
+        check_within(np.array([addr], np.uint64), np.array([length], np.uint64),
+                     [MemoryRegion(0x1000, 0x1000)], "dst")

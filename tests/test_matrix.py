@@ -15,11 +15,10 @@ import zlib
 import numpy as np
 import pytest
 
-from _kvcase import KVModel
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, TransferBackend
+from _kvcase import KVModel, post_component
+from kvbridge.backends.base import PeerInfo, TransferBackend
 from kvbridge.errors import GeometryError, UnsupportedTopology
 from kvbridge.geometry import Component, PoolLayout, Rank, region_of
-from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.testkit import reference as ref
@@ -78,8 +77,8 @@ def test_tp_matrix(registry: Registry, layout: str, heads: int, pt: int, dt: int
         backends += [*prefill.values(), *decode.values()]
         src_reg = {p: registry.register_buffers(prefill[p], "kv", [region_of(b) for b in src_bufs[p]])
                    for p in range(pt)}
-        dst_remote = {d: registry.register_buffers(decode[d], "kv", [region_of(b) for b in dst_bufs[d]]).remote()
-                      for d in range(dt)}
+        dst_remote = {d: registry.register_buffers(decode[d], "kv", [region_of(b) for b in dst_bufs[d]])
+                      .remote() for d in range(dt)}
         writers = {d: [] for d in range(dt)}
         for d in range(dt):
             peer = PeerInfo(name=f"d{d}", endpoint=decode[d].endpoint, buffers=(dst_remote[d],))
@@ -89,27 +88,20 @@ def test_tp_matrix(registry: Registry, layout: str, heads: int, pt: int, dt: int
                 if cut.is_empty:
                     continue  # not the elected writer: reports success without writing
                 writers[d].append(p)
-                pairs = [BufferPair(r.addr, sg.item_nbytes, sg.num_items, rr.addr, dg.item_nbytes, dg.num_items, seg)
-                         for r, rr, sg, dg, seg in zip(src_reg[p].regions, dst_remote[d].regions,
-                                                        src_comp.buffers, dst_comp.buffers, cut.buffers)]
                 # two chunks: the request's first pages, then the rest (last=True)
                 for chunk, part in enumerate((slice(0, 3), slice(3, REQUEST))):
-                    plan = plan_transfer(pairs, src_pages[part], dst_pages[part])
-                    transfer = ComponentTransfer(room=7, component="kv", peer=f"d{d}", chunk=chunk, last=chunk == 1,
-                                                 src=src_reg[p], dst=dst_remote[d], plan=plan,
-                                                 src_items=src_pages[part], dst_items=dst_pages[part],
-                                                 segments=cut.buffers)
-                    handle = registry.send_component(prefill[p], transfer)
-                    assert prefill[p].poll(handle).state is HandleState.DONE
-                    prefill[p].release(handle)
+                    post_component(registry, prefill[p], peer=f"d{d}", src=src_reg[p], dst=dst_remote[d],
+                                   src_comp=src_comp, dst_comp=dst_comp, cut=cut, src_items=src_pages[part],
+                                   dst_items=dst_pages[part], chunk=chunk, last=chunk == 1)
         _check_writers(model, pt, dt, writers)
         for d in range(dt):
             want = model.expected_destination(dt, d, DST_POOL, dst_pages, positions)
             for b, (got, exp) in enumerate(zip(dst_bufs[d], want)):
-                assert np.array_equal(got, exp), f"decode rank {d} buffer {dst_comp.buffers[b].name} differs " \
-                    f"at {np.argwhere(got != exp)[:3].tolist()}"
+                where = f"decode rank {d} buffer {dst_comp.buffers[b].name}"
+                assert np.array_equal(got, exp), f"{where} differs at {np.argwhere(got != exp)[:3].tolist()}"
         for p in range(pt):
-            assert all(np.array_equal(a, b) for a, b in zip(src_bufs[p], src_before[p])), "a source buffer changed"
+            for before, after in zip(src_before[p], src_bufs[p]):
+                assert np.array_equal(before, after), f"prefill rank {p}: a source buffer changed"
     finally:
         for backend in backends:
             backend.close()
@@ -124,7 +116,8 @@ def _check_writers(model: KVModel, pt: int, dt: int, writers: dict[int, list[int
             continue
         need = set(ref.units_held(model.total_heads, dt, d))
         ranges = [set(ref.units_held(model.total_heads, pt, p)) for p in got]
-        assert set().union(*(r & need for r in ranges)) == need, f"decode {d}: {got} miss heads of {sorted(need)}"
+        covered = set().union(*(r & need for r in ranges))
+        assert covered == need, f"decode {d}: writers {got} miss heads of {sorted(need)}"
         assert sum(len(r & need) for r in ranges) == len(need), f"decode {d}: a head written twice by {got}"
 
 

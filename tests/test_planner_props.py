@@ -41,14 +41,16 @@ class Scenario:
 
     def __repr__(self) -> str:  # readable hypothesis falsifying examples
         return (f"Scenario({self.model}, Pt={self.pt}, Dt={self.dt}, pools={self.src_pool}/{self.dst_pool}, "
-                f"src={self.src_pages.tolist()}, dst={self.dst_pages.tolist()}, pos0={self.positions[:1].tolist()})")
+                f"src={self.src_pages.tolist()}, dst={self.dst_pages.tolist()}, "
+                f"pos0={self.positions[:1].tolist()})")
 
 
 @st.composite
 def scenarios(draw: st.DrawFn, *, same_tp: bool = False) -> Scenario:
     layout = draw(st.sampled_from(ref.LAYOUTS))
     heads = 1 if layout == ref.MLA else draw(st.sampled_from(HEAD_COUNTS))
-    dims = (draw(st.integers(1, 3)),) if layout == ref.MLA else (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    dim = st.integers(1, 3)
+    dims = (draw(dim),) if layout == ref.MLA else (draw(dim), draw(dim))  # V may differ from K
     model = KVModel(layout, heads, page_size=draw(st.integers(1, 4)), head_dims=dims,
                     num_layers=draw(st.integers(1, 2)),
                     dtype=draw(st.sampled_from([DType.UINT8, DType.BFLOAT16, DType.FLOAT32])))
@@ -97,8 +99,9 @@ def test_each_destination_byte_written_exactly_once_and_matches_reference(sc: Sc
         expected = m.expected_destination(sc.dt, d, sc.dst_pool, sc.dst_pages, sc.positions)
         for b, (got, want) in enumerate(zip(dst[d], expected)):
             per_page = writes[d][b].reshape(sc.dst_pool, -1)
-            assert (per_page[sc.dst_pages] == 1).all(), f"decode {d} buffer {b}: a byte written {per_page.max()}x or 0x"
-            assert (per_page[untouched] == 0).all(), f"decode {d} buffer {b}: a page outside the request was written"
+            where = f"decode {d} buffer {b}"
+            assert (per_page[sc.dst_pages] == 1).all(), f"{where}: a byte written {per_page.max()}x or 0x"
+            assert (per_page[untouched] == 0).all(), f"{where}: a page outside the request was written"
             np.testing.assert_array_equal(got, want, err_msg=f"decode rank {d} buffer {b}")
 
 
@@ -108,7 +111,7 @@ def test_descriptors_are_maximal_runs_and_bounded(sc: Scenario) -> None:
     _, _, _, plans = _run(sc)
     n = sc.src_pages.size
     for (p, d), plan in plans.items():
-        assert mergeable_pairs(plan) == [], f"({p}->{d}) emitted descriptors that are contiguous on both sides"
+        assert mergeable_pairs(plan) == [], f"({p}->{d}): descriptors contiguous on both sides"
         assert (plan.nbytes > 0).all()
         per_buffer = np.bincount(plan.buffer, minlength=sc.model.num_buffers)
         if sc.model.layout == ref.TOKEN_MAJOR:  # at worst one per token row of a page
@@ -130,8 +133,8 @@ def test_equal_tp_is_the_identity_with_merged_page_runs(sc: Scenario) -> None:
         for b, geo in enumerate(comp.buffers):
             sel = plan.buffer == b
             sb, db = region_of(src[p][b]).addr, region_of(dst[d][b]).addr
-            got = sorted(zip((plan.src_addr[sel] - np.uint64(sb)).tolist(), (plan.dst_addr[sel] - np.uint64(db)).tolist(),
-                             plan.nbytes[sel].tolist()))
+            got = sorted(zip((plan.src_addr[sel] - np.uint64(sb)).tolist(),
+                             (plan.dst_addr[sel] - np.uint64(db)).tolist(), plan.nbytes[sel].tolist()))
             item = geo.item_nbytes
             assert got == [(s * item, t * item, k * item) for s, t, k in runs], f"buffer {geo.name}"
 
@@ -184,6 +187,7 @@ def test_uint64_addresses_above_2_63_plan_exactly(src_base: int, dst_base: int) 
             for so, do, n in zip(segs.src_off.tolist(), segs.dst_off.tolist(), segs.nbytes.tolist())}
     want |= {(1, src_base + span + s * item, dst_base + span + t * item, k * item)
              for s, t, k in [(1, 9, 1), (3, 7, 1), (4000, 11, 2)]}
-    got = {(int(b), int(s), int(d), int(n)) for b, s, d, n in zip(plan.buffer, plan.src_addr, plan.dst_addr, plan.nbytes)}
+    got = {(int(b), int(s), int(d), int(n))
+           for b, s, d, n in zip(plan.buffer, plan.src_addr, plan.dst_addr, plan.nbytes)}
     assert got == want
     assert len(plan) == len(want)

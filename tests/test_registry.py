@@ -94,7 +94,8 @@ def test_entry_points_give_loopback_and_kv_available() -> None:
 
 
 def test_third_party_entry_point_is_discovered_with_its_distribution(fake_dist: FakeDist) -> None:
-    fake_dist("kvbridge-fastcopy", "3.1", {"fastcopy": "fake_fastcopy"}, {"fake_fastcopy": backend_plugin("fastcopy")})
+    fake_dist("kvbridge-fastcopy", "3.1", {"fastcopy": "fake_fastcopy"},
+              {"fake_fastcopy": backend_plugin("fastcopy")})
     row = by_name(Registry.build(env={}))["fastcopy"]
     assert (row.kind, row.distribution, row.version, row.status) == (
         PluginKind.BACKEND, "kvbridge-fastcopy", "3.1", PluginStatus.AVAILABLE)
@@ -109,7 +110,8 @@ class _StatesPlugin:
 
     @hookimpl
     def kvbridge_state_types(self) -> list[StateTypeSpec]:
-        return [StateTypeSpec(name="tally", factory=_TallyState), StateTypeSpec(name="other", factory=_TallyState)]
+        return [StateTypeSpec(name="tally", factory=_TallyState),
+                StateTypeSpec(name="other", factory=_TallyState)]
 
 
 def test_explicit_plugins_without_entry_points() -> None:
@@ -208,7 +210,8 @@ MISSING_NATIVE = """
     @hookimpl
     def kvbridge_transfer_backends():
         return [BackendSpec(name="warpdrive", factory="kvbridge_warpdrive_native_xyz:Engine",
-                            probe=lambda: probe_import("kvbridge_warpdrive_native_xyz", "pip install warpdrive"))]
+                            probe=lambda: probe_import("kvbridge_warpdrive_native_xyz",
+                                                       "pip install warpdrive"))]
 """
 BROKEN_AT_LOAD = """
     import kvbridge
@@ -226,7 +229,8 @@ BROKEN_DISCOVERY = """
 
 
 def test_missing_native_library_is_unavailable_with_hint_and_not_fatal(fake_dist: FakeDist) -> None:
-    fake_dist("kvbridge-warpdrive", "0.3", {"warpdrive": "fake_warpdrive"}, {"fake_warpdrive": MISSING_NATIVE})
+    fake_dist("kvbridge-warpdrive", "0.3", {"warpdrive": "fake_warpdrive"},
+              {"fake_warpdrive": MISSING_NATIVE})
     registry = Registry.build(env={})
     row = by_name(registry)["warpdrive"]
     assert row.status is PluginStatus.UNAVAILABLE and row.kind is PluginKind.BACKEND
@@ -244,7 +248,8 @@ def test_plugin_raising_at_load_is_an_error_with_traceback_and_not_fatal(fake_di
     fake_dist("kvbridge-badhook", "1.0", {"badhook": "fake_badhook"}, {"fake_badhook": BROKEN_DISCOVERY})
     rows = by_name(Registry.build(env={}))
     broken = rows["broken"]
-    assert (broken.status, broken.distribution, broken.version) == (PluginStatus.ERROR, "kvbridge-broken", "9.9")
+    assert (broken.status, broken.distribution, broken.version) == (
+        PluginStatus.ERROR, "kvbridge-broken", "9.9")
     assert broken.reason == "RuntimeError: broken plugin: cannot initialise"
     assert "Traceback" in broken.hint and "fake_broken.py" in broken.hint and "in helper" in broken.hint
     bad = rows["badhook"]
@@ -331,7 +336,8 @@ def _transfer(regs: RegisteredBuffers | None = None, remote: Any = None, plan: T
               peer: str = "peer") -> ComponentTransfer:
     regs = regs or RegisteredBuffers("kv", ())
     return ComponentTransfer(room=1, component="kv", peer=peer, chunk=0, last=True, src=regs,
-                             dst=remote if remote is not None else regs.remote(), plan=plan or TransferPlan.empty())
+                             dst=remote if remote is not None else regs.remote(),
+                             plan=plan or TransferPlan.empty())
 
 
 def test_wrapper_counts_sends_on_every_backend() -> None:
@@ -345,8 +351,9 @@ def test_wrapper_counts_sends_on_every_backend() -> None:
         regs = registry.register_buffers(src_backend, "kv", [region_of(src)])
         remote = registry.register_buffers(dst_backend, "kv", [region_of(dst)]).remote()
         src_backend.add_peer(PeerInfo("d0", dst_backend.endpoint, (remote,)))
-        plan = TransferPlan(np.array([region_of(src).addr + 8], np.uint64), np.array([region_of(dst).addr], np.uint64),
-                            np.array([16], np.uint64), np.zeros(1, np.int32))
+        plan = TransferPlan(np.array([region_of(src).addr + 8], np.uint64),
+                            np.array([region_of(dst).addr], np.uint64), np.array([16], np.uint64),
+                            np.zeros(1, np.int32))
         for _ in range(3):
             assert registry.send_component(src_backend, _transfer(regs, remote, plan, "d0")) == Poll.done()
         for _ in range(2):
@@ -407,7 +414,7 @@ def test_compose_refuses_an_unknown_state_type_and_a_bad_component() -> None:
     registry = Registry.build(env={})
     with pytest.raises(UnknownPluginError, match="no state type named 'tally'"):
         registry.compose(_layout(["kv", "ring"]))
-    bad = PoolLayout((Component("kv", "kv", (BufferGeometry("k.0", 8, (4,), DType.BFLOAT16),), IndexKind.SLOT),),
-                     tp_size=1, tp_rank=0, page_size=4)
+    slot_kv = Component("kv", "kv", (BufferGeometry("k.0", 8, (4,), DType.BFLOAT16),), IndexKind.SLOT)
+    bad = PoolLayout((slot_kv,), tp_size=1, tp_rank=0, page_size=4)
     with pytest.raises(Exception, match="indexed by page"):
         registry.compose(bad)

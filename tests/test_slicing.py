@@ -21,20 +21,25 @@ P, HEAD_DIM, BH = 16, 128, 256  # page size, head_dim, bytes per head per token 
 
 def token_major(total_heads: int, tp: int, *, name: str = "k.0", num_pages: int = 64) -> BufferGeometry:
     local = total_heads // tp if total_heads >= tp else 1
-    return BufferGeometry(name, num_pages, (P, local, HEAD_DIM), DType.BFLOAT16, ShardAxis(axis=1, total=total_heads))
+    return BufferGeometry(name, num_pages, (P, local, HEAD_DIM), DType.BFLOAT16,
+                          ShardAxis(axis=1, total=total_heads))
 
 
 def head_major(total_heads: int, tp: int, *, name: str = "k.0", num_pages: int = 64) -> BufferGeometry:
     local = total_heads // tp if total_heads >= tp else 1
-    return BufferGeometry(name, num_pages, (local, P, HEAD_DIM), DType.BFLOAT16, ShardAxis(axis=0, total=total_heads))
+    return BufferGeometry(name, num_pages, (local, P, HEAD_DIM), DType.BFLOAT16,
+                          ShardAxis(axis=0, total=total_heads))
 
 
-def segs(src: BufferGeometry, dst: BufferGeometry, p: int, pt: int, d: int, dt: int) -> list[tuple[int, int, int]]:
+Triple = tuple[int, int, int]
+
+
+def segs(src: BufferGeometry, dst: BufferGeometry, p: int, pt: int, d: int, dt: int) -> list[Triple]:
     s = buffer_segments(src, dst, Rank(p, pt), Rank(d, dt))
     return list(zip(s.src_off.tolist(), s.dst_off.tolist(), s.nbytes.tolist()))
 
 
-def per_token(src_row: int, dst_row: int, src_off_h: int, dst_off_h: int, n_heads: int) -> list[tuple[int, int, int]]:
+def per_token(src_row: int, dst_row: int, src_off_h: int, dst_off_h: int, n_heads: int) -> list[Triple]:
     """SGLang's descriptors for one page pair, relative to the item starts: one per token."""
     return [(t * src_row + src_off_h * BH, t * dst_row + dst_off_h * BH, n_heads * BH) for t in range(P)]
 

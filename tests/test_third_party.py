@@ -25,10 +25,12 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
+from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import GeometryError, IncompatiblePeer
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis, region_of
-from kvbridge.planner import BufferPair, plan_transfer
+from _kvcase import post_component
+from kvbridge.geometry import (
+    BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis, region_of,
+)
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.specs import PluginKind, PluginStatus
@@ -53,7 +55,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
          "--disable-pip-version-check", "--quiet", "--target", str(target), str(source)],
-        capture_output=True, text=True, timeout=240, env=CLEAN_ENV)
+        check=False, capture_output=True, text=True, timeout=240, env=CLEAN_ENV)
     assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
     assert PACKAGE not in sys.modules, "the example plugin must not be importable before it is installed"
     sys.path.insert(0, str(target))
@@ -78,7 +80,8 @@ def plugin(site: Path) -> ModuleType:
 def test_pip_installed_plugin_is_discovered(site: Path) -> None:
     dist = md.distribution(DIST)
     assert dist.version == "0.1.0"
-    assert [(ep.group, ep.name, ep.value) for ep in dist.entry_points] == [("kvbridge", "ringbuffer", PACKAGE)]
+    entry_points = [(ep.group, ep.name, ep.value) for ep in dist.entry_points]
+    assert entry_points == [("kvbridge", "ringbuffer", PACKAGE)]
     registry = Registry.build(env={})
     row = next(r for r in registry.records() if r.name == "ringbuffer")
     assert (row.kind, row.distribution, row.version, row.status) == (
@@ -90,14 +93,15 @@ def test_pip_installed_plugin_is_discovered(site: Path) -> None:
 
 
 def test_fresh_interpreter_lists_the_plugin(site: Path) -> None:
-    env = dict(CLEAN_ENV, PYTHONPATH=os.pathsep.join([str(site), *filter(None, [CLEAN_ENV.get("PYTHONPATH")])]))
-    proc = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plugins", "--json"], capture_output=True,
-                          text=True, timeout=60, env=env)
+    path = [str(site), *filter(None, [CLEAN_ENV.get("PYTHONPATH")])]
+    env = dict(CLEAN_ENV, PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plugins", "--json"], check=False,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(proc.stdout)}
     assert rows["state", "ringbuffer"]["distribution"] == DIST
     assert rows["state", "ringbuffer"]["status"] == "available"
-    assert rows["backend", "loopback"]["status"] == "available" and rows["state", "kv"]["status"] == "available"
+    assert rows["backend", "loopback"]["status"] == rows["state", "kv"]["status"] == "available"
 
 
 # ------------------------------------------------------------------------------------------ ring buffers
@@ -138,7 +142,8 @@ def make_buffers(tp: int, rank: int, num_slots: int, slot: int | None, seed: int
 
 
 @pytest.mark.parametrize("pt, dt", [(2, 1), (1, 2), (4, 2), (2, 4), (2, 2), (8, 4)])
-def test_ring_buffers_move_across_tp_and_the_wrapper_sees_every_send(plugin: ModuleType, pt: int, dt: int) -> None:
+def test_ring_buffers_move_across_tp_and_the_wrapper_sees_every_send(plugin: ModuleType, pt: int,
+                                                                    dt: int) -> None:
     registry = Registry.build(env={})
     state = registry.state_type("ringbuffer")
     src_comp, dst_comp = ring_component(pt, 5), ring_component(dt, 3)
@@ -153,22 +158,19 @@ def test_ring_buffers_move_across_tp_and_the_wrapper_sees_every_send(plugin: Mod
         prefill = {p: registry.create_backend("loopback", name=f"ring-p{p}") for p in range(pt)}
         decode = {d: registry.create_backend("loopback", name=f"ring-d{d}") for d in range(dt)}
         backends += [*prefill.values(), *decode.values()]
-        src_reg = {p: registry.register_buffers(prefill[p], "recent", [region_of(b) for b in src[p]]) for p in src}
-        remote = {d: registry.register_buffers(decode[d], "recent", [region_of(b) for b in dst[d]]).remote() for d in dst}
+        src_reg = {p: registry.register_buffers(prefill[p], "recent", [region_of(b) for b in src[p]])
+                   for p in src}
+        remote = {d: registry.register_buffers(decode[d], "recent", [region_of(b) for b in dst[d]]).remote()
+                  for d in dst}
         for d in range(dt):
             for p in target_ranks(pt, dt, d):
                 prefill[p].add_peer(PeerInfo(f"d{d}", decode[d].endpoint, (remote[d],)))
                 cut = registry.slice_state(state, src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
                 if cut.is_empty:
                     continue
-                pairs = [BufferPair(r.addr, s.item_nbytes, s.num_items, rr.addr, g.item_nbytes, g.num_items, seg)
-                         for r, rr, s, g, seg in zip(src_reg[p].regions, remote[d].regions, src_comp.buffers,
-                                                      dst_comp.buffers, cut.buffers)]
-                plan = plan_transfer(pairs, src_slot, dst_slot)
-                transfer = ComponentTransfer(room=9, component="recent", peer=f"d{d}", chunk=0, last=True,
-                                             src=src_reg[p], dst=remote[d], plan=plan)
-                handle = registry.send_component(prefill[p], transfer)
-                assert prefill[p].poll(handle).state is HandleState.DONE
+                post_component(registry, prefill[p], peer=f"d{d}", src=src_reg[p], dst=remote[d],
+                               src_comp=src_comp, dst_comp=dst_comp, cut=cut, src_items=src_slot,
+                               dst_items=dst_slot, room=9)
                 sends += 1
     finally:
         for backend in backends:

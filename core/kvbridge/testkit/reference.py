@@ -254,7 +254,8 @@ def fill_source(buffer: Any, spec: KVSpec, seed: int, layer: int, tensor: int, t
     """Write the rank's share of request ``positions`` into pages ``pages`` of an existing ``buffer``
     (numpy array or CPU torch tensor of any dtype, first axis = pages), in place."""
     view = byte_view(buffer).reshape(-1, *spec.local_page_shape(tp_size))
-    view[np.asarray(pages, dtype=np.int64)] = expected_pages(spec, seed, layer, tensor, tp_size, rank, positions)
+    share = expected_pages(spec, seed, layer, tensor, tp_size, rank, positions)
+    view[np.asarray(pages, dtype=np.int64)] = share
 
 
 def byte_view(array: Any) -> np.ndarray:
@@ -266,7 +267,8 @@ def byte_view(array: Any) -> np.ndarray:
         return array.view(np.uint8)
     to_numpy = getattr(array, "numpy", None)
     if to_numpy is None or not array.is_contiguous():
-        raise ValueError(f"byte_view needs a contiguous numpy array or CPU torch tensor, got {type(array).__name__}")
+        raise ValueError("byte_view needs a contiguous numpy array or CPU torch tensor, "
+                         f"got {type(array).__name__}")
     import torch  # only when a torch tensor is given
 
     return array.view(torch.uint8).numpy()

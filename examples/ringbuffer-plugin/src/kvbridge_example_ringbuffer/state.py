@@ -30,8 +30,8 @@ def capacity_of(component: Component) -> int:
     """The ring capacity a component declares in its options."""
     capacity = component.options.get("capacity")
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-        raise GeometryError(f"component {component.name!r}: ringbuffer needs options['capacity'] = a positive "
-                            f"int, got {capacity!r}")
+        raise GeometryError(f"component {component.name!r}: ringbuffer needs options['capacity'] = a "
+                            f"positive int, got {capacity!r}")
     return capacity
 
 
@@ -57,8 +57,9 @@ class RingBufferState(StateType):
         for buf in component.buffers:
             if is_cursor(buf.name):
                 if buf.item_shape != (1,) or buf.dtype is not DType.INT64 or buf.shard is not None:
-                    raise GeometryError(f"buffer {buf.name!r}: a ring cursor is one replicated int64 per slot, got "
-                                        f"item shape {buf.item_shape} {buf.dtype.value} shard={buf.shard}")
+                    raise GeometryError(f"buffer {buf.name!r}: a ring cursor is one replicated int64 per "
+                                        f"slot, got item shape {buf.item_shape} {buf.dtype.value} "
+                                        f"shard={buf.shard}")
                 continue
             if buf.item_shape[0] != capacity:
                 raise GeometryError(f"buffer {buf.name!r}: ring axis holds {buf.item_shape[0]} entries, the "
@@ -76,6 +77,6 @@ class RingBufferState(StateType):
     def pair_indices(self, component: Component, src_items: np.ndarray, src_first: int,
                      dst_items: np.ndarray, dst_first: int) -> tuple[np.ndarray, np.ndarray]:
         if len(src_items) != 1 or len(dst_items) != 1:
-            raise GeometryError(f"component {component.name!r}: a request has exactly one ring slot per side, got "
-                                f"{len(src_items)} source and {len(dst_items)} destination slots")
+            raise GeometryError(f"component {component.name!r}: a request has exactly one ring slot per "
+                                f"side, got {len(src_items)} source and {len(dst_items)} destination slots")
         return src_items, dst_items
