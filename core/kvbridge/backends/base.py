@@ -162,6 +162,8 @@ def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[
     """Raise RegionError unless every ``[addr, addr+len)`` lies inside one of ``regions`` (vectorized)."""
     if plan_addr.size == 0:
         return
+    if not regions:
+        raise RegionError(f"{side}: {plan_addr.size} descriptors, but no region is registered")
     starts = np.array([r.addr for r in regions], dtype=np.uint64)
     ends = starts + np.array([r.nbytes for r in regions], dtype=np.uint64)
     order = np.argsort(starts)
