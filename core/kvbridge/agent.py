@@ -545,6 +545,9 @@ class TransferAgent:
                         continue
                 else:
                     s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
+                if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
+                    order = np.argsort(s_idx, kind="stable")
+                    s_idx, d_idx = s_idx[order], d_idx[order]
                 plan = plan_transfer(self._pairs_for(peer, comp_index, segs), s_idx, d_idx)
                 notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes,
                                 room.cursor if st.chunked else 0, len(s_idx))
