@@ -7,6 +7,9 @@ which is the cross-process check that notices are ordered after the data.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -17,7 +20,7 @@ import pytest
 from kvbridge.backends.base import HandleState, PeerInfo
 from kvbridge.geometry import Rank, region_of
 from kvbridge_mooncake.testing import (
-    KVShape, PeerSetup, decode_peer, plan_between, reference_reshard, shard, transfer,
+    KVShape, PeerSetup, decode_peer, plan_between, raw_plan, reference_reshard, shard, sink_peer, transfer,
     unavailable_reason, wait_all,
 )
 
@@ -85,6 +88,53 @@ def test_two_process_reshard_with_notice() -> None:
             assert result.state is HandleState.FAILED and "mooncake" in result.reason
     finally:
         if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        parent.close()
+        child.close()
+
+
+def test_stalled_peer_times_out_then_the_same_peer_works_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang #13054: one transient failure must not blacklist the peer. The decode process is stopped
+    (SIGSTOP), so the write times out; once it resumes, the next write to the same peer succeeds."""
+    from kvbridge_mooncake.backend import MooncakeBackend
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")   # Mooncake's minimum; read when an engine is built
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sink_peer, args=(child,), daemon=True)
+    proc.start()
+    pid = proc.pid
+    assert pid is not None
+    try:
+        with MooncakeBackend(name="prefill-stall") as prefill:
+            if not parent.poll(_PIPE_WAIT_S):
+                raise AssertionError("the sink process never sent its PeerInfo")
+            info = msgspec.msgpack.decode(parent.recv_bytes(), type=PeerInfo)
+            peer = prefill.add_peer(info)
+            remote = info.component("sink")
+            src = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+            reg = prefill.register_buffers("sink", [region_of(src)])
+            dst = np.array([remote.regions[0].addr], dtype=np.uint64)
+
+            def send(nbytes: int) -> Any:
+                plan = raw_plan(src, src, dst, nbytes=nbytes)
+                return prefill.send_component(transfer(plan, reg, remote, peer, component="sink"))
+
+            assert wait_all(prefill, [send(4096)])[0].state is HandleState.DONE
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            stalled = wait_all(prefill, [send(1 << 20)], timeout=60)[0]
+            assert stalled.state is HandleState.FAILED and "returned -1" in stalled.reason, stalled
+            assert time.monotonic() - started < 30
+            os.kill(pid, signal.SIGCONT)
+            assert wait_all(prefill, [send(1 << 20)])[0].state is HandleState.DONE
+            parent.send("done")
+            landed = np.frombuffer(_recv(parent, "buffer"), dtype=np.uint8)
+            np.testing.assert_array_equal(landed, src)
+    finally:
+        if proc.is_alive():
+            os.kill(pid, signal.SIGCONT)
             proc.kill()
         proc.join(5)
         parent.close()

@@ -145,6 +145,19 @@ class PeerSetup(msgspec.Struct, frozen=True):
     tp: int
 
 
+def sink_peer(conn: Any, nbytes: int = 1 << 20) -> None:
+    """Child process: registers one zeroed buffer as component "sink", sends PeerInfo, waits to be told."""
+    from kvbridge_mooncake.backend import MooncakeBackend
+
+    buffer = np.zeros(nbytes, dtype=np.uint8)
+    with MooncakeBackend(name="sink") as backend:
+        registered = backend.register_buffers("sink", [region_of(buffer)])
+        conn.send_bytes(msgspec.msgpack.encode(PeerInfo("sink", backend.endpoint, (registered.remote(),))))
+        if conn.poll(120.0):
+            conn.recv()
+        conn.send(buffer.tobytes())
+
+
 def decode_peer(conn: Any) -> None:
     """Child process, a decode rank: registers its pool, sends PeerInfo, checks bytes as the notice lands."""
     from kvbridge_mooncake.backend import MooncakeBackend
