@@ -1,8 +1,12 @@
 """Model presets for the demo: how each rank's pool looks, how prefill fills it, what decode must hold.
 
-A preset is a list of component models. Each knows its geometry for a (TP size, rank), how to fill the
-source items of a request on prefill (the deterministic pattern of ``kvbridge.testkit.reference``), and
-what the destination items of a request must hold on decode, computed independently of the planner.
+A preset is a tuple of component models in the pool's wire order. Each knows its geometry for a
+(TP size, rank), which logical items a request moves (``span``: first position and count; KV pages are
+the delta after the decode prefix, state components have their own: one Mamba slot, the SWA window's
+pages, every NSA indexer page from position 0), how many items a request region of its pool holds, how
+to fill the source items of a request on prefill (the deterministic pattern of
+``kvbridge.testkit.reference``), and what the destination items must hold on decode, computed
+independently of the planner. Hybrid-state models live in :mod:`kvbridge.demo.state_models`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvbridge.demo.state_models import MambaModel, NSAModel, SWAModel
+from kvbridge.errors import GeometryError, KVBridgeError, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis
 from kvbridge.testkit import reference as ref
 
@@ -36,10 +42,11 @@ class RequestShape:
 
 class ComponentModel(Protocol):
     name: str
-    chunked: bool
+    chunked: bool               # True: sent chunk by chunk (KV pages); False: once, with the last chunk
 
     def component(self, tp_size: int, num_items: int) -> Component: ...
-    def items_needed(self, request: RequestShape) -> np.ndarray: ...
+    def region_items(self, region_pages: int) -> int: ...
+    def span(self, request: RequestShape) -> tuple[int, int]: ...
     def fill(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
              items: np.ndarray) -> None: ...
     def verify(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
@@ -71,7 +78,10 @@ class KVModel:
         if self.layout == ref.MLA:
             shape, shard = (self.page_size, self.head_dim), None
         else:
-            heads = len(ref.units_held(self.total_heads, tp_size, 0))
+            try:
+                heads = len(ref.units_held(self.total_heads, tp_size, 0))
+            except ValueError as exc:
+                raise GeometryError(f"{self.total_heads} KV heads cannot be sharded over TP {tp_size} ({exc})") from None
             if self.layout == ref.TOKEN_MAJOR:
                 shape, shard = (self.page_size, heads, self.head_dim), ShardAxis(axis=1, total=self.total_heads)
             else:
@@ -81,8 +91,11 @@ class KVModel:
                         for t in range(self.tensors) for layer in range(self.layers))
         return Component(self.name, "kv", buffers, IndexKind.PAGE)
 
-    def items_needed(self, request: RequestShape) -> np.ndarray:
-        return request.positions
+    def region_items(self, region_pages: int) -> int:
+        return region_pages
+
+    def span(self, request: RequestShape) -> tuple[int, int]:
+        return request.prefix_pages, request.num_pages - request.prefix_pages
 
     def _coords(self, index: int) -> tuple[int, int]:
         return index % self.layers, index // self.layers   # (layer, tensor)
@@ -96,14 +109,15 @@ class KVModel:
 
     def verify(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
                items: np.ndarray) -> int:
-        """Return how many bytes differ from the reference (0 = byte-exact)."""
+        """Return how many bytes differ from the reference (0 = byte-exact), plus any byte written into
+        page 0 (padding: no request owns it, and the demo pool starts zeroed)."""
         spec = self.spec()
         bad = 0
         for b, buf in enumerate(buffers):
             layer, tensor = self._coords(b)
             want = ref.expected_pages(spec, request.seed, layer, tensor, tp_size, rank, request.positions)
-            got = ref.byte_view(buf).reshape(-1, *spec.local_page_shape(tp_size))[items]
-            bad += int(np.count_nonzero(got != want))
+            pages = ref.byte_view(buf).reshape(-1, *spec.local_page_shape(tp_size))
+            bad += int(np.count_nonzero(pages[items] != want)) + int(np.count_nonzero(pages[0]))
         return bad
 
 
@@ -114,28 +128,91 @@ class Preset:
     page_size: int
     components: tuple[ComponentModel, ...]
     model: str
+    moves: str = ""             # one line: what travels per request
+
+    @property
+    def chunked(self) -> ComponentModel:
+        """The component whose items travel chunk by chunk (the KV pages; exactly one per preset)."""
+        found = [m for m in self.components if m.chunked]
+        if len(found) != 1:
+            raise ValueError(f"preset {self.name!r} needs exactly one chunked component, has {len(found)}")
+        return found[0]
 
     def check_tp(self, prefill_tp: int, decode_tp: int) -> None:
-        """Raise UnsupportedTopology/GeometryError with the reason when the shapes forbid these sizes."""
+        """Raise UnsupportedTopology naming the preset, the side and the component whose shapes forbid these
+        TP sizes (or the ratio, when neither size is a multiple of the other)."""
         from kvbridge.slicing import check_ratio
 
-        check_ratio(prefill_tp, decode_tp)
-        for tp in (prefill_tp, decode_tp):
+        what = f"preset {self.name!r} cannot run prefill TP {prefill_tp} -> decode TP {decode_tp}"
+        try:
+            check_ratio(prefill_tp, decode_tp)
+        except UnsupportedTopology as exc:
+            raise UnsupportedTopology(f"{what}: {exc}") from None
+        for side, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
             for model in self.components:
-                for buf in model.component(tp, 2).buffers:
-                    buf.check_tp(tp)
+                try:
+                    for buf in model.component(tp, 2).buffers:
+                        buf.check_tp(tp)
+                except ImportError as exc:
+                    raise UnsupportedTopology(f"{what}: component {model.name!r} needs a state-type plugin that "
+                                              f"is not installed ({exc})") from None
+                except (KVBridgeError, ValueError) as exc:
+                    raise UnsupportedTopology(f"{what}: {side} TP {tp}: component {model.name!r}: {exc}") from None
+
+
+def _qwen3_next() -> Preset:
+    kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=2, head_dim=64, layers=2, page_size=16)
+    gdn = MambaModel("mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8, head_k_dim=8,
+                     head_v_dim=8)
+    return Preset(
+        "qwen3-next",
+        "Qwen3-Next-like hybrid: GQA KV (2 KV heads x 64, bf16, token-major 16-token pages, 2 layers) + GDN "
+        "Mamba slots (conv [q|k|v] = 32|32|64 channels x 3 bf16, SSM 8 heads x 8x8 fp32, 3 layers)", 16,
+        (kv, gdn), "demo-qwen3-next",
+        "KV pages after the decode prefix, head-sliced (replicated heads above TP 2) + one GDN slot: conv "
+        "channels resharded group by group [q|k|v], SSM state by heads")
+
+
+def _swa() -> Preset:
+    kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=32, layers=2, page_size=16)
+    swa = SWAModel("swa", layers=(0, 2), page_size=16, kv_heads=8, head_dim=32, window=40)
+    return Preset(
+        "swa",
+        "gpt-oss-like hybrid: full-attention KV (8 KV heads x 32, bf16, token-major 16-token pages, 2 layers) + "
+        "sliding-window KV (same heads, window 40 tokens = 2.5 pages, 2 layers)", 16,
+        (kv, swa), "demo-swa",
+        "KV pages after the decode prefix + the SWA pages of the last 40 tokens only (window start floored "
+        "to a page, aligned by absolute position), both head-sliced")
+
+
+def _deepseek_v32() -> Preset:
+    kv = KVModel("kv", ref.MLA, total_heads=1, head_dim=64, layers=2, page_size=64)
+    nsa = NSAModel("nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
+    return Preset(
+        "deepseek-v32",
+        "DeepSeek-V3.2-like: MLA latent (64 x bf16 per token, replicated, 64-token pages, 2 layers) + NSA "
+        "indexer (64-token pages of 132 B per token, replicated, 2 layers)", 64,
+        (kv, nsa), "demo-deepseek-v32",
+        "MLA pages after the decode prefix + every NSA indexer page from position 0 (prefix hits "
+        "included), whole pages from one elected prefill rank per decode rank")
 
 
 PRESETS: dict[str, Callable[[], Preset]] = {
     "dense-gqa": lambda: Preset(
         "dense-gqa", "Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-dense-gqa"),
+        (KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-dense-gqa",
+        "KV pages after the decode prefix, head-sliced per token row"),
     "dense-gqa-headmajor": lambda: Preset(
         "dense-gqa-headmajor", "GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-gqa-hm"),
+        (KVModel("kv", ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-gqa-hm",
+        "KV pages after the decode prefix, head-sliced per page"),
     "mla": lambda: Preset(
         "mla", "DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),), "demo-mla"),
+        (KVModel("kv", ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),), "demo-mla",
+        "MLA latent pages after the decode prefix, whole pages from one elected prefill rank"),
+    "qwen3-next": _qwen3_next,
+    "swa": _swa,
+    "deepseek-v32": _deepseek_v32,
 }
 
 

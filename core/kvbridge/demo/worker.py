@@ -1,10 +1,14 @@
 """One demo rank process: build the pool, connect, run every request, report to the launcher.
 
 Requests are deterministic from the seed, so every rank derives the same schedule without a router:
-request ``i`` uses page region ``i % window`` (page 0 is padding) and starts on a rank only after
-request ``i - window`` finished there. Prefill ranks fill their source pages with the reference pattern
-(as if they had computed them) and send them in random chunks; decode ranks scrub their destination
-pages, ask for the data, wait, and verify every byte against the reference.
+request ``i`` uses region ``i % window`` of every component's pool (item 0 is padding) and starts on a
+rank only after request ``i - window`` finished there. Each component allocates its own items in its
+region: KV pages for the positions after the decode prefix, and for state components what their model
+says (one Mamba slot, the SWA window's pages, every NSA indexer page from position 0). Prefill ranks
+fill their source items with the reference pattern (as if they had computed them) and send the KV
+pages in random chunks, every state component's items (with the absolute position of the first) on
+the last chunk; decode ranks scrub their destination items, ask for the data, wait, and verify every
+byte against the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent import AgentConfig, TransferAgent
-from kvbridge.demo.presets import Preset, RequestShape, get_preset
+from kvbridge.demo.presets import ComponentModel, Preset, RequestShape, get_preset
 from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.wire import KVPoll, Role
@@ -85,11 +89,34 @@ def make_requests(seed: int, count: int, page_size: int, region_pages: int) -> l
     return out
 
 
-def allocate_items(cfg: WorkerConfig, request: RequestShape) -> np.ndarray:
-    """This instance's page ids for the request (the same on every rank of the instance)."""
-    rng = np.random.default_rng([cfg.seed, request.index, 1 if cfg.role is Role.PREFILL else 2])
-    start = 1 + (request.index % cfg.window) * cfg.region_pages
-    return start + rng.permutation(cfg.region_pages)[: len(request.positions)].astype(np.int64)
+def pool_items(cfg: WorkerConfig, model: ComponentModel) -> int:
+    """Items of a component's pool: the padding item 0 and one region per request in flight."""
+    return 1 + cfg.window * model.region_items(cfg.region_pages)
+
+
+def allocate_items(cfg: WorkerConfig, request: RequestShape, model: ComponentModel | None = None,
+                   which: int = 0) -> np.ndarray:
+    """This instance's item ids for the request (the same on every rank of the instance): KV page ids for
+    ``request.positions`` by default, else the items of ``model`` (the ``which``-th component)."""
+    size, count = (cfg.region_pages, len(request.positions)) if model is None else \
+        (model.region_items(cfg.region_pages), model.span(request)[1])
+    if count > size:
+        raise ValueError(f"request {request.index} needs {count} items of {getattr(model, 'name', 'kv')}, a region "
+                         f"holds {size}")
+    rng = np.random.default_rng([cfg.seed, request.index, 1 if cfg.role is Role.PREFILL else 2, *([which] if which else [])])
+    start = 1 + (request.index % cfg.window) * size
+    return start + rng.permutation(size)[:count].astype(np.int64)
+
+
+def request_items(cfg: WorkerConfig, preset: Preset, request: RequestShape) -> dict[str, np.ndarray]:
+    """Every component's item ids for the request on this instance."""
+    return {m.name: allocate_items(cfg, request, m, i) for i, m in enumerate(preset.components)}
+
+
+def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.ndarray]
+                  ) -> dict[str, tuple[np.ndarray, int]]:
+    """The state components' ``{name: (items, first position)}`` for Sender.send / Receiver.send_metadata."""
+    return {m.name: (items[m.name], m.span(request)[0]) for m in preset.components if not m.chunked}
 
 
 class _Pool:
@@ -137,9 +164,8 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
     pool = agent = None
     try:
         preset = get_preset(cfg.preset)
-        num_items = 1 + cfg.window * cfg.region_pages
-        layout = PoolLayout(tuple(m.component(cfg.tp_size, num_items) for m in preset.components), cfg.tp_size,
-                            cfg.rank, preset.page_size, preset.model)
+        layout = PoolLayout(tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
+                            cfg.tp_size, cfg.rank, preset.page_size, preset.model)
         pool = _Pool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
         link = ZmqLink(bootstrap=cfg.bootstrap)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
@@ -193,17 +219,20 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
     sender = agent.sender(request.room)
     while (status := sender.poll()) == KVPoll.Bootstrapping:
         yield
-    items = allocate_items(cfg, request)
+    every = request_items(cfg, preset, request)
+    items = every[preset.chunked.name]
+    state = state_indices(preset, request, every)
     if status != KVPoll.Failed:
         for model in preset.components:
-            model.fill(pool.buffers[model.name], cfg.tp_size, cfg.rank, request, items)
+            model.fill(pool.buffers[model.name], cfg.tp_size, cfg.rank, request, every[model.name])
         rng = np.random.default_rng([cfg.seed, request.index, 7])
         cuts = np.sort(rng.choice(np.arange(1, max(2, len(items))), size=min(3, max(0, len(items) - 1)),
                                   replace=False)) if len(items) > 1 else np.zeros(0, np.int64)
         chunks = np.split(items, cuts)
         for k, chunk in enumerate(chunks):
             try:
-                sender.send(chunk, last=k == len(chunks) - 1)
+                last = k == len(chunks) - 1
+                sender.send(chunk, last=last, state=state if last else None)
             except TransferError:       # the room failed meanwhile (peer died, abort): stop sending
                 break
             resume = time.monotonic() + cfg.pace_s
@@ -221,44 +250,56 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
 
 def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
                     request: RequestShape, results: Any) -> Generator[None, None, None]:
-    items = allocate_items(cfg, request)
+    every = request_items(cfg, preset, request)
     for model in preset.components:
         for buf in pool.buffers[model.name]:
-            buf[items] = 0xA5                                   # scrub: stale bytes must not pass
+            buf[every[model.name]] = 0xA5                       # scrub: stale bytes must not pass
     started = time.perf_counter()
     receiver = agent.receiver(request.room, INSTANCE)
-    receiver.send_metadata({m.name: items for m in preset.components}, prefix_len=request.prefix_pages * preset.page_size)
+    indices: dict[str, Any] = {preset.chunked.name: every[preset.chunked.name], **state_indices(preset, request, every)}
+    receiver.send_metadata(indices, prefix_len=request.prefix_pages * preset.page_size)
     while (status := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
         yield
     latency = time.perf_counter() - started
     bad = -1
     if status == KVPoll.Success:
-        bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, items) for m in preset.components)
+        bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, every[m.name])
+                  for m in preset.components)
     while not receiver.safe_to_reuse:
         yield
     results.put(("received", cfg.rank, request.index, status == KVPoll.Success, bad, latency, receiver.nbytes,
                  receiver.failure_reason))
     if cfg.dump:
-        _remember(cfg, request, items)
+        _remember(request, every)
     receiver.clear()
 
 
-_DUMPED: dict[int, np.ndarray] = {}
+_DUMPED: dict[int, dict[str, np.ndarray]] = {}
 
 
-def _remember(cfg: WorkerConfig, request: RequestShape, items: np.ndarray) -> None:
-    _DUMPED[request.index] = items.copy()
+def _remember(request: RequestShape, items: dict[str, np.ndarray]) -> None:
+    _DUMPED[request.index] = {name: ids.copy() for name, ids in items.items()}
 
 
 def _dump(cfg: WorkerConfig, pool: _Pool, requests: list[RequestShape]) -> None:
-    """Write this rank's buffers and per-request indices (see README "Checking a dump")."""
+    """Write this rank's buffers and per-request indices (see README "Checking a dump"): ``requests.npy``
+    for the KV pages, ``<component>.requests.npy`` for each state component (position = absolute page
+    position, 0 for a Mamba slot; page = the item id)."""
     out = Path(cfg.dump or ".") / f"decode-rank{cfg.rank}"
     out.mkdir(parents=True, exist_ok=True)
     for comp, arrays in pool.buffers.items():
         for i, arr in enumerate(arrays):
             np.save(out / f"{comp}.{i}.npy", arr)
-    rows = [(r.index, r.room, r.seed, r.seq_len, r.prefix_pages, pos, page)
-            for r in requests if r.index in _DUMPED for pos, page in zip(r.positions, _DUMPED[r.index])]
-    table = np.array(rows, dtype=[("request", "i8"), ("room", "u8"), ("seed", "u8"), ("seq_len", "i8"),
-                                  ("prefix_pages", "i8"), ("position", "i8"), ("page", "i8")])
-    np.save(out / "requests.npy", table)
+    preset = get_preset(cfg.preset)
+    kinds = [("request", "i8"), ("room", "u8"), ("seed", "u8"), ("seq_len", "i8"), ("prefix_pages", "i8"),
+             ("position", "i8"), ("page", "i8")]
+    for model in preset.components:
+        rows = []
+        for r in requests:
+            if r.index in _DUMPED:
+                first = model.span(r)[0]
+                ids = _DUMPED[r.index][model.name]
+                rows += [(r.index, r.room, r.seed, r.seq_len, r.prefix_pages, first + k, int(item))
+                         for k, item in enumerate(ids)]
+        name = "requests.npy" if model.chunked else f"{model.name}.requests.npy"
+        np.save(out / name, np.array(rows, dtype=kinds))
