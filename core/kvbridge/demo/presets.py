@@ -97,6 +97,12 @@ class KVModel:
     def span(self, request: RequestShape) -> tuple[int, int]:
         return request.prefix_pages, request.num_pages - request.prefix_pages
 
+    def expected(self, tp_size: int, rank: int, request: RequestShape) -> list[np.ndarray]:
+        """What ``rank`` holds of the request's pages, per buffer (wire order): uint8 ``[pages, page bytes]``."""
+        spec, shape = self.spec(), (len(request.positions), self.spec().local_page_nbytes(tp_size))
+        return [ref.expected_pages(spec, request.seed, *self._coords(b), tp_size, rank, request.positions).reshape(shape)
+                for b in range(self.tensors * self.layers)]
+
     def _coords(self, index: int) -> tuple[int, int]:
         return index % self.layers, index // self.layers   # (layer, tensor)
 
