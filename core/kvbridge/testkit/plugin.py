@@ -1,16 +1,88 @@
-"""pytest11 entry point of the kvbridge conformance kit: markers and options only (cheap to load)."""
+"""pytest11 entry point of the kvbridge conformance kit: options, markers and the hooks that apply them.
+
+Cheap to load (every pytest run in an environment with kvbridge installed loads it): it imports only
+pytest; the kit's classes decide their own skips and expected failures, lazily, at collection.
+
+Options:
+
+* ``--kvbridge-backend NAME`` (repeatable): run the backend kit only for these backends; with
+  ``pytest --pyargs kvbridge.testkit.installed`` it runs the kit against each named installed backend.
+* ``--kvbridge-hardware {none,cuda}``: the hardware tier. Default: run it when a CUDA device is present;
+  ``none`` skips it; ``cuda`` requires it (fails when there is no device).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+MARKERS = (
+    "multiprocess: starts peer processes (real sockets on the loopback interface)",
+    "hardware(kind): needs accelerator memory of that kind ('cuda'); see --kvbridge-hardware",
+    "requires(capability): skipped unless the plugin's spec declares the capability",
+)
+
+_CUDA: bool | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvbridge", "kvbridge conformance kit")
     group.addoption("--kvbridge-backend", action="append", default=[], metavar="NAME",
-                    help="run the backend kit against this backend (repeatable)")
+                    help="run the backend kit only for this backend (repeatable)")
+    group.addoption("--kvbridge-hardware", choices=("none", "cuda"), default=None,
+                    help="hardware tier: 'none' skips it, 'cuda' requires a CUDA device "
+                         "(default: run it when a CUDA device is present)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "multiprocess: starts peer processes")
-    config.addinivalue_line("markers", "hardware(kind): needs GPU memory of that kind")
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Kit classes add their skips (undeclared capability, unavailable plugin) and strict xfails."""
+    for item in items:
+        marks_for = getattr(getattr(item, "cls", None), "_kvbridge_marks", None)
+        if marks_for is not None:
+            for mark in marks_for(item, config):
+                item.add_marker(mark)
+
+
+def cuda_present() -> bool:
+    """Is a CUDA device usable here? (cheap device-file check first; torch only when one may exist)"""
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = False
+        if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia"):
+            try:
+                import torch
+
+                _CUDA = bool(torch.cuda.is_available())
+            except Exception:  # noqa: BLE001 - no usable torch means no CUDA tier
+                _CUDA = False
+    return _CUDA
+
+
+def hardware_decision(kind: str, option: str | None) -> tuple[str, str]:
+    """("run" | "skip" | "fail", reason) for a test marked ``hardware(kind)``."""
+    if kind != "cuda":
+        return "skip", f"the kit has no {kind!r} hardware tier"
+    if option == "none":
+        return "skip", "hardware tier disabled (--kvbridge-hardware none)"
+    if cuda_present():
+        return "run", ""
+    if option == "cuda":
+        return "fail", "--kvbridge-hardware cuda was given, but no CUDA device is usable here"
+    return "skip", "no CUDA device here; the hardware tier runs on a GPU host (--kvbridge-hardware cuda requires it)"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("hardware"):
+        kind = str(mark.args[0]) if mark.args else "cuda"
+        verdict, reason = hardware_decision(kind, item.config.getoption("kvbridge_hardware"))
+        if verdict == "skip":
+            pytest.skip(reason)
+        if verdict == "fail":
+            pytest.fail(reason, pytrace=False)
+

@@ -1,0 +1,239 @@
+"""Fault injection as a plugin: a ``wrapper=True`` hook object that breaks sends and notices on demand.
+
+Register it explicitly and arm one fault per test::
+
+    faults = FaultInjector()
+    registry = kit_registry(spec, tracker=tracker, plugins=[faults])   # or Registry.build(plugins=[faults])
+    faults.arm(Fault.STALL, component="kv")     # the next sends of "kv" stay PENDING ...
+    ...
+    faults.release()                            # ... until released
+
+Faults (a pluggy wrapper cannot change arguments, so each is built from what a wrapper can do):
+
+* ``REFUSE``    - raise :class:`~kvbridge.errors.TransferError` before the write is posted;
+* ``FAIL``      - post the write, then report FAILED (once the real write is terminal, so no write is
+  left in flight behind a failure);
+* ``STALL``     - post the write, report PENDING until :meth:`FaultInjector.release`;
+* ``LATE``      - post the write, report PENDING for ``delay_s`` more seconds;
+* ``LOSE_NOTICE`` - the completion notice is swallowed: ``notify_completion`` answers True without
+  delivering, and a notice attached to the write itself is dropped;
+* ``DUPLICATE`` - the write is posted twice and the completion notice delivered twice.
+
+Handle faults (FAIL, STALL, LATE, DUPLICATE) and LOSE_NOTICE need the backend wrapped in
+:class:`~kvbridge.testkit.checked.CheckedBackend` (``kit_registry`` does it), which polls the
+substitute handles with the real backend. ``REFUSE`` works with any backend. Every send and notice
+that passes is recorded (``sends``, ``notices``) for exactly-once checks.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
+from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.plugin import hookimpl
+from kvbridge.testkit.checked import CheckedBackend
+from kvbridge.wire import Codec, Notice
+
+__all__ = ["Fault", "FaultHandle", "FaultInjector", "NoticeKey"]
+
+
+class Fault(enum.Enum):
+    REFUSE = "refuse"
+    FAIL = "fail"
+    STALL = "stall"
+    LATE = "late"
+    LOSE_NOTICE = "lose-notice"
+    DUPLICATE = "duplicate"
+
+
+#: (backend label, peer, room, sender rank, component, chunk) of one completion notice
+NoticeKey = tuple[str, str, int, int, str, int]
+
+
+@dataclass
+class _Arming:
+    fault: Fault
+    component: str | None
+    room: int | None
+    times: int | None
+    delay_s: float
+    reason: str
+    fired: int = 0
+
+    def matches(self, component: str, room: int) -> bool:
+        if self.times is not None and self.fired >= self.times:
+            return False
+        return (self.component is None or self.component == component) and (self.room is None or self.room == room)
+
+
+@dataclass(eq=False)
+class FaultHandle:
+    """Stands in for one (or two, for DUPLICATE) real handles; polled through the CheckedBackend."""
+
+    inner: list[Any]
+    fault: Fault
+    reason: str
+    release_event: threading.Event
+    until: float = 0.0
+    outcome: Poll | None = field(default=None)
+
+    def poll_with(self, poll: Callable[[Any], Poll]) -> Poll:
+        if self.outcome is not None:
+            return self.outcome
+        if self.fault is Fault.STALL and not self.release_event.is_set():
+            return Poll.pending()
+        if self.fault is Fault.LATE and time.monotonic() < self.until:
+            return Poll.pending()
+        results = [poll(h) for h in self.inner]
+        if any(r.state is HandleState.PENDING for r in results):
+            return Poll.pending()
+        failed = [r for r in results if r.state is HandleState.FAILED]
+        if failed:
+            self.outcome = failed[0]
+        elif self.fault is Fault.FAIL:
+            self.outcome = Poll.failed(self.reason)
+        else:
+            self.outcome = Poll.done()
+        return self.outcome
+
+    def release_with(self, release: Callable[[Any], None]) -> None:
+        for h in self.inner:
+            release(h)
+
+    def __repr__(self) -> str:
+        return f"FaultHandle({self.fault.value}, {len(self.inner)} inner)"
+
+
+class FaultInjector:
+    """The fault-injection plugin (see the module docstring). Thread-safe; one per registry."""
+
+    __name__ = "kvbridge-testkit-faults"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: list[_Arming] = []
+        self._release = threading.Event()
+        self.sends: list[tuple[str, int, str, int]] = []     # (backend label, room, component, chunk)
+        self.notices: Counter[NoticeKey] = Counter()
+        self.injected: Counter[Fault] = Counter()
+        self._lost: set[tuple[int, str, int, str] | None] = set()
+        self._doubled: set[tuple[int, str, int, str] | None] = set()
+        self._codec = Codec()
+
+    # -- control
+    def arm(self, fault: Fault, *, component: str | None = None, room: int | None = None, times: int | None = None,
+            delay_s: float = 0.5, reason: str = "") -> None:
+        """Inject ``fault`` into matching sends (all, or ``times`` of them) until :meth:`disarm`."""
+        text = reason or f"injected by kvbridge.testkit: {fault.value}"
+        with self._lock:
+            if fault is Fault.STALL:
+                self._release.clear()
+            self._armed.append(_Arming(fault, component, room, times, delay_s, text))
+
+    def disarm(self) -> None:
+        """Stop injecting, and let stalled writes complete."""
+        with self._lock:
+            self._armed.clear()
+        self._release.set()
+
+    def release(self) -> None:
+        """Let every stalled write complete (the fault stays armed for new sends)."""
+        self._release.set()
+
+    def reset(self) -> None:
+        self.disarm()
+        with self._lock:
+            self.sends.clear()
+            self.notices.clear()
+            self.injected.clear()
+
+    def _take(self, component: str, room: int) -> _Arming | None:
+        with self._lock:
+            for arming in self._armed:
+                if arming.matches(component, room):
+                    arming.fired += 1
+                    self.injected[arming.fault] += 1
+                    return arming
+        return None
+
+    def notice_counts(self, room: int) -> dict[NoticeKey, int]:
+        with self._lock:
+            return {k: v for k, v in self.notices.items() if k[2] == room}
+
+    # -- hooks
+    @hookimpl(wrapper=True)
+    def kvbridge_send_component(self, backend: Any, transfer: ComponentTransfer) -> Generator[None, Any, Any]:
+        notice = self._decode(transfer.notice)
+        component = notice.component if notice is not None else transfer.component   # staged sends too
+        label = getattr(backend, "label", getattr(backend, "name", "?"))
+        with self._lock:
+            self.sends.append((label, transfer.room, component, transfer.chunk))
+        arming = self._take(component, transfer.room)
+        if arming is not None and arming.fault is Fault.REFUSE:
+            raise TransferError(transfer.room, arming.reason)
+        if arming is not None and not isinstance(backend, CheckedBackend):
+            raise TransferError(transfer.room, f"fault {arming.fault.value} needs the backend wrapped in "
+                                               "kvbridge.testkit.checked.CheckedBackend (use kit_registry)")
+        key = (transfer.room, component, transfer.chunk, transfer.peer)
+        if arming is not None and arming.fault is Fault.LOSE_NOTICE:
+            backend.strip_notices = True
+            try:
+                handle = yield
+            finally:
+                backend.strip_notices = False
+            with self._lock:
+                self._lost.add(key)
+            return handle
+        handle = yield
+        if arming is None:
+            return handle
+        inner = [handle]
+        if arming.fault is Fault.DUPLICATE:
+            inner.append(backend.inner.send_component(transfer))
+            with self._lock:
+                self._doubled.add(key)
+        substitute = FaultHandle(inner, arming.fault, arming.reason, self._release,
+                                 until=time.monotonic() + arming.delay_s)
+        backend.substitute(handle, substitute)
+        return substitute
+
+    @hookimpl(wrapper=True)
+    def kvbridge_notify_completion(self, backend: Any, peer: str, notice: bytes) -> Generator[None, Any, Any]:
+        decoded = self._decode(notice)
+        key = (decoded.room, decoded.component, decoded.chunk, peer) if decoded is not None else None
+        with self._lock:
+            lose = key in self._lost
+            double = key in self._doubled
+            self._lost.discard(key)                 # type: ignore[arg-type]
+            self._doubled.discard(key)              # type: ignore[arg-type]
+        if lose and isinstance(backend, CheckedBackend):
+            backend.suppress_notices += 1
+            try:
+                yield
+            finally:
+                backend.suppress_notices -= 1
+            return True                             # "delivered": the control plane does not carry it either
+        delivered = yield
+        if decoded is not None:
+            label = getattr(backend, "label", getattr(backend, "name", "?"))
+            with self._lock:
+                self.notices[(label, peer, decoded.room, decoded.sender, decoded.component, decoded.chunk)] += 1
+        if double and delivered and isinstance(backend, CheckedBackend):
+            backend.inner.notify_completion(peer, notice)   # the notice arrives twice as well
+        return delivered
+
+    def _decode(self, frame: bytes) -> Notice | None:
+        if not frame:
+            return None
+        try:
+            message = self._codec.decode(frame)
+        except ProtocolError:
+            return None                     # HMAC-protected frames: not decodable without the secret
+        return message if isinstance(message, Notice) else None

@@ -1,0 +1,175 @@
+"""What every kit class shares: capability skips, strict expected failures, the override meta-test, leak checks.
+
+A kit class (``BackendTests``, ``StateTypeTests``) is subclassed by a plugin's ``test_conformance.py``.
+The subclass may declare known gaps, which run as strict xfails (a gap that gets fixed fails loudly)::
+
+    known_failures = {"test_byte_exact_delivery[pt4-dt1]": "engine drops the last descriptor, issue #12"}
+
+or override a kit test, but only with ``@pytest.mark.xfail(strict=True, reason=...)`` on the override;
+``test_no_overrides`` fails when a kit test is deleted (set to None) or overridden without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import pytest
+
+from kvbridge.testkit.checked import Tracker
+from kvbridge.testkit.leaks import Snapshot, prime_process_singletons
+
+__all__ = ["KitTests", "kit_tests", "override_problems"]
+
+
+def _is_kit_class(cls: type) -> bool:
+    return bool(cls.__dict__.get("_kvbridge_kit_class", False))
+
+
+def kit_tests(cls: type) -> dict[str, tuple[type, Any]]:
+    """Every test the kit defines for ``cls``: name -> (defining kit class, function)."""
+    out: dict[str, tuple[type, Any]] = {}
+    for klass in reversed(cls.__mro__):
+        if _is_kit_class(klass):
+            for name, value in klass.__dict__.items():
+                if name.startswith("test_") and callable(value):
+                    out[name] = (klass, value)
+    return out
+
+
+def _strict_xfail(func: Any) -> bool:
+    for mark in getattr(func, "pytestmark", []):
+        if mark.name == "xfail" and mark.kwargs.get("strict") is True and mark.kwargs.get("reason"):
+            return True
+    return False
+
+
+def override_problems(cls: type) -> list[str]:
+    """Kit tests that ``cls`` deleted or overrode without a strict xfail, and malformed known_failures."""
+    problems = []
+    tests = kit_tests(cls)
+    for name, (kit_class, func) in sorted(tests.items()):
+        owner = next(k for k in cls.__mro__ if name in k.__dict__)
+        if owner is kit_class or _is_kit_class(owner):
+            continue
+        value = owner.__dict__[name]
+        where = f"{owner.__qualname__}.{name}"
+        if value is None or not callable(value):
+            problems.append(f"{where} deletes the kit test {kit_class.__name__}.{name}; declare the gap in "
+                            "known_failures (a strict xfail) instead")
+        elif not _strict_xfail(value):
+            problems.append(f"{where} overrides the kit test {kit_class.__name__}.{name} without "
+                            "@pytest.mark.xfail(strict=True, reason=...)")
+    for key, reason in dict(getattr(cls, "known_failures", {})).items():
+        base = key.split("[", 1)[0]
+        if base not in tests:
+            problems.append(f"known_failures names {key!r}, which is not a kit test "
+                            f"(kit tests: {', '.join(sorted(tests))})")
+        if not isinstance(reason, str) or not reason.strip():
+            problems.append(f"known_failures[{key!r}] needs a reason (an issue link, what is wrong)")
+    return problems
+
+
+class KitTests:
+    """Base of the kit's test classes (see the module docstring)."""
+
+    _kvbridge_kit_class: ClassVar[bool] = True
+    #: test name (``test_x`` or ``test_x[param-id]``) -> reason; those tests run as strict xfails
+    known_failures: ClassVar[Mapping[str, str]] = {}
+    #: run the leak checks after every test (file descriptors, threads, children, /dev/shm, handles)
+    check_leaks: ClassVar[bool] = True
+    leak_grace_s: ClassVar[float] = 3.0
+
+    # ---------------------------------------------------------------- subclass interface
+    @classmethod
+    def _kvbridge_subject(cls) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def _kvbridge_capabilities(cls) -> frozenset[str]:
+        return frozenset()
+
+    @classmethod
+    def _kvbridge_unavailable(cls, config: pytest.Config) -> str:
+        """Why this class cannot run here ("" when it can)."""
+        return ""
+
+    @classmethod
+    def _kvbridge_tracker(cls) -> Tracker:
+        tracker = cls.__dict__.get("_kvbridge_tracker_obj")
+        if tracker is None:
+            tracker = Tracker()
+            cls._kvbridge_tracker_obj = tracker  # type: ignore[attr-defined]
+        return tracker
+
+    # ---------------------------------------------------------------- collection (called by plugin.py)
+    @classmethod
+    def _kvbridge_marks(cls, item: pytest.Item, config: pytest.Config) -> list[pytest.MarkDecorator]:
+        marks = []
+        why = cls._kvbridge_unavailable(config)
+        if why:
+            return [pytest.mark.skip(reason=why)]
+        declared = cls._kvbridge_capabilities()
+        for mark in item.iter_markers("requires"):
+            for capability in mark.args:
+                value = getattr(capability, "value", capability)
+                if value not in declared:
+                    marks.append(pytest.mark.skip(reason=f"'{cls._kvbridge_subject()}' does not declare {value}"))
+        name = getattr(item, "name", "")
+        original = getattr(item, "originalname", name)
+        known = dict(cls.known_failures)
+        reason = known.get(name) or known.get(original)
+        if reason:
+            marks.append(pytest.mark.xfail(strict=True, reason=reason))
+        return marks
+
+    # ---------------------------------------------------------------- the meta-test
+    def test_no_overrides(self) -> None:
+        """Every kit test still runs: none deleted, none overridden without a strict xfail.
+
+        Troubleshooting: to declare a known gap, add it to ``known_failures`` (name -> reason, an issue
+        link); to replace a kit test, decorate the override with ``@pytest.mark.xfail(strict=True,
+        reason=...)``. Never set a kit test to None.
+        """
+        problems = override_problems(type(self))
+        assert not problems, "the conformance kit was trimmed:\n  " + "\n  ".join(problems)
+
+    # ---------------------------------------------------------------- leak checks
+    @pytest.fixture(autouse=True)
+    def _kvbridge_checks(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        if type(self).test_no_overrides is not KitTests.test_no_overrides:
+            pytest.fail("test_no_overrides must not be overridden", pytrace=False)
+        if not self.check_leaks:
+            yield
+            return
+        if request.node.get_closest_marker("multiprocess") is not None:
+            prime_process_singletons()
+        tracker = self._kvbridge_tracker()
+        before_backends = set(map(id, tracker.backends))
+        before_violations = len(tracker.violations)
+        snapshot = Snapshot.take()
+        yield
+        problems = list(tracker.violations[before_violations:])
+        for backend in list(tracker.backends):
+            if id(backend) not in before_backends and not backend.closed:
+                problems.append(f"{backend.label} was created by this test and never closed")
+            problems.extend(backend.leaks() if id(backend) not in before_backends or backend.closed
+                            else [p for p in backend.leaks() if "handle" in p])
+        problems += snapshot.leaked(self.leak_grace_s)
+        tracker.forget_closed()
+        if problems:
+            pytest.fail(f"{self._kvbridge_subject()}: this test leaked:\n  " + "\n  ".join(problems), pytrace=False)
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _kvbridge_class_checks(cls) -> Iterator[None]:
+        if not cls.check_leaks:
+            yield
+            return
+        prime_process_singletons()
+        snapshot = Snapshot.take()
+        yield
+        problems = cls._kvbridge_tracker().problems() + snapshot.leaked(cls.leak_grace_s)
+        if problems:
+            pytest.fail(f"{cls._kvbridge_subject()}: the class's shared agents leaked:\n  " + "\n  ".join(problems),
+                        pytrace=False)
