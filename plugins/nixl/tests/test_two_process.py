@@ -73,8 +73,11 @@ def test_prefill_process_writes_decode_ranks(backends: Factory, scenario: str) -
             report = parent.recv()
         assert report == ("sent", ["DONE"] * sum(len(e) for e in expected.values())), report
         parent.send("bye")
+        assert parent.poll(PEER_DEADLINE_S), "the prefill process did not close its backends"
+        status, close_s = parent.recv()
+        assert status == "closed", (status, close_s)
     finally:
-        proc.join(5)
+        proc.join(PEER_DEADLINE_S)
         if proc.is_alive():
             proc.kill()
             proc.join(5)
