@@ -1,10 +1,13 @@
-"""GPU check of the NIXL backend: prefill process on GPU 0, decode process on GPU 1, CUDA tensors (VRAM).
+"""GPU check of the NIXL backend: prefill rank processes on GPU 0, a decode process on GPU 1, CUDA tensors.
 
-Runs kvbridge end to end (TransferAgent over ZMQ, NIXL backend, VRAM registration) for a dense GQA pool,
-verifies every transferred byte on the decode GPU against a copy regenerated from the same seed, and
-times the same bytes through a plain torch GPU0 -> GPU1 copy. Needs two CUDA devices, torch, nixl_cu13.
+Runs kvbridge end to end (TransferAgent over ZMQ, NIXL backend, VRAM registration) for a dense GQA pool
+(token-major pages, 8 KV heads): same TP with contiguous and scattered pages, and prefill TP 2 -> decode
+TP 1 with scattered pages, with the staging path (gather on GPU, one write, scatter on GPU) and without
+it (one descriptor per token row). Every transferred byte is verified on the decode GPU against data
+regenerated from the same seeds; the bytes' throughput is compared with a torch GPU0 -> GPU1 copy.
 
     PYTHONPATH=core:plugins/nixl/src python3 scripts/gpu_nixl_check.py --out result.json
+    KVBRIDGE_GPU_CHECK_ON_CPU=1 ... (a small dry run of the same logic on host memory)
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import time
 
-import os
-
-LAYERS, HEADS, HEAD_DIM, PAGE, POOL = 32, 8, 128, 16, 2304
-CASES = (("contiguous", 2048), ("scattered", 2048))
-CPU = os.environ.get("KVBRIDGE_GPU_CHECK_ON_CPU") == "1"     # a dry run of this script's logic on host memory
+LAYERS, HEADS, HEAD_DIM, PAGE, POOL, N = 32, 8, 128, 16, 2304, 2048
+CPU = os.environ.get("KVBRIDGE_GPU_CHECK_ON_CPU") == "1"
 if CPU:
-    LAYERS, POOL, CASES = 2, 64, (("contiguous", 32), ("scattered", 32))
+    LAYERS, POOL, N = 2, 64, 32
+#: (label, prefill TP, page placement, staging bytes per rank)
+CONFIGS = (("same-tp", 1, "contiguous", 0), ("same-tp", 1, "scattered", 0),
+           ("tp2->1 staged", 2, "scattered", 5 << 30), ("tp2->1 per-token", 2, "scattered", 0))
+REPEAT = 3
 
 
 def _dev(index: int) -> str:
@@ -34,20 +39,20 @@ def _sync(index: int) -> None:
         torch.cuda.synchronize(index)
 
 
-def _layout(rank_layout: object = None):  # noqa: ANN202
+def _layout(tp: int, rank: int):  # noqa: ANN202
     from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 
-    bufs = tuple(BufferGeometry(f"{t}.{l}", POOL, (PAGE, HEADS, HEAD_DIM), DType.BFLOAT16, ShardAxis(1, HEADS))
+    bufs = tuple(BufferGeometry(f"{t}.{l}", POOL, (PAGE, HEADS // tp, HEAD_DIM), DType.BFLOAT16, ShardAxis(1, HEADS))
                  for t in "kv" for l in range(LAYERS))
-    return PoolLayout((Component("kv", "kv", bufs),), 1, 0, PAGE, "gpu-check")
+    return PoolLayout((Component("kv", "kv", bufs),), tp, rank, PAGE, "gpu-check")
 
 
-def _tensors(device: int, seed: int | None):  # noqa: ANN202
+def _tensors(device: int, heads: int, seed: int | None):  # noqa: ANN202
     import torch
 
     out = []
     for b in range(2 * LAYERS):
-        t = torch.zeros((POOL, PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=_dev(device))
+        t = torch.zeros((POOL, PAGE, heads, HEAD_DIM), dtype=torch.bfloat16, device=_dev(device))
         if seed is not None:
             g = torch.Generator(device=_dev(device)).manual_seed(seed * 1000 + b)
             t.view(torch.int16).random_(-32768, 32767, generator=g)
@@ -64,62 +69,67 @@ def _registry():  # noqa: ANN202
     return Registry.build(plugins=[kvbridge_nixl])
 
 
-def _pages(case: str, n: int):  # noqa: ANN202
+def _pages(placement: str):  # noqa: ANN202
     import numpy as np
 
+    if placement == "contiguous":
+        return np.arange(1, 1 + N), np.arange(1, 1 + N)
     rng = np.random.default_rng(7)
-    if case == "contiguous":
-        return np.arange(1, 1 + n), np.arange(1, 1 + n)
-    return rng.permutation(np.arange(1, POOL))[:n], rng.permutation(np.arange(1, POOL))[:n]
+    return rng.permutation(np.arange(1, POOL))[:N], rng.permutation(np.arange(1, POOL))[:N]
 
 
-def prefill(bootstrap: str, results: mp.Queue) -> None:
+def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: str, staging: int) -> None:
     import torch
 
-    from kvbridge.agent import TransferAgent
+    from kvbridge.agent import AgentConfig, TransferAgent
     from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     if not CPU:
         torch.cuda.set_device(0)
-    bufs = _tensors(0, seed=11)
-    agent = TransferAgent(layout=_layout(), buffers={"kv": bufs}, role=Role.PREFILL, backend="nixl",
-                          registry=_registry(), link=ZmqLink(bootstrap=bootstrap), instance="gpu")
+    bufs = _tensors(0, HEADS // tp, seed=11 + rank)
+    staging = min(staging, 64 << 20) if CPU else staging
+    agent = TransferAgent(layout=_layout(tp, rank), buffers={"kv": bufs}, role=Role.PREFILL, backend="nixl",
+                          registry=_registry(), link=ZmqLink(bootstrap=bootstrap), instance="gpu",
+                          config=AgentConfig(staging_bytes=staging))
     agent.start()
     try:
-        for room, (case, n) in enumerate(CASES * 3, start=1):
-            src, _ = _pages(case, n)
+        src, _ = _pages(placement)
+        for room in range(1, REPEAT + 1):
             sender = agent.sender(room)
             while sender.poll() < KVPoll.WaitingForInput:
                 agent.link_wait(0.001)
             sender.send(src, last=True)
             while not sender.safe_to_reuse:
                 agent.link_wait(0.0005)
-            results.put(("sent", room, case, sender.poll().name, *sender.stats))
+            results.put(("sent", rank, room, sender.poll().name, *sender.stats))
             sender.clear()
         time.sleep(2)
     finally:
         agent.close()
 
 
-def decode(bootstrap: str, results: mp.Queue) -> None:
+def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: int) -> None:
     import torch
 
-    from kvbridge.agent import TransferAgent
+    from kvbridge.agent import AgentConfig, TransferAgent
     from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     if not CPU:
         torch.cuda.set_device(1)
-    bufs = _tensors(1, seed=None)
-    agent = TransferAgent(layout=_layout(), buffers={"kv": bufs}, role=Role.DECODE, backend="nixl",
-                          registry=_registry(), link=ZmqLink(bootstrap=bootstrap))
+    bufs = _tensors(1, HEADS, seed=None)
+    staging = min(staging, 64 << 20) if CPU else staging
+    agent = TransferAgent(layout=_layout(1, 0), buffers={"kv": bufs}, role=Role.DECODE, backend="nixl",
+                          registry=_registry(), link=ZmqLink(bootstrap=bootstrap),
+                          config=AgentConfig(staging_bytes=staging))
     agent.start()
     try:
         agent.connect("gpu", timeout_s=120)
-        expected = _tensors(1, seed=11)          # the prefill's data, regenerated from the seed on GPU 1
-        for room, (case, n) in enumerate(CASES * 3, start=1):
-            src, dst = _pages(case, n)
+        expected = [_tensors(1, HEADS // tp, seed=11 + r) for r in range(tp)]   # regenerated on GPU 1
+        src, dst = _pages(placement)
+        si, di = torch.as_tensor(src, device=_dev(1)), torch.as_tensor(dst, device=_dev(1))
+        for room in range(1, REPEAT + 1):
             for t in bufs:
                 t.zero_()
             _sync(1)
@@ -131,13 +141,14 @@ def decode(bootstrap: str, results: mp.Queue) -> None:
                     break
                 agent.link_wait(0.0002)
             seconds = time.perf_counter() - t0
-            si, di = torch.as_tensor(src, device=_dev(1)), torch.as_tensor(dst, device=_dev(1))
-            exact = status == KVPoll.Success and all(                      # bit patterns: random bf16 has NaNs
-                torch.equal(b.view(torch.int16)[di], e.view(torch.int16)[si]) for b, e in zip(bufs, expected))
+            h = HEADS // tp
+            exact = status == KVPoll.Success and all(   # compare bit patterns: random bf16 has NaNs
+                torch.equal(b.view(torch.int16)[di][:, :, r * h:(r + 1) * h], e[i].view(torch.int16)[si])
+                for i, b in enumerate(bufs) for r, e in enumerate(expected))
             untouched = torch.ones(POOL, dtype=torch.bool, device=_dev(1))
             untouched[di] = False
             clean = all(int(b[untouched].count_nonzero()) == 0 for b in bufs)
-            results.put(("received", room, case, status.name, receiver.failure_reason, seconds, receiver.nbytes,
+            results.put(("received", room, status.name, receiver.failure_reason, seconds, receiver.nbytes,
                          bool(exact), bool(clean)))
             receiver.clear()
     finally:
@@ -160,21 +171,19 @@ def torch_baseline(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="gpu_nixl_check.json")
-    args = parser.parse_args()
+def run_config(label: str, tp: int, placement: str, staging: int) -> dict[str, object]:
     from kvbridge.zmq_link import BootstrapServer
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     server = BootstrapServer().start()
-    procs = [ctx.Process(target=f, args=(server.address, results)) for f in (prefill, decode)]
+    procs = [ctx.Process(target=prefill, args=(server.address, results, tp, r, placement, staging)) for r in range(tp)]
+    procs.append(ctx.Process(target=decode, args=(server.address, results, tp, placement, staging)))
     for p in procs:
         p.start()
-    rows = []
-    deadline = time.monotonic() + 400
-    while sum(r[0] == "received" for r in rows) < len(CASES) * 3 and time.monotonic() < deadline:
+    rows: list[tuple] = []
+    deadline = time.monotonic() + 240
+    while sum(r[0] == "received" for r in rows) < REPEAT and time.monotonic() < deadline:
         try:
             rows.append(results.get(timeout=5))
         except Exception:  # noqa: BLE001
@@ -186,15 +195,27 @@ def main() -> None:
             p.kill()
     server.close()
     received = [r for r in rows if r[0] == "received"]
-    report = {"rows": rows}
-    if received:
-        nbytes = max(r[6] for r in received)
-        report["torch_gpu0_to_gpu1_GBps"] = torch_baseline(nbytes)
-        for case, _ in CASES:
-            best = min((r[5] for r in received if r[2] == case and r[3] == "Success"), default=None)
-            if best:
-                report[f"kvbridge_{case}_GBps"] = nbytes / best / 1e9
-        report["all_exact"] = all(r[7] and r[8] for r in received) and len(received) == len(CASES) * 3
+    sent = [r for r in rows if r[0] == "sent"]
+    ok = [r for r in received if r[2] == "Success"]
+    nbytes = max((r[5] for r in received), default=0)
+    return {"config": label, "prefill_tp": tp, "pages": placement, "staging": bool(staging),
+            "requests": len(received), "byte_exact": len(received) == REPEAT and all(r[6] and r[7] for r in received),
+            "bytes_per_request": nbytes, "descriptors_per_request": sum(r[5] for r in sent) // max(1, REPEAT),
+            "best_s": min((r[4] for r in ok), default=None),
+            "GBps": (nbytes / min(r[4] for r in ok) / 1e9) if ok else None,
+            "failures": [r[3] for r in received if r[2] != "Success"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_nixl_check.json")
+    args = parser.parse_args()
+    report = {"configs": [run_config(*c) for c in CONFIGS]}
+    nbytes = max(c["bytes_per_request"] for c in report["configs"])  # type: ignore[type-var]
+    report["torch_gpu0_to_gpu1_GBps"] = torch_baseline(int(nbytes)) if nbytes else None
+    for c in report["configs"]:
+        if c["GBps"] and report["torch_gpu0_to_gpu1_GBps"]:
+            c["vs_torch_copy"] = c["GBps"] / report["torch_gpu0_to_gpu1_GBps"]
     print(json.dumps(report, indent=1))
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=1)

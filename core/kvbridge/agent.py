@@ -43,7 +43,9 @@ from kvbridge.links import Link
 from kvbridge.planner import BufferPair, TransferPlan, check_indices, plan_transfer
 from kvbridge.registry import Registry
 from kvbridge.slicing import ComponentSlice, served_ranks, target_ranks
-from kvbridge.staging import STAGING, Rows, StagingArea, gather, host_view, page_layout, regular_rows, scatter
+from kvbridge.staging import (
+    STAGING, Rows, StagingArea, device_view, gather, host_view, page_layout, regular_rows, scatter, synchronize,
+)
 from kvbridge.state.base import StateType
 from kvbridge.wire import (
     PROTOCOL_VERSION, Abort, Codec, Goodbye, Heartbeat, Hello, KVPoll, Message, Notice, PackedIndices, Role,
@@ -163,7 +165,7 @@ class TransferAgent:
         self.rejected_frames = 0
         self.registered: dict[str, RegisteredBuffers] = {}
         self._keepalive: list[Any] = []
-        self._views: dict[str, list[np.ndarray]] = {}
+        self._views: dict[str, list[Any]] = {}        # uint8 [items, item_nbytes] views (numpy or torch)
         self._rows: dict[tuple[str, int], tuple[Rows, ...] | None] = {}
         self._no_staging: set[str] = set()
         self.staging: StagingArea | None = None
@@ -199,18 +201,28 @@ class TransferAgent:
             if all(r.device is DeviceKind.CPU for r in regions):
                 self._views[comp.name] = [host_view(r).reshape(g.num_items, g.item_nbytes)
                                           for r, g in zip(regions, comp.buffers)]
+            elif all(r.device is DeviceKind.CUDA for r in regions):
+                views = [device_view(b, g.num_items, g.item_nbytes) for b, g in zip(given, comp.buffers)]
+                if all(v is not None for v in views):
+                    self._views[comp.name] = views
 
-    def _setup_staging(self, staging: np.ndarray | None) -> None:
+    def _setup_staging(self, staging: Any | None) -> None:
         """Register the staging area (given, e.g. in /dev/shm for loopback peers in other processes, or
-        allocated here) when every buffer is host memory."""
+        allocated here: host memory, or on the GPU of CUDA buffers) when every buffer has a view."""
         if len(self._views) != len(self.layout.components):
             return
         if staging is None:
             if self.config.staging_bytes <= 0:
                 return
-            staging = np.zeros(self.config.staging_bytes, np.uint8)   # zeros: pre-touched before registering
+            first = next(iter(self._views.values()))[0]
+            if isinstance(first, np.ndarray):
+                staging = np.zeros(self.config.staging_bytes, np.uint8)   # zeros: pre-touched before registering
+            else:
+                import torch
+
+                staging = torch.zeros(self.config.staging_bytes, dtype=torch.uint8, device=first.device)
         self._keepalive.append(staging)
-        self.staging = StagingArea(staging.reshape(-1).view(np.uint8))
+        self.staging = StagingArea(staging.reshape(-1).view(np.uint8) if isinstance(staging, np.ndarray) else staging)
         self._staging_reg = self.registry.register_buffers(self.backend, STAGING, [self.staging.region])
 
     def _remote_buffers(self) -> tuple[RemoteBuffers, ...]:
@@ -582,8 +594,11 @@ class TransferAgent:
         if local is None:
             return False        # our staging area is full: plain descriptors, the notice says so
         comp = self.layout.components[comp_index]
-        out = self.staging.array[local: local + nbytes].reshape(len(items), per_item)
+        out = self.staging.array[local: local + nbytes].view(len(items), per_item) \
+            if not isinstance(self.staging.array, np.ndarray) else \
+            self.staging.array[local: local + nbytes].reshape(len(items), per_item)
         gather(self._views[comp.name], rows, items, out)
+        synchronize(out)          # device gathers must finish before the engine reads the area
         dst = remote.regions[0].addr + remote_offset + room.cursor * per_item
         u64 = np.uint64
         plan = TransferPlan(np.array([self.staging.region.addr + local], u64), np.array([dst], u64),
@@ -729,8 +744,11 @@ class TransferAgent:
             raise ProtocolError(f"room {room.room}: staged chunk [{notice.first}, +{notice.count}) is outside the "
                                 f"{len(dst)} reserved items")
         start = offset + notice.first * per_item
-        staged = self.staging.array[start: start + notice.count * per_item].reshape(notice.count, per_item)
+        area = self.staging.array[start: start + notice.count * per_item]
+        staged = area.reshape(notice.count, per_item) if isinstance(area, np.ndarray) else area.view(notice.count,
+                                                                                                     per_item)
         scatter(self._views[notice.component], rows, dst[notice.first: notice.first + notice.count], staged)
+        synchronize(staged)       # the chunk counts as delivered only once it sits in its pages
 
     def _release_staging(self, room: _RecvRoom) -> None:
         if self.staging is not None:

@@ -5,8 +5,9 @@ descriptors per page per layer) and engines pay ~6 us per descriptor. When a sli
 column range of every row of an item, which is exactly the token-major head slice), the sender gathers
 ``[pages, buffers, rows, cols]`` into its registered staging area with numpy, posts one descriptor per
 chunk into the receiver's staging area, and the receiver scatters into its pages when the chunk's
-notice arrives, before the chunk counts as delivered. Host memory only (a GPU build would gather with
-a device kernel).
+notice arrives, before the chunk counts as delivered. Works on numpy arrays (host memory) and on torch
+tensors (CUDA memory: the gather and scatter run as device kernels, then the stream is synchronised
+before the write is posted or the chunk is counted).
 
     rows = regular_rows(segments, src_item_nbytes, dst_item_nbytes)   # None -> use plain descriptors
 """
@@ -17,10 +18,11 @@ import ctypes
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from kvbridge.geometry import MemoryRegion
+from kvbridge.geometry import MemoryRegion, region_of
 from kvbridge.slicing import Segments
 
 STAGING = "__staging__"      # the component name staging regions are registered under
@@ -74,31 +76,75 @@ def page_layout(rows: Sequence[Rows]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def gather(buffers: Sequence[np.ndarray], rows: Sequence[Rows], items: np.ndarray, out: np.ndarray) -> None:
+def _split(x: Any, *shape: int) -> Any:
+    """Reshape without ever copying (numpy or torch): staged slices must stay views of the area."""
+    if isinstance(x, np.ndarray):
+        out = x.view()
+        out.shape = shape          # raises instead of silently copying
+        return out
+    return x.view(*shape)
+
+
+def _index(items: np.ndarray, like: Any) -> Any:
+    if isinstance(like, np.ndarray):
+        return items
+    import torch
+
+    return torch.as_tensor(items, dtype=torch.int64, device=like.device)
+
+
+def gather(buffers: Sequence[Any], rows: Sequence[Rows], items: np.ndarray, out: Any) -> None:
     """Pack the slice of ``buffers[b][items[k]]`` into ``out[k]`` (``[n, staged bytes per page]``), buffer by
-    buffer. ``buffers`` are ``[num_items, item_nbytes]`` uint8 views."""
+    buffer. ``buffers`` are ``[num_items, item_nbytes]`` uint8 numpy arrays or torch tensors."""
     offsets, _ = page_layout(rows)
+    idx = _index(items, out)
     for buf, r, off in zip(buffers, rows, offsets):
-        src = buf.reshape(buf.shape[0], r.rows, r.src_stride)[items, :, r.src_col: r.src_col + r.cols]
-        out[:, off: off + r.nbytes].reshape(len(items), r.rows, r.cols)[...] = src
+        src = _split(buf, buf.shape[0], r.rows, r.src_stride)[idx, :, r.src_col: r.src_col + r.cols]
+        _split(out[:, off: off + r.nbytes], len(items), r.rows, r.cols)[...] = src
 
 
-def scatter(buffers: Sequence[np.ndarray], rows: Sequence[Rows], items: np.ndarray, staged: np.ndarray) -> None:
+def scatter(buffers: Sequence[Any], rows: Sequence[Rows], items: np.ndarray, staged: Any) -> None:
     """The inverse on the receiving side: unpack ``staged[k]`` into the slice of ``buffers[b][items[k]]``."""
     offsets, _ = page_layout(rows)
+    idx = _index(items, staged)
     for buf, r, off in zip(buffers, rows, offsets):
-        dst = buf.reshape(buf.shape[0], r.rows, r.dst_stride)
-        dst[items, :, r.dst_col: r.dst_col + r.cols] = staged[:, off: off + r.nbytes].reshape(len(items), r.rows, r.cols)
+        dst = _split(buf, buf.shape[0], r.rows, r.dst_stride)
+        dst[idx, :, r.dst_col: r.dst_col + r.cols] = _split(staged[:, off: off + r.nbytes], len(items), r.rows, r.cols)
+
+
+def synchronize(array: Any) -> None:
+    """Wait for device kernels that touched ``array`` (no-op for host memory)."""
+    device = getattr(array, "device", None)
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def device_view(array: Any, num_items: int, item_nbytes: int) -> Any | None:
+    """A ``[num_items, item_nbytes]`` uint8 view of a registered CUDA tensor (None for anything else)."""
+    device = getattr(array, "device", None)
+    if device is None or getattr(device, "type", "") != "cuda":
+        return None
+    import torch
+
+    return array.view(torch.uint8).view(num_items, item_nbytes)
 
 
 class StagingArea:
     """A registered host region with a first-fit allocator (offsets in bytes, 64-byte aligned)."""
 
-    def __init__(self, array: np.ndarray) -> None:
-        if array.dtype != np.uint8 or array.ndim != 1:
-            raise ValueError("a staging area is a one-dimensional uint8 array")
+    def __init__(self, array: Any) -> None:
+        """``array``: a one-dimensional uint8 numpy array (host) or torch tensor (CUDA)."""
+        if isinstance(array, np.ndarray):
+            if array.dtype != np.uint8 or array.ndim != 1:
+                raise ValueError("a staging area is a one-dimensional uint8 array")
+            self.region = MemoryRegion(array.ctypes.data, array.nbytes)
+        else:
+            self.region = region_of(array)
+            if array.dim() != 1 or array.element_size() != 1:
+                raise ValueError("a staging area is a one-dimensional uint8 tensor")
         self.array = array
-        self.region = MemoryRegion(array.ctypes.data, array.nbytes)
         self._free: list[tuple[int, int]] = [(0, array.nbytes)]
         self._lock = threading.Lock()
 
