@@ -156,6 +156,8 @@ class TransferAgent:
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._instances: dict[str, dict[int, str]] = {}
         self._last_beat = 0.0
+        self._beats_threaded = False
+        self._beat_targets: dict[str, str] = {}      # agent -> address of live peers (read by the beat thread)
         self._beat_seq = 0
         self._slices: dict[tuple[str, int], ComponentSlice] = {}
         self._pairs: dict[tuple[str, int], list[BufferPair]] = {}
@@ -383,6 +385,7 @@ class TransferAgent:
                 log.debug("%s: heartbeat from unknown agent %s", self.name, message.agent)
         elif isinstance(message, Goodbye) and peer is not None:
             peer.goodbye_at = time.monotonic()
+            self._beat_targets.pop(peer.agent, None)
 
     # -- handshake
     def _on_hello(self, hello: Hello) -> None:
@@ -412,6 +415,7 @@ class TransferAgent:
             self.backend.remove_peer(hello.agent)
         self.backend.add_peer(info)
         self._peers[hello.agent] = _Peer(hello.agent, hello.address, hello.layout, info, time.monotonic())
+        self._beat_targets[hello.agent] = hello.address
         self._post(hello.address, Welcome(PROTOCOL_VERSION, self.name, self.link.address, True, "", self.layout,
                                           self.backend_name, self.backend.endpoint, ()))
 
@@ -440,6 +444,7 @@ class TransferAgent:
             pending[welcome.address] = f"refused:{exc}"
             return
         self._peers[welcome.agent] = _Peer(welcome.agent, welcome.address, welcome.layout, None, time.monotonic())
+        self._beat_targets[welcome.agent] = welcome.address
         pending[welcome.address] = welcome.agent
 
     # -- requests (prefill side)
@@ -812,7 +817,7 @@ class TransferAgent:
 
     # -- liveness
     def _tick(self, now: float) -> None:
-        if now - self._last_beat >= self.config.heartbeat_interval_s:
+        if not self._beats_threaded and now - self._last_beat >= self.config.heartbeat_interval_s:
             self._last_beat = now
             self._beat_seq += 1
             beat = Heartbeat(self.name, self.link.address, self._beat_seq)
@@ -839,6 +844,7 @@ class TransferAgent:
 
     def _peer_died(self, peer: _Peer, why: str) -> None:
         peer.alive = False
+        self._beat_targets.pop(peer.agent, None)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
         log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self.name, reason)
         for room in self._send_rooms.values():
@@ -859,10 +865,26 @@ class TransferAgent:
                 self._post(peer.address, Abort(room.room, self.name, reason))
 
     # ------------------------------------------------------------------ lifecycle
+    def _beat_forever(self) -> None:
+        """Heartbeats from their own thread, never behind the agent lock: a long send (millions of
+        descriptors) must not make this rank look dead to its peers."""
+        seq = 0
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            seq += 1
+            beat = self._codec.encode(Heartbeat(self.name, self.link.address, seq))
+            for address in list(self._beat_targets.values()):
+                try:
+                    self.link.send(address, beat)
+                except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business
+                    log.debug("%s: heartbeat to %s not sent", self.name, address)
+
     def start(self, interval_s: float = 0.005) -> None:
-        """Run progress() on a background thread (for processes whose engine polls rarely)."""
+        """Run progress() on a background thread (for processes whose engine polls rarely), and send
+        heartbeats from a second one."""
         if self._thread is not None:
             return
+        self._beats_threaded = True
+        threading.Thread(target=self._beat_forever, name=f"kvbridge-beat-{self.name}", daemon=True).start()
 
         def loop() -> None:
             while not self._stop.is_set():

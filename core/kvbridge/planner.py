@@ -101,6 +101,8 @@ def plan_transfer(pairs: Sequence[BufferPair], src_idx: np.ndarray, dst_idx: np.
         return TransferPlan.empty()
     src_idx = np.asarray(src_idx, dtype=np.int64)
     dst_idx = np.asarray(dst_idx, dtype=np.int64)
+    check_indices(src_idx, min(p.src_num_items for p in pairs), "source")
+    check_indices(dst_idx, min(p.dst_num_items for p in pairs), "destination")
     if src_idx.size > 1 and np.any(src_idx[1:] < src_idx[:-1]):
         order = np.argsort(src_idx, kind="stable")
         src_idx, dst_idx = src_idx[order], dst_idx[order]

@@ -40,6 +40,10 @@ from kvbridge.slicing import Segments
 
 
 class HandleState(enum.IntEnum):
+    """PENDING: in flight. DONE: every byte landed at the destination. FAILED: the backend posts nothing
+    more for this handle; some engines (Mooncake) may still complete writes already posted, so destination
+    items are reused only after the control plane's abort handshake confirms quiescence."""
+
     PENDING = 0
     DONE = 1
     FAILED = 2
@@ -126,6 +130,8 @@ class ComponentTransfer:
     dst: RemoteBuffers
     plan: TransferPlan
     notice: bytes = b""
+    #: ``notice`` is the encoded completion notice the core will hand to ``notify_completion`` once the
+    #: handle is DONE; it is here for tracing and fault injection. Backends must not deliver it themselves.
     #: The structured form of ``plan``, for engines that index pre-registered descriptor lists (NIXL's
     #: prepped dlists, MoRI's offsets): paired item indices (sorted by source) and, per buffer, the byte
     #: segments inside one item. ``plan`` is exactly these expanded to addresses and merged.
@@ -165,14 +171,14 @@ def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[
     if not regions:
         raise RegionError(f"{side}: {plan_addr.size} descriptors, but no region is registered")
     starts = np.array([r.addr for r in regions], dtype=np.uint64)
-    ends = starts + np.array([r.nbytes for r in regions], dtype=np.uint64)
+    lasts = starts + (np.array([r.nbytes for r in regions], dtype=np.uint64) - np.uint64(1))   # never wraps
     order = np.argsort(starts)
-    starts, ends = starts[order], ends[order]
+    starts, lasts = starts[order], lasts[order]
     pos = np.searchsorted(starts, plan_addr, side="right").astype(np.int64) - 1
-    ok = pos >= 0
     safe = np.clip(pos, 0, None)
-    ok &= plan_addr + plan_len <= ends[safe]
-    ok &= plan_len > 0
+    ok = (pos >= 0) & (plan_len > 0) & (plan_addr <= lasts[safe])
+    # addr + len - 1 <= last, written so that neither side can wrap around 2**64
+    ok &= plan_len - np.uint64(1) <= lasts[safe] - np.where(ok, plan_addr, lasts[safe])
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
         raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside every "
