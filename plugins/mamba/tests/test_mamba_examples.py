@@ -8,7 +8,7 @@ from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, Rank, ShardAxis
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge_mamba import MambaState, mamba_component
-from mamba_harness import run_reshard
+from kvbridge.testkit.reshard import run_reshard
 
 STATE = MambaState()
 

@@ -13,7 +13,7 @@ from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge_mamba import MambaState, mamba_component
-from mamba_harness import TP_SIZES, run_reshard, shardable
+from kvbridge.testkit.reshard import TP_SIZES, run_reshard, shardable
 
 STATE = MambaState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))

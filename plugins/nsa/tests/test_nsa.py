@@ -17,7 +17,7 @@ from kvbridge.registry import Registry
 from kvbridge.specs import PluginStatus
 from kvbridge.state.kv import KVState
 from kvbridge_nsa import NSAState, PageRange, indexer_pages, nsa_component
-from nsa_harness import TP_SIZES, run_reshard
+from kvbridge.testkit.reshard import TP_SIZES, run_reshard
 
 STATE = NSAState()
 NUM_PAGES = 12

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge_swa import SWAState, swa_component, window_pages
-from swa_harness import TP_SIZES, run_reshard, shardable
+from kvbridge.testkit.reshard import TP_SIZES, run_reshard, shardable
 
 STATE = SWAState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))

@@ -6,7 +6,7 @@ state type, plan with ``plan_transfer``, copy with ``copy_descriptors`` into the
 compares each decode buffer, byte for byte, with its own reshard for the decode TP. It also counts how many
 times each destination byte was written.
 
-(Identical in kvbridge-mamba, kvbridge-swa and kvbridge-nsa; belongs in kvbridge.testkit.)
+Used by the state-type plugins' tests (kvbridge-mamba, -swa, -nsa) and available to any third party.
 """
 
 from __future__ import annotations
