@@ -17,89 +17,9 @@ from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.options import NixlOptions
 
 from kvbridge_nixl.testing import (Side, decode_pool, expected_decode, full_kv, make_transfer, prefill_pool, regions,
-                    request_pages, same_bytes)
+                                   request_pages, run_reshard, same_bytes, wait_done, wait_notices)
 
 Factory = Callable[[str], NixlBackend]
-DEADLINE_S = 60.0
-
-
-def wait_done(backend: NixlBackend, handles: list[object]) -> None:
-    end = time.monotonic() + DEADLINE_S
-    pending = list(handles)
-    while pending:
-        polls = [(h, backend.poll(h)) for h in pending]
-        failed = [p.reason for _, p in polls if p.state is HandleState.FAILED]
-        assert not failed, failed
-        pending = [h for h, p in polls if p.state is HandleState.PENDING]
-        assert time.monotonic() < end, f"{len(pending)} transfers still pending"
-        time.sleep(0.0005)
-
-
-def wait_notices(backend: NixlBackend, expected: set[tuple[str, bytes]],
-                 senders: list[tuple[NixlBackend, object]] = ()) -> list[tuple[str, bytes]]:
-    """Drain ``backend`` until ``expected`` arrived, polling the senders' handles meanwhile (NIXL sends a
-    WRITE's notice when the initiator observes its completion, so the sender must keep polling)."""
-    got: list[tuple[str, bytes]] = []
-    end = time.monotonic() + DEADLINE_S
-    while not expected <= set(got):
-        for sender, handle in senders:
-            assert sender.poll(handle).state is not HandleState.FAILED, sender.poll(handle).reason
-        got += backend.drain_notifications()
-        assert time.monotonic() < end, f"notices missing: {expected - set(got)}"
-        time.sleep(0.0005)
-    return got
-
-
-def run_reshard(backends: Factory, pt: int, dt: int, heads: int, seed: int) -> None:
-    full = full_kv(seed, heads)
-    pre = [Side(Rank(p, pt), prefill_pool(full, pt, p), heads) for p in range(pt)]
-    dec = [Side(Rank(d, dt), decode_pool(heads, dt, d), heads) for d in range(dt)]
-    pb = [backends(f"prefill-{p}") for p in range(pt)]
-    db = [backends(f"decode-{d}") for d in range(dt)]
-    preg = [b.register_buffers("kv", regions(s.pool)) for b, s in zip(pb, pre)]
-    dreg = [b.register_buffers("kv", regions(s.pool)) for b, s in zip(db, dec)]
-    infos = [PeerInfo(f"decode-{d}", db[d].endpoint, (dreg[d].remote(),)) for d in range(dt)]
-    try:
-        for b in pb:
-            for info in infos:
-                b.add_peer(info)
-        for room, n in ((7, 9), (8, 6)):   # the second request reuses the prepped dlists
-            src_idx, dst_idx = request_pages(seed + room, n)
-            sent: dict[int, list[object]] = {}
-            expected: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}
-            for p in range(pt):
-                for d in range(dt):
-                    notice = f"room{room}:{p}->{d}".encode()
-                    xfer = make_transfer(pre[p], dec[d], preg[p], infos[d].component("kv"), f"decode-{d}",
-                                         src_idx, dst_idx, room, notice)
-                    if xfer is not None:
-                        sent.setdefault(p, []).append(pb[p].send_component(xfer))
-                        expected[d].add((f"prefill-{p}", notice))
-            dlists = sum(b.resources()["dlists"] for b in pb)
-            for d in range(dt):
-                assert expected[d], f"nobody writes decode rank {d}"
-                wait_notices(db[d], expected[d], [(pb[p], h) for p, hs in sent.items() for h in hs])
-                # the notice rides on the data: once it is here, every byte must be too
-                assert same_bytes(dec[d].pool, expected_decode(full, dt, d, src_idx, dst_idx)), (pt, dt, d, room)
-            for p, handles in sent.items():
-                wait_done(pb[p], handles)
-                for h in handles:
-                    pb[p].release(h)
-                assert pb[p].resources()["handles"] == 0
-            for d in range(dt):   # re-arm the sentinel for the next request
-                for buf in dec[d].pool:
-                    buf.view(np.uint8)[:] = 0xA5
-        assert sum(b.resources()["dlists"] for b in pb) == dlists, "second request rebuilt dlists"
-    finally:
-        for b in pb:
-            for d in range(dt):
-                b.remove_peer(f"decode-{d}")
-            for reg in preg:
-                b.deregister_buffers(reg)
-        for b, reg in zip(db, dreg):
-            b.deregister_buffers(reg)
-    for b in pb + db:
-        assert b.resources() == {"handles": 0, "peers": 0, "registrations": 0, "dlists": 0}
 
 
 @pytest.mark.parametrize("pt", [1, 2, 4])

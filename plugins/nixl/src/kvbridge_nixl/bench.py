@@ -5,7 +5,7 @@ One run, two agents in this process, the same bytes and descriptors for every me
 * ``kvbridge``: ``NixlBackend.send_component`` with a real ``plan_transfer`` plan, polled to DONE;
 * ``raw_prepped``: NIXL alone, per-page dlists prepped once (outside the timing), ``make_prepped_xfer``;
 * ``raw_initialize``: NIXL alone, ``initialize_xfer`` from the plan's descriptor rows on every request;
-* ``memcpy``: one numpy copy of the same number of bytes (this host's limit).
+* ``memcpy``: one plain copy of the same number of bytes (numpy on the host, ``Tensor.copy_`` on a GPU).
 
 Cases: ``paged`` (same-TP KV: ``layers`` x 2 buffers, ``pages`` scattered pages of ``page_kib`` each) and
 ``contiguous`` (one region of the same total size, one descriptor). Each method runs ``repeats`` times,
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
-from kvbridge.geometry import MemoryRegion
+from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.slicing import Segments
 
@@ -58,24 +58,59 @@ def _timed(fn: Callable[[], float | None], runs: list[float]) -> None:
     runs.append(time.perf_counter() - start)
 
 
+class _Pool:
+    """``nbuf`` buffers of ``pool`` items in one allocation, host (numpy) or CUDA (torch)."""
+
+    def __init__(self, nbuf: int, pool: int, item: int, fill: int, device: str, stamp: bool) -> None:
+        host = np.empty((nbuf, pool, item), dtype=np.uint8)
+        host.fill(fill)                     # written once: pages are touched before registration
+        if stamp:                           # (buffer, page) in the first 8 bytes of every page
+            ids = host[:, :, :8].view(np.uint64)
+            ids[:, :, 0] = (np.arange(nbuf, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(pool, dtype=np.uint64)
+        self.device = device
+        if device == "cpu":
+            self.data: Any = host
+            base, kind, dev = host.ctypes.data, DeviceKind.CPU, 0
+        else:
+            import torch
+
+            self.data = torch.from_numpy(host).to(device)
+            torch.cuda.synchronize()
+            base, kind, dev = self.data.data_ptr(), DeviceKind.CUDA, self.data.device.index or 0
+        size = pool * item
+        self.regions = [MemoryRegion(base + b * size, size, kind, dev) for b in range(nbuf)]
+        self.mem, self.devid = ("DRAM", 0) if device == "cpu" else ("VRAM", dev)
+
+    def stamps(self, pages: np.ndarray) -> np.ndarray:
+        part = self.data[:, pages, :8]
+        part = part if self.device == "cpu" else part.cpu().numpy()
+        return np.ascontiguousarray(part).view(np.uint64)[:, :, 0]
+
+    def copier(self, other: _Pool, nbytes: int) -> Callable[[], None]:
+        """A plain copy of ``nbytes`` from this pool into ``other`` (memcpy, or a device copy)."""
+        src, dst = self.data.reshape(-1)[:nbytes], other.data.reshape(-1)[:nbytes]
+        if self.device == "cpu":
+            return lambda: np.copyto(dst, src)
+        import torch
+
+        def copy() -> None:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+        return copy
+
+
 class _Case:
     """One layout of source and destination pools, registered with both backends."""
 
-    def __init__(self, pb: NixlBackend, db: NixlBackend, nbuf: int, pool: int, item: int, fill: int) -> None:
+    def __init__(self, pb: NixlBackend, db: NixlBackend, nbuf: int, pool: int, item: int, fill: int,
+                 device: str) -> None:
         self.pb, self.db, self.nbuf, self.pool, self.item = pb, db, nbuf, pool, item
-        self.src = np.empty((nbuf, pool, item), dtype=np.uint8)
-        self.src.fill(fill)                     # written once: pages are touched before registration
-        stamp = self.src.reshape(nbuf, pool, item)[:, :, :8].view(np.uint64)
-        stamp[:, :, 0] = (np.arange(nbuf, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(pool, dtype=np.uint64)
-        self.dst = np.full((nbuf, pool, item), 0, dtype=np.uint8)
-        self.src_reg = pb.register_buffers("bench", self._regions(self.src))
-        self.dst_reg = db.register_buffers("bench", self._regions(self.dst))
+        self.src = _Pool(nbuf, pool, item, fill, device, stamp=True)
+        self.dst = _Pool(nbuf, pool, item, 0, device, stamp=False)
+        self.src_reg = pb.register_buffers("bench", self.src.regions)
+        self.dst_reg = db.register_buffers("bench", self.dst.regions)
         self.info = PeerInfo("bench-decode", db.endpoint, (self.dst_reg.remote(),))
         pb.add_peer(self.info)
-
-    @staticmethod
-    def _regions(arr: np.ndarray) -> list[MemoryRegion]:
-        return [MemoryRegion(arr.ctypes.data + b * arr[0].nbytes, arr[0].nbytes) for b in range(arr.shape[0])]
 
     def close(self) -> None:
         self.pb.remove_peer("bench-decode")
@@ -102,20 +137,22 @@ class _Case:
         base_d = np.array([r.addr for r in self.dst_reg.regions], dtype=np.uint64)
         pages = np.arange(self.pool, dtype=np.uint64) * np.uint64(self.item)
 
+        mem, devid = self.src.mem, np.uint64(self.src.devid)
+
         def rows(bases: np.ndarray) -> np.ndarray:
             out = np.zeros((bases.size * self.pool, 3), dtype=np.uint64)
             out[:, 0] = (bases[:, None] + pages[None, :]).ravel()
             out[:, 1] = self.item
+            out[:, 2] = devid
             return out
 
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s), "DRAM")
-        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d), "DRAM")
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s), mem)
+        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d), mem)
         buf_off = (np.arange(self.nbuf, dtype=np.int64) * self.pool)[:, None]
         l_idx = (buf_off + s_sorted[None, :]).ravel().astype(np.int32)
         r_idx = (buf_off + d_sorted[None, :]).ravel().astype(np.int32)
-        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.zeros_like(plan.nbytes)], axis=1)
-        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.zeros_like(plan.nbytes)], axis=1)
-        flat_s, flat_d = self.src.reshape(-1)[:nbytes], self.dst.reshape(-1)[:nbytes]
+        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.full_like(plan.nbytes, devid)], axis=1)
+        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.full_like(plan.nbytes, devid)], axis=1)
         send_us: list[float] = []   # send_component: kvbridge's checks and indexing + NIXL's post
         post_us: list[float] = []   # make_prepped_xfer + transfer alone, same descriptors
         overhead_us: list[float] = []   # send_component minus the NIXL calls inside it
@@ -152,13 +189,12 @@ class _Case:
             self.db.drain_notifications()
 
         def raw_initialize() -> None:
-            src = agent.get_xfer_descs(plan_rows_s, "DRAM")
-            dst = agent.get_xfer_descs(plan_rows_d, "DRAM")
+            src = agent.get_xfer_descs(plan_rows_s, mem)
+            dst = agent.get_xfer_descs(plan_rows_d, mem)
             _wait(agent, agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench"))
             self.db.drain_notifications()
 
-        def memcpy() -> None:
-            np.copyto(flat_d, flat_s)
+        memcpy = self.src.copier(self.dst, nbytes)
 
         methods = {"kvbridge": kvbridge, "raw_prepped": raw_prepped, "raw_initialize": raw_initialize}
         runs: dict[str, list[float]] = {name: [] for name in (*methods, "memcpy")}
@@ -188,14 +224,13 @@ class _Case:
         }
 
     def _verify(self, s_sorted: np.ndarray, d_sorted: np.ndarray) -> bool:
-        got = self.dst[:, d_sorted, :8].view(np.uint64)[:, :, 0]
-        want = self.src[:, s_sorted, :8].view(np.uint64)[:, :, 0]
-        body = self.dst[[0, -1]][:, d_sorted, 8:]
-        return bool(np.array_equal(got, want) and np.array_equal(body, self.src[[0, -1]][:, s_sorted, 8:]))
+        """Every moved page carries its source's (buffer, page) stamp (the body is a constant fill)."""
+        return bool(np.array_equal(self.dst.stamps(d_sorted), self.src.stamps(s_sorted)))
 
 
 def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pages: int = 320,
-              repeats: int = 5, seed: int = 0, options: dict[str, str] | None = None) -> dict[str, Any]:
+              repeats: int = 5, seed: int = 0, device: str = "cpu",
+              options: dict[str, str] | None = None) -> dict[str, Any]:
     """Measure both cases; return a JSON-able dict (see the module docstring)."""
     rng = np.random.default_rng(seed)
     pb = NixlBackend(name="bench-prefill", options=options)
@@ -203,10 +238,11 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
     out: dict[str, Any] = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                                     "python": platform.python_version()},
                            "params": {"layers": layers, "pages": pages, "page_kib": page_kib,
-                                      "pool_pages": pool_pages, "repeats": repeats, "options": options or {}},
+                                      "pool_pages": pool_pages, "repeats": repeats, "device": device,
+                                      "options": options or {}},
                            "cases": {}}
     try:
-        paged = _Case(pb, db, 2 * layers, pool_pages, page_kib * 1024, fill=1)
+        paged = _Case(pb, db, 2 * layers, pool_pages, page_kib * 1024, fill=1, device=device)
         try:
             src = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
             dst = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
@@ -215,7 +251,7 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
             paged.close()
             del paged
         total = 2 * layers * pages * page_kib * 1024
-        contiguous = _Case(pb, db, 1, 1, total, fill=2)
+        contiguous = _Case(pb, db, 1, 1, total, fill=2, device=device)
         try:
             one = np.zeros(1, dtype=np.int64)
             out["cases"]["contiguous"] = contiguous.measure(one, one, repeats)
@@ -249,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-kib", type=int, default=32)
     parser.add_argument("--pool-pages", type=int, default=320)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N (torch tensors in VRAM)")
     parser.add_argument("--ucx-tls", default="", help="pin UCX transports (e.g. tcp)")
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
     args = parser.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")   # NIXL logs INFO lines on stdout otherwise
     result = run_bench(layers=args.layers, pages=args.pages, page_kib=args.page_kib, pool_pages=args.pool_pages,
-                       repeats=args.repeats, options={"ucx_tls": args.ucx_tls} if args.ucx_tls else None)
+                       repeats=args.repeats, device=args.device,
+                       options={"ucx_tls": args.ucx_tls} if args.ucx_tls else None)
     print(json.dumps(result, indent=1) if args.json else format_report(result))
     return 0
 

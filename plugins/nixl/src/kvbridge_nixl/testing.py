@@ -11,6 +11,7 @@ import ctypes
 import platform
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -123,6 +124,124 @@ def same_bytes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(a, b))
 
 
+# -- device placement --------------------------------------------------------------------------------
+
+def place(pool: list[np.ndarray], device: str) -> tuple[list[Any], list[MemoryRegion]]:
+    """The pool's buffers on ``device`` (``cpu``: the arrays themselves; ``cuda[:N]``: torch copies, as
+    bytes) and their memory regions."""
+    if device == "cpu":
+        return list(pool), regions(pool)
+    import torch
+
+    tensors = [torch.from_numpy(np.ascontiguousarray(b).view(np.uint8)).to(device) for b in pool]
+    torch.cuda.synchronize()
+    return tensors, [region_of(t) for t in tensors]
+
+
+def fetch(buffers: list[Any], like: list[np.ndarray]) -> list[np.ndarray]:
+    """Host copies of ``buffers`` with the dtype and shape of ``like``."""
+    if all(isinstance(b, np.ndarray) for b in buffers):
+        return buffers
+    return [b.cpu().numpy().view(ref.dtype).reshape(ref.shape) for b, ref in zip(buffers, like)]
+
+
+def rearm(buffers: list[Any]) -> None:
+    """Refill destination buffers with the sentinel."""
+    for buf in buffers:
+        if isinstance(buf, np.ndarray):
+            buf.view(np.uint8)[:] = SENTINEL
+        else:
+            buf.fill_(SENTINEL)
+
+
+# -- driving backends ----------------------------------------------------------------------------------
+
+DEADLINE_S = 60.0
+
+
+def wait_done(backend: Any, handles: list[object]) -> None:
+    end = time.monotonic() + DEADLINE_S
+    pending = list(handles)
+    while pending:
+        polls = [(h, backend.poll(h)) for h in pending]
+        failed = [p.reason for _, p in polls if p.state is HandleState.FAILED]
+        assert not failed, failed
+        pending = [h for h, p in polls if p.state is HandleState.PENDING]
+        assert time.monotonic() < end, f"{len(pending)} transfers still pending"
+        time.sleep(0.0005)
+
+
+def wait_notices(backend: Any, expected: set[tuple[str, bytes]],
+                 senders: Sequence[tuple[Any, object]] = ()) -> list[tuple[str, bytes]]:
+    """Drain ``backend`` until ``expected`` arrived, polling the senders' handles meanwhile (NIXL sends a
+    WRITE's notice when the initiator observes its completion, so the sender must keep polling)."""
+    got: list[tuple[str, bytes]] = []
+    end = time.monotonic() + DEADLINE_S
+    while not expected <= set(got):
+        for sender, handle in senders:
+            assert sender.poll(handle).state is not HandleState.FAILED, sender.poll(handle).reason
+        got += backend.drain_notifications()
+        assert time.monotonic() < end, f"notices missing: {expected - set(got)}"
+        time.sleep(0.0005)
+    return got
+
+
+def run_reshard(backends: Callable[[str], Any], pt: int, dt: int, heads: int, seed: int,
+                device: str = "cpu") -> None:
+    """Pt prefill backends write two requests into Dt decode backends (pools on ``device``); check every
+    byte of every decode pool against the reference reshard the moment its notices are in, then leaks."""
+    full = full_kv(seed, heads)
+    pre = [Side(Rank(p, pt), prefill_pool(full, pt, p), heads) for p in range(pt)]
+    dec = [Side(Rank(d, dt), decode_pool(heads, dt, d), heads) for d in range(dt)]
+    pb = [backends(f"prefill-{p}") for p in range(pt)]
+    db = [backends(f"decode-{d}") for d in range(dt)]
+    pre_mem = [place(s.pool, device) for s in pre]
+    dec_mem = [place(s.pool, device) for s in dec]
+    preg = [b.register_buffers("kv", m[1]) for b, m in zip(pb, pre_mem)]
+    dreg = [b.register_buffers("kv", m[1]) for b, m in zip(db, dec_mem)]
+    infos = [PeerInfo(f"decode-{d}", db[d].endpoint, (dreg[d].remote(),)) for d in range(dt)]
+    try:
+        for b in pb:
+            for info in infos:
+                b.add_peer(info)
+        for room, n in ((7, 9), (8, 6)):   # the second request reuses the prepped dlists
+            src_idx, dst_idx = request_pages(seed + room, n)
+            sent: dict[int, list[object]] = {}
+            expected: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}
+            for p in range(pt):
+                for d in range(dt):
+                    notice = f"room{room}:{p}->{d}".encode()
+                    xfer = make_transfer(pre[p], dec[d], preg[p], infos[d].component("kv"), f"decode-{d}",
+                                         src_idx, dst_idx, room, notice)
+                    if xfer is not None:
+                        sent.setdefault(p, []).append(pb[p].send_component(xfer))
+                        expected[d].add((f"prefill-{p}", notice))
+            dlists = sum(b.resources()["dlists"] for b in pb)
+            for d in range(dt):
+                assert expected[d], f"nobody writes decode rank {d}"
+                wait_notices(db[d], expected[d], [(pb[p], h) for p, hs in sent.items() for h in hs])
+                # the notice rides on the data: once it is here, every byte must be too
+                landed = fetch(dec_mem[d][0], dec[d].pool)
+                assert same_bytes(landed, expected_decode(full, dt, d, src_idx, dst_idx)), (pt, dt, d, room, device)
+            for p, handles in sent.items():
+                wait_done(pb[p], handles)
+                for h in handles:
+                    pb[p].release(h)
+                assert pb[p].resources()["handles"] == 0
+            for d in range(dt):   # re-arm the sentinel for the next request
+                rearm(dec_mem[d][0])
+        assert sum(b.resources()["dlists"] for b in pb) == dlists, "second request rebuilt dlists"
+    finally:
+        for b, reg in zip(pb, preg):
+            for d in range(dt):
+                b.remove_peer(f"decode-{d}")
+            b.deregister_buffers(reg)
+        for b, reg in zip(db, dreg):
+            b.deregister_buffers(reg)
+    for b in pb + db:
+        assert b.resources() == {"handles": 0, "peers": 0, "registrations": 0, "dlists": 0}
+
+
 # -- a prefill peer in another process ---------------------------------------------------------------
 
 PEER_DEADLINE_S = 90.0
@@ -138,6 +257,7 @@ class PeerOrder(msgspec.Struct, frozen=True):
     src_idx: list[int]
     dst_idx: list[int]
     room: int
+    device: str = "cpu"
 
 
 def block_cma_with_seccomp() -> None:
@@ -166,6 +286,7 @@ def prefill_peer(conn: Connection, options: dict[str, str], block_cma: bool) -> 
     from kvbridge_nixl.backend import NixlBackend
 
     backends: list[Any] = []
+    keep: list[Any] = []          # device copies of the pools stay alive while registered
     try:
         if block_cma:
             block_cma_with_seccomp()
@@ -180,7 +301,9 @@ def prefill_peer(conn: Connection, options: dict[str, str], block_cma: bool) -> 
             backend = NixlBackend(name=f"prefill-{p}", options=options)
             backends.append(backend)
             side = Side(Rank(p, order.pt), prefill_pool(full, order.pt, p), order.heads)
-            reg = backend.register_buffers("kv", regions(side.pool))
+            memory, where = place(side.pool, order.device)
+            keep.append(memory)
+            reg = backend.register_buffers("kv", where)
             for d, info in enumerate(infos):
                 backend.add_peer(info)
                 dst = Side(Rank(d, dt), decode_pool(order.heads, dt, d), order.heads)   # geometry only
@@ -204,3 +327,69 @@ def prefill_peer(conn: Connection, options: dict[str, str], block_cma: bool) -> 
         for backend in backends:
             backend.close()
         conn.send(("closed", time.monotonic() - start))
+
+
+def run_two_process(backends: Callable[[str], Any], pt: int, dt: int, options: dict[str, str], block_cma: bool,
+                    seed: int, device: str = "cpu") -> None:
+    """Dt decode backends here; a spawned process runs Pt prefill backends (``options``, CMA optionally
+    blocked) that write one request. PeerInfo travels as bytes through a pipe; every byte is checked
+    once the notices are in; the child is always reaped (killed if need be)."""
+    import multiprocessing as mp
+
+    heads, room = 4, 77
+    full = full_kv(seed, heads)
+    dec = [Side(Rank(d, dt), decode_pool(heads, dt, d), heads) for d in range(dt)]
+    db = [backends(f"decode-{d}") for d in range(dt)]
+    mem = [place(s.pool, device) for s in dec]
+    regs = [b.register_buffers("kv", m[1]) for b, m in zip(db, mem)]
+    src_idx, dst_idx = request_pages(seed, 8)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_peer, args=(child, options, block_cma), daemon=True)
+    try:
+        proc.start()
+        infos = [msgspec.msgpack.encode(PeerInfo(f"decode-{d}", db[d].endpoint, (regs[d].remote(),)))
+                 for d in range(dt)]
+        parent.send_bytes(msgspec.msgpack.encode(PeerOrder(infos, pt, heads, seed, src_idx.tolist(),
+                                                           dst_idx.tolist(), room, device)))
+        expected = {d: {(f"prefill-{p}", f"room{room}:{p}->{d}".encode()) for p in writers(pt, dt, d)}
+                    for d in range(dt)}
+        got: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}
+        report = None
+        end = time.monotonic() + PEER_DEADLINE_S
+        while any(not expected[d] <= got[d] for d in range(dt)):
+            assert time.monotonic() < end, f"notices missing: {expected} vs {got}; child: {report}"
+            if report is None and parent.poll(0):
+                report = parent.recv()
+                assert report[0] == "sent", report[1]
+            for d in range(dt):
+                got[d] |= set(db[d].drain_notifications())
+            time.sleep(0.001)
+        for d in range(dt):   # every notice is in: every byte must be too
+            landed = fetch(mem[d][0], dec[d].pool)
+            assert same_bytes(landed, expected_decode(full, dt, d, src_idx, dst_idx)), (pt, dt, d, device)
+        if report is None:
+            assert parent.poll(PEER_DEADLINE_S), "the prefill process never reported"
+            report = parent.recv()
+        assert report == ("sent", ["DONE"] * sum(len(e) for e in expected.values())), report
+        parent.send("bye")
+        assert parent.poll(PEER_DEADLINE_S), "the prefill process did not close its backends"
+        status, close_s = parent.recv()
+        assert status == "closed", (status, close_s)
+    finally:
+        proc.join(PEER_DEADLINE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        parent.close()
+        child.close()
+        for b, reg in zip(db, regs):
+            b.deregister_buffers(reg)
+    assert proc.exitcode == 0
+
+
+def writers(pt: int, dt: int, d: int) -> set[int]:
+    """Prefill ranks that write decode rank ``d`` (heads >= both TP sizes, so no replica election)."""
+    if pt >= dt:
+        return {p for p in range(pt) if p // (pt // dt) == d}
+    return {d // (dt // pt)}
