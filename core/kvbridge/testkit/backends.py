@@ -115,7 +115,7 @@ class _BackendKit(KitTests):
                 try:
                     cached = installed_registry().backend_spec(cls.backend)
                 except PluginError as exc:
-                    cached = f"'{cls.backend}' is unavailable here: {exc}"
+                    cached = str(exc)
             _BackendKit._specs[cls] = cached
         return cached
 

@@ -79,6 +79,11 @@ class KitTests:
     #: run the leak checks after every test (file descriptors, threads, children, /dev/shm, handles)
     check_leaks: ClassVar[bool] = True
     leak_grace_s: ClassVar[float] = 3.0
+    #: name prefixes of threads the plugin keeps for the life of the process (say why where you set it)
+    leak_allowed_threads: ClassVar[tuple[str, ...]] = ()
+    #: class-scoped fixtures whose agents outlive a test: tests using them are checked for threads and
+    #: file descriptors when the class ends (engines may start per-backend threads on first use)
+    shared_fixtures: ClassVar[tuple[str, ...]] = ("kv_world",)
 
     # ---------------------------------------------------------------- subclass interface
     @classmethod
@@ -155,7 +160,9 @@ class KitTests:
                 problems.append(f"{backend.label} was created by this test and never closed")
             problems.extend(backend.leaks() if id(backend) not in before_backends or backend.closed
                             else [p for p in backend.leaks() if "handle" in p])
-        problems += snapshot.leaked(self.leak_grace_s)
+        shared = any(name in request.fixturenames for name in self.shared_fixtures)
+        problems += snapshot.leaked(self.leak_grace_s, threads_and_fds=not shared,
+                                    allowed_threads=self.leak_allowed_threads)
         tracker.forget_closed()
         if problems:
             pytest.fail(f"{self._kvbridge_subject()}: this test leaked:\n  " + "\n  ".join(problems), pytrace=False)
@@ -169,7 +176,8 @@ class KitTests:
         prime_process_singletons()
         snapshot = Snapshot.take()
         yield
-        problems = cls._kvbridge_tracker().problems() + snapshot.leaked(cls.leak_grace_s)
+        problems = cls._kvbridge_tracker().problems() + snapshot.leaked(cls.leak_grace_s,
+                                                                       allowed_threads=cls.leak_allowed_threads)
         if problems:
             pytest.fail(f"{cls._kvbridge_subject()}: the class's shared agents leaked:\n  " + "\n  ".join(problems),
                         pytrace=False)

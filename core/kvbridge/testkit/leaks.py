@@ -6,8 +6,8 @@
 
 Threads are compared by identity (Python threads) and by count (native threads, from /proc/self/task);
 descriptors by what they point at (``socket``, ``pipe``, ``anon_inode:[eventfd]``, a path); child
-processes from /proc/self/task/*/children; /dev/shm segments this process maps or whose name starts
-with ``kvbridge-``. Linux only: elsewhere the /proc parts compare as empty.
+processes from /proc/self/task/*/children; /dev/shm segments this process maps, or named
+``kvbridge-...-<pid>-...`` after this process or a child the kit started. Linux only: elsewhere the /proc parts compare as empty.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["SHM_PREFIXES", "Snapshot", "prime_process_singletons"]
+__all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "prime_process_singletons"]
 
-#: /dev/shm names a leak check always looks at (the kit's, the demo's, any kvbridge component's)
+#: /dev/shm names a leak check looks at even when unmapped: ``kvbridge-...-<pid>-...`` of this process or of a
+#: child it started (the kit's peers register here); /dev/shm is host-wide, other processes' are not ours
 SHM_PREFIXES = ("kvbridge-",)
+CHILD_PIDS: set[int] = set()
 
 
 def _fd_kinds() -> Counter[str]:
@@ -71,10 +73,11 @@ def _children() -> frozenset[int]:
 
 
 def _shm() -> frozenset[str]:
-    """Segments this process maps, plus every kvbridge-named one (/dev/shm is shared by the whole host,
-    so other processes' segments are none of this test's business)."""
+    """Segments this process maps, plus kvbridge-named ones of this process and its kit children."""
+    mine = {str(os.getpid()), *map(str, CHILD_PIDS)}
     try:
-        names = {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+        names = {n for n in os.listdir("/dev/shm")
+                 if n.startswith(SHM_PREFIXES) and mine.intersection(n.split("-"))}
     except OSError:
         return frozenset()
     try:
@@ -100,16 +103,21 @@ class Snapshot:
     def take(cls) -> Snapshot:
         return cls(_fd_kinds(), frozenset(threading.enumerate()), _native_threads(), _children(), _shm())
 
-    def diff(self, now: Snapshot) -> list[str]:
+    def diff(self, now: Snapshot, *, threads_and_fds: bool = True, allowed_threads: tuple[str, ...] = ()) -> list[str]:
+        """What ``now`` holds that this snapshot did not. ``allowed_threads``: name prefixes of threads that
+        live as long as the process (declared by a plugin); they are not counted, nor are native threads."""
         out = []
+        if not threads_and_fds:
+            now = Snapshot(self.fds, self.threads, self.native_threads, now.children, now.shm)
         extra_fds = now.fds - self.fds
         if extra_fds:
             what = ", ".join(f"{n} x {k}" for k, n in sorted(extra_fds.items()))
             out.append(f"{sum(extra_fds.values())} file descriptor(s) left open: {what}")
-        threads = [t for t in now.threads - self.threads if t.is_alive()]
+        new_threads = [t for t in now.threads - self.threads if t.is_alive()]
+        threads = [t for t in new_threads if not t.name.startswith(allowed_threads or ("\0",))]
         if threads:
             out.append(f"{len(threads)} thread(s) left running: {', '.join(sorted(t.name for t in threads))}")
-        elif now.native_threads > self.native_threads:
+        elif now.native_threads > self.native_threads + len(new_threads):
             out.append(f"{now.native_threads - self.native_threads} native thread(s) left running "
                        f"({self.native_threads} before, {now.native_threads} after)")
         children = now.children - self.children
@@ -120,12 +128,13 @@ class Snapshot:
             out.append(f"{len(segments)} /dev/shm segment(s) left behind: {sorted(segments)}")
         return out
 
-    def leaked(self, grace_s: float = 3.0) -> list[str]:
+    def leaked(self, grace_s: float = 3.0, *, threads_and_fds: bool = True,
+               allowed_threads: tuple[str, ...] = ()) -> list[str]:
         """What is still held that was not held at this snapshot (waits up to ``grace_s`` for stragglers)."""
         deadline = time.monotonic() + grace_s
         while True:
             gc.collect()
-            problems = self.diff(Snapshot.take())
+            problems = self.diff(Snapshot.take(), threads_and_fds=threads_and_fds, allowed_threads=allowed_threads)
             if not problems or time.monotonic() > deadline:
                 return problems
             time.sleep(0.05)

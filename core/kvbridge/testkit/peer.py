@@ -28,6 +28,7 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.specs import BackendSpec
 from kvbridge.testkit.checked import Tracker, find_spec_path, installed_registry, kit_registry, load_spec
 from kvbridge.testkit.kvmodel import KVPool
+from kvbridge.testkit.leaks import CHILD_PIDS
 from kvbridge.testkit.pools import GuardedBuffer, reap_segments
 from kvbridge.testkit.world import wait_until
 from kvbridge.wire import KVPoll, Role
@@ -65,6 +66,7 @@ class _Child:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.testkit.peer"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
+        CHILD_PIDS.add(self.proc.pid)
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(job) + "\n").encode())
         self.proc.stdin.flush()

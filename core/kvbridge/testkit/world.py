@@ -86,22 +86,21 @@ class Room:
     def statuses(self) -> tuple[list[KVPoll], list[KVPoll]]:
         return [s.poll() for s in self.senders], [r.poll() for r in self.receivers]
 
+    def _hint(self, senders: list[KVPoll], receivers: list[KVPoll]) -> str:
+        if all(s is KVPoll.Success for s in senders) and not all(r is KVPoll.Success for r in receivers):
+            return ("; every prefill rank finished its writes, so their completion notices did not reach "
+                    "the decode ranks")
+        return ""
+
     def wait_success(self, timeout_s: float) -> None:
         def done() -> bool:
             senders, receivers = self.statuses()
             if KVPoll.Failed in senders or KVPoll.Failed in receivers:
-                raise AssertionError(f"a rank failed: {self.describe()}")
+                raise AssertionError(f"a rank failed: {self.describe()}{self._hint(senders, receivers)}")
             return all(s is KVPoll.Success for s in senders + receivers)
 
-        def why() -> str:
-            senders, receivers = self.statuses()
-            hint = ""
-            if all(s is KVPoll.Success for s in senders) and not all(r is KVPoll.Success for r in receivers):
-                hint = ("; every prefill rank finished its writes, so the completion notices did not reach "
-                        "the decode ranks")
-            return f"transfer did not complete: {self.describe()}{hint}"
-
-        wait_until(done, timeout_s, why)
+        wait_until(done, timeout_s,
+                   lambda: f"transfer did not complete: {self.describe()}{self._hint(*self.statuses())}")
 
     def wait_failed(self, timeout_s: float, *, senders: bool = True, receivers: bool = True) -> float:
         def failed() -> bool:

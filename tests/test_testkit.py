@@ -1,0 +1,363 @@
+"""The conformance kit tested on itself.
+
+It passes against the reference ``loopback`` backend and the built-in ``kv`` state type (the two classes
+below), and it fails - saying what is wrong - against deliberately broken backends and state types, run
+through pytester. Also: the pytest plugin's options and markers, its import cost, capability skips,
+strict known failures, the override meta-test, leak detection, and a third-party distribution (the
+example ring-buffer plugin, pip-installed) running the kit with ``-p kvbridge.testkit.plugin``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import strategies as st
+
+from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
+from kvbridge.testkit import BackendTests, StateTypeTests
+from kvbridge.testkit.plugin import hardware_decision
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "ringbuffer-plugin"
+
+
+class TestLoopbackConformance(BackendTests):
+    backend = "loopback"
+
+
+def kv_factory(draw):  # type: ignore[no-untyped-def]
+    """Paged KV components: token-major, head-major (1..8 heads, 3 and 6 included) or MLA."""
+    layout = draw(st.sampled_from(["token-major", "head-major", "mla"]))
+    heads = 1 if layout == "mla" else draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    page = draw(st.sampled_from([1, 2, 4]))
+    dim = draw(st.sampled_from([2, 8]))
+    layers = draw(st.integers(1, 2))
+
+    def build(tp: int, pages: int) -> Component:
+        if layout == "mla":
+            shape, shard = (page, dim), None
+        elif layout == "token-major":
+            shape, shard = (page, local_units(heads, tp), dim), ShardAxis(1, heads)
+        else:
+            shape, shard = (local_units(heads, tp), page, dim), ShardAxis(0, heads)
+        return Component("kv", "kv", tuple(BufferGeometry(f"{t}.{n}", pages, shape, DType.BFLOAT16, shard)
+                                           for t in "kv" for n in range(layers)), IndexKind.PAGE)
+
+    return build
+
+
+class TestKVStateConformance(StateTypeTests):
+    state_type = "kv"
+
+    def component_factory(self, draw):  # type: ignore[no-untyped-def]
+        return kv_factory(draw)
+
+
+# ------------------------------------------------------------------------------------------ broken backends
+BROKEN_BACKENDS = '''
+import dataclasses
+import threading
+
+from kvbridge.backends.base import Poll
+from kvbridge.backends.loopback import LoopbackBackend
+from kvbridge.planner import TransferPlan
+from kvbridge.specs import BackendSpec, Capability
+from kvbridge.testkit import BackendTests
+
+CAPS = frozenset({Capability.HOST_MEMORY, Capability.NOTIFICATIONS})
+
+
+class DropsEveryOther(LoopbackBackend):
+    def send_component(self, transfer):
+        p = transfer.plan
+        half = TransferPlan(p.src_addr[::2], p.dst_addr[::2], p.nbytes[::2], p.buffer[::2])
+        return super().send_component(dataclasses.replace(transfer, plan=half))
+
+
+class NeverNotifies(LoopbackBackend):
+    def notify_completion(self, peer_id, notice):
+        return True                      # "delivered" - but nothing is
+
+
+class DoneTooEarly(LoopbackBackend):
+    def send_component(self, transfer):
+        timer = threading.Timer(0.3, LoopbackBackend.send_component, (self, transfer))
+        timer.start()
+        return Poll.done()               # DONE before a byte moved
+
+
+class TestDrops(BackendTests):
+    spec = BackendSpec(name="drops-every-other", factory=DropsEveryOther, capabilities=CAPS)
+
+
+class TestSilent(BackendTests):
+    spec = BackendSpec(name="never-notifies", factory=NeverNotifies, capabilities=CAPS)
+    room_timeout_s = 4.0
+
+
+class TestEarly(BackendTests):
+    spec = BackendSpec(name="done-too-early", factory=DoneTooEarly, capabilities=CAPS)
+'''
+
+
+def run_kit(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_kit_subject=source)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rsxX", *args)
+
+
+def test_backend_that_drops_every_other_descriptor_fails_byte_checks(pytester: pytest.Pytester) -> None:
+    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestDrops and (single_component or delivery and pt2-dt1)")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "'drops-every-other' a single send:" in out and "bytes differ (first in item" in out
+    assert "'drops-every-other' delivered wrong bytes" in out
+    assert "bytes of the request's pages differ from the reference reshard" in out
+
+
+def test_backend_that_never_notifies_fails_with_the_reason(pytester: pytest.Pytester) -> None:
+    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestSilent and (notify_completion or delivery and pt1-dt1)")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "notify_completion returned True but the peer drained nothing" in out
+    assert "their completion notices did not reach the decode ranks" in out
+
+
+def test_backend_that_reports_done_before_the_data_landed_fails(pytester: pytest.Pytester) -> None:
+    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestEarly and (single_component or delivery and pt1-dt1)")
+    result.assert_outcomes(failed=2)
+    assert "differ" in result.stdout.str()
+
+
+def test_undeclared_capability_is_skipped_with_its_name(pytester: pytest.Pytester) -> None:
+    source = BROKEN_BACKENDS + '''
+class TestHostOnly(BackendTests):
+    spec = BackendSpec(name="host-only", factory=LoopbackBackend, capabilities=frozenset({Capability.HOST_MEMORY}))
+'''
+    result = run_kit(pytester, source, "-k", "TestHostOnly and (notification_visible or peer_death or cuda)")
+    result.assert_outcomes(skipped=5)
+    out = result.stdout.str()
+    for capability in ("notifications", "multi-process", "cuda-memory"):
+        assert f"'host-only' does not declare {capability}" in out
+
+
+def test_known_failures_are_strict_xfails(pytester: pytest.Pytester) -> None:
+    source = BROKEN_BACKENDS + '''
+from kvbridge.backends.loopback import SPEC
+
+class TestGapThatIsFixed(BackendTests):
+    spec = SPEC
+    known_failures = {"test_register_and_deregister": "pretend gap, issue #1"}
+
+class TestRealGap(BackendTests):
+    spec = BackendSpec(name="drops-every-other", factory=DropsEveryOther, capabilities=CAPS)
+    known_failures = {"test_single_component_send_polls_to_done": "drops descriptors, issue #2"}
+'''
+    result = run_kit(pytester, source, "-k", "register_and_deregister and Fixed or single_component and RealGap")
+    result.assert_outcomes(failed=1, xfailed=1)
+    out = result.stdout.str()
+    assert "[XPASS(strict)] pretend gap, issue #1" in out
+    assert "drops descriptors, issue #2" in out
+
+
+def test_trimming_the_kit_fails_the_meta_test(pytester: pytest.Pytester) -> None:
+    source = BROKEN_BACKENDS + '''
+import pytest
+from kvbridge.backends.loopback import SPEC
+
+class TestTrimmed(BackendTests):
+    spec = SPEC
+    known_failures = {"test_no_such_thing": "typo"}
+    test_register_and_deregister = None
+
+    def test_single_component_send_polls_to_done(self):
+        pass
+
+class TestHonest(BackendTests):
+    spec = SPEC
+
+    @pytest.mark.xfail(strict=True, reason="replaced on purpose, issue #3")
+    def test_single_component_send_polls_to_done(self):
+        raise AssertionError("known")
+'''
+    result = run_kit(pytester, source, "-k", "no_overrides and (Trimmed or Honest)")
+    result.assert_outcomes(failed=1, passed=1)
+    out = result.stdout.str()
+    assert "TestTrimmed.test_register_and_deregister deletes the kit test" in out
+    assert "TestTrimmed.test_single_component_send_polls_to_done overrides the kit test" in out
+    assert "known_failures names 'test_no_such_thing', which is not a kit test" in out
+
+
+def test_leaks_are_reported_after_the_test(pytester: pytest.Pytester) -> None:
+    source = '''
+import os
+import threading
+
+from kvbridge.backends.loopback import LoopbackBackend, SPEC
+from kvbridge.specs import BackendSpec
+from kvbridge.testkit import BackendTests
+
+HELD = []
+
+
+class Leaky(LoopbackBackend):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, args=(30,), name="leaky-engine-thread", daemon=True).start()
+        HELD.append((stop, os.pipe()))
+
+
+class TestLeaky(BackendTests):
+    spec = BackendSpec(name="leaky", factory=Leaky, capabilities=SPEC.capabilities)
+    leak_grace_s = 0.2
+'''
+    pytester.makepyfile(test_kit_subject=source)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "register_and_deregister")
+    result.assert_outcomes(passed=1, errors=1)
+    out = result.stdout.str()
+    assert "leaky: this test leaked:" in out
+    assert "thread(s) left running: leaky-engine-thread" in out
+    assert "file descriptor(s) left open: 2 x pipe" in out
+
+
+# ------------------------------------------------------------------------------------------ broken state types
+BROKEN_STATES = '''
+from kvbridge.errors import UnsupportedTopology
+from kvbridge.slicing import ComponentSlice, Segments
+from kvbridge.specs import StateTypeSpec
+from kvbridge.state.kv import KVState
+from kvbridge.testkit import StateTypeTests
+from test_testkit_factory import kv_factory
+
+
+class IgnoresTP(KVState):
+    """Copies whole items from every target (as if TP were equal)."""
+    def slice(self, src, dst, src_rank, dst_rank):
+        super().slice(src, dst, src_rank, dst_rank)
+        return ComponentSlice(tuple(Segments.whole(min(s.item_nbytes, d.item_nbytes))
+                                    for s, d in zip(src.buffers, dst.buffers)))
+
+
+class PartialPlans(KVState):
+    """Returns an empty plan where it should refuse."""
+    def slice(self, src, dst, src_rank, dst_rank):
+        try:
+            return super().slice(src, dst, src_rank, dst_rank)
+        except UnsupportedTopology:
+            return ComponentSlice(tuple(Segments.empty() for _ in dst.buffers))
+
+
+class TestIgnoresTP(StateTypeTests):
+    spec = StateTypeSpec(name="kv", factory=IgnoresTP)
+    max_examples = 25
+
+    def component_factory(self, draw):
+        return kv_factory(draw)
+
+
+class TestPartialPlans(StateTypeTests):
+    spec = StateTypeSpec(name="kv", factory=PartialPlans)
+
+    def component_factory(self, draw):
+        return kv_factory(draw)
+'''
+
+
+def test_state_type_that_ignores_tp_fails_coverage_and_reassembly(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "IgnoresTP and (cover or reassembly)")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "of each item are written" in out and "(expected once)" in out
+    assert "differ from the reference reshard" in out
+
+
+def test_state_type_that_returns_partial_plans_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "PartialPlans and unsupported")
+    result.assert_outcomes(failed=1)
+    assert "instead of raising UnsupportedTopology" in result.stdout.str()
+
+
+def _factory_source() -> str:
+    import inspect
+
+    return ("from hypothesis import strategies as st\n"
+            "from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units\n\n"
+            + inspect.getsource(kv_factory))
+
+
+# ------------------------------------------------------------------------------------------ the pytest plugin
+def test_markers_work_under_strict_markers(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile('''
+import pytest
+
+@pytest.mark.multiprocess
+@pytest.mark.requires("notifications")
+@pytest.mark.hardware("cuda")
+def test_marked():
+    pass
+''')
+    result = pytester.runpytest_inprocess("--strict-markers", "--kvbridge-hardware", "none", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*hardware tier disabled (--kvbridge-hardware none)*"])
+
+
+def test_backend_option_selects_the_backends_that_run(pytester: pytest.Pytester) -> None:
+    source = "from kvbridge.testkit import BackendTests\n\nclass TestLoop(BackendTests):\n    backend = 'loopback'\n"
+    result = run_kit(pytester, source, "-k", "register_and_deregister", "--kvbridge-backend", "nixl")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*'loopback' is not selected (--kvbridge-backend nixl)*"])
+
+
+def test_hardware_decision() -> None:
+    assert hardware_decision("cuda", "none")[0] == "skip"
+    assert hardware_decision("rocm", None)[0] == "skip"
+    from kvbridge.testkit import plugin
+
+    if not plugin.cuda_present():
+        assert hardware_decision("cuda", None) == ("skip", hardware_decision("cuda", None)[1])
+        assert hardware_decision("cuda", "cuda")[0] == "fail"
+    else:
+        assert hardware_decision("cuda", None)[0] == "run"
+
+
+def test_loading_the_plugin_imports_nothing_heavy() -> None:
+    code = ("import sys, kvbridge.testkit.plugin\n"
+            "heavy = ('hypothesis', 'torch', 'nixl', 'mooncake', 'zmq', 'kvbridge.agent', 'kvbridge.testkit.backends',"
+            " 'kvbridge.testkit.states', 'kvbridge.registry')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_installed_backends_run_without_a_test_file(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--pyargs", "kvbridge.testkit.installed",
+                                          "--kvbridge-backend", "loopback", "-k", "Installed_loopback and no_overrides")
+    result.assert_outcomes(passed=1)
+
+
+# ------------------------------------------------------------------------------------------ a third party
+def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
+    """The example plugin, pip-installed into a private site directory, runs its own conformance test with
+    plugin autoloading off and the kit named explicitly (``-p kvbridge.testkit.plugin``)."""
+    source, site = tmp_path / "source", tmp_path / "site"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBRIDGE_", "PYTEST_"))}
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                          "--disable-pip-version-check", "--quiet", "--target", str(site), str(source)],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    env.update(PYTHONPATH=str(site), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvbridge.testkit.plugin", "-p", "no:cacheprovider",
+                          "--strict-markers", "-q", "tests/test_conformance.py"],
+                         cwd=source, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "8 passed" in run.stdout, run.stdout[-2000:]
