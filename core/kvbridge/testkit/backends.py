@@ -264,8 +264,9 @@ class BasicBackendTests(_BackendKit):
     """Basic tier: one process, host memory (see the module docstring)."""
 
     _kvbridge_kit_class: ClassVar[bool] = True
-    #: examples of the hypothesis state machine (each builds two backends)
+    #: examples of the hypothesis state machine (each builds two backends), and rules per example
     stateful_examples: ClassVar[int] = 8
+    stateful_steps: ClassVar[int] = 20
 
     # ================================================================ the backend alone
     def _two_sides(self, make_backend: Any, *, items: int = 8, item_nbytes: int = 256, buffers: int = 2,
@@ -671,7 +672,7 @@ class BasicBackendTests(_BackendKit):
         from kvbridge.testkit.stateful import run_backend_machine
 
         run_backend_machine(make_backend, Capability.NOTIFICATIONS in backend_spec.capabilities,
-                            examples=self.stateful_examples, bound_s=self.room_timeout_s)
+                            examples=self.stateful_examples, steps=self.stateful_steps, bound_s=self.room_timeout_s)
 
 
 class MultiProcessBackendTests(_BackendKit):

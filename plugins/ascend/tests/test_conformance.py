@@ -1,0 +1,12 @@
+"""kvbridge's conformance kit against the ascend backend over its in-process stand-in of memfabric's
+TransferEngine (basic tier; the stand-in declares neither multi-process nor device memory)."""
+
+from __future__ import annotations
+
+from kvbridge_ascend.testing import STANDIN_SPEC
+
+from kvbridge.testkit import BackendTests
+
+
+class TestAscendStandInConformance(BackendTests):
+    spec = STANDIN_SPEC
