@@ -55,7 +55,8 @@ from kvbridge.wire import (
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 1 << 16
-_GOODBYE_GRACE_S = 1.0   # after a peer's goodbye, its notices on the engine's channel may still arrive
+_GOODBYE_GRACE_S = 1.0
+_HELLO_RESEND_S = 1.0    # connect() repeats its Hello to targets that have not answered   # after a peer's goodbye, its notices on the engine's channel may still arrive
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,9 +260,15 @@ class TransferAgent:
         with self._lock:
             self._instances.setdefault(instance, {})
             self._pending_welcome = {info.addresses[p]: "" for p in targets}
-        for p in targets:
-            self._post(info.addresses[p], hello)
+        next_hello = 0.0
         while True:
+            now = time.monotonic()
+            if now >= next_hello:   # (again) to every target that has not answered: a link may drop a frame
+                with self._lock:    # while its connection is still being set up
+                    silent = [address for address, answer in self._pending_welcome.items() if not answer]
+                for address in silent:
+                    self._post(address, hello)
+                next_hello = now + _HELLO_RESEND_S
             self.progress()
             with self._lock:
                 refused = [r for r in self._pending_welcome.values() if r.startswith("refused:")]
@@ -410,14 +417,18 @@ class TransferAgent:
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
         self._check_remote_buffers(hello.layout, info)
         old = self._peers.get(hello.agent)
+        welcome = Welcome(PROTOCOL_VERSION, self.name, self.link.address, True, "", self.layout, self.backend_name,
+                          self.backend.endpoint, ())
+        if old is not None and old.alive and old.info == info and old.layout == hello.layout:
+            self._post(hello.address, welcome)     # a repeated Hello: answer again, keep the peer as it is
+            return
         if old is not None:
             self._drop_peer_caches(hello.agent)
             self.backend.remove_peer(hello.agent)
         self.backend.add_peer(info)
         self._peers[hello.agent] = _Peer(hello.agent, hello.address, hello.layout, info, time.monotonic())
         self._beat_targets[hello.agent] = hello.address
-        self._post(hello.address, Welcome(PROTOCOL_VERSION, self.name, self.link.address, True, "", self.layout,
-                                          self.backend_name, self.backend.endpoint, ()))
+        self._post(hello.address, welcome)
 
     @staticmethod
     def _check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:

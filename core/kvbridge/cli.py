@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plugins)
     d = sub.add_parser("demo", help="run prefill and decode rank processes on this host and verify every byte")
     d.add_argument("--backend", default=None, help="transfer backend (default: nixl if usable, else loopback)")
-    d.add_argument("--model", default="dense-gqa", help="model preset (dense-gqa, mla, ...)")
+    d.add_argument("--model", default="dense-gqa",
+                   help="model preset: dense-gqa, dense-gqa-headmajor, mla, qwen3-next, swa, deepseek-v32")
     d.add_argument("--prefill-tp", type=int, default=2)
     d.add_argument("--decode-tp", type=int, default=1)
     d.add_argument("--requests", type=int, default=32)

@@ -176,7 +176,7 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         agent.start()
         results.put(("ready", cfg.role.value, cfg.rank))
         if cfg.role is Role.DECODE:
-            _connect(agent, cfg)
+            agent.connect(INSTANCE, timeout_s=cfg.timeout_s)   # repeats its Hello until answered
         requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
         step = _prefill_request if cfg.role is Role.PREFILL else _decode_request
         _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results))
@@ -191,23 +191,6 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             agent.close()
         if pool is not None:
             pool.close()
-
-
-_HELLO_RETRY_S = 10.0
-
-
-def _connect(agent: TransferAgent, cfg: WorkerConfig) -> None:
-    """Handshake, saying hello again when no answer came in time: connect() sends its Hello once, and on a
-    starved host a link may drop it (a PUSH socket whose connection was not up within its send timeout)."""
-    deadline = time.monotonic() + cfg.timeout_s
-    while True:
-        try:
-            agent.connect(INSTANCE, timeout_s=min(_HELLO_RETRY_S, max(0.1, deadline - time.monotonic())))
-            return
-        except TimeoutError as exc:
-            if time.monotonic() >= deadline:
-                raise
-            logging.getLogger(__name__).warning("decode rank %d: %s; saying hello again", cfg.rank, exc)
 
 
 def _run_window(cfg: WorkerConfig, requests: list[RequestShape],
