@@ -127,6 +127,17 @@ class _RecvRoom:
     staged: dict[tuple[int, str], tuple[int, int, tuple[Rows, ...]]] = field(default_factory=dict)
 
 
+def _position_in(dst_all: np.ndarray, d_idx: np.ndarray) -> int | None:
+    """Where ``d_idx`` sits in the destination list as one contiguous run (None if it does not)."""
+    if not d_idx.size:
+        return 0
+    hits = np.flatnonzero(dst_all == d_idx[0])
+    if hits.size != 1:
+        return None
+    first = int(hits[0])
+    return first if np.array_equal(dst_all[first: first + d_idx.size], d_idx) else None
+
+
 class TransferAgent:
     """A prefill or decode rank: backend, registered buffers, peers, rooms."""
 
@@ -566,19 +577,20 @@ class TransferAgent:
                     if room.cursor + len(src) > len(dst_all):
                         raise GeometryError(f"room {room.room} {comp.name}: prefill sends pages up to "
                                             f"{room.cursor + len(src)}, decode {agent} gave {len(dst_all)}")
-                    s_idx, d_idx = src, dst_all[room.cursor: room.cursor + len(src)]
-                    staged_at = req.staging.get(comp.name, {}).get(self.layout.tp_rank)
-                    if staged_at is not None and len(s_idx) and self._send_staged(
-                            room, peer, comp_index, segs, s_idx, staged_at, chunk, last):
-                        continue
+                    s_idx, d_idx, first = src, dst_all[room.cursor: room.cursor + len(src)], room.cursor
                 else:
                     s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
+                    first = _position_in(dst_all, d_idx)
+                staged_at = req.staging.get(comp.name, {}).get(self.layout.tp_rank)
+                if staged_at is not None and first is not None and len(s_idx) and self._send_staged(
+                        room, peer, comp_index, segs, s_idx, staged_at, first, chunk, last):
+                    continue
                 if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
                     order = np.argsort(s_idx, kind="stable")
                     s_idx, d_idx = s_idx[order], d_idx[order]
                 plan = plan_transfer(self._pairs_for(peer, comp_index, segs), s_idx, d_idx)
                 notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes,
-                                room.cursor if st.chunked else 0, len(s_idx))
+                                first or 0, len(s_idx))
                 if len(plan) == 0:
                     self._notify(peer, notice)
                     continue
@@ -596,7 +608,7 @@ class TransferAgent:
             room.last_sent = True
 
     def _send_staged(self, room: _SendRoom, peer: _Peer, comp_index: int, segs: ComponentSlice, items: np.ndarray,
-                     remote_offset: int, chunk: int, last: bool) -> bool:
+                     remote_offset: int, first: int, chunk: int, last: bool) -> bool:
         """Gather the chunk into our staging area and post one write into the peer's; False to fall back."""
         assert peer.info is not None
         rows = self._rows_for(peer, comp_index, segs, self.layout, peer.layout)
@@ -615,11 +627,11 @@ class TransferAgent:
             self.staging.array[local: local + nbytes].reshape(len(items), per_item)
         gather(self._views[comp.name], rows, items, out)
         synchronize(out)          # device gathers must finish before the engine reads the area
-        dst = remote.regions[0].addr + remote_offset + room.cursor * per_item
+        dst = remote.regions[0].addr + remote_offset + first * per_item
         u64 = np.uint64
         plan = TransferPlan(np.array([self.staging.region.addr + local], u64), np.array([dst], u64),
                             np.array([nbytes], u64), np.zeros(1, np.int32))
-        notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, nbytes, room.cursor, len(items), True)
+        notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, nbytes, first, len(items), True)
         transfer = ComponentTransfer(room.room, STAGING, peer.agent, chunk, last, self._staging_reg, remote, plan,
                                      self._codec.encode(notice))
         try:
@@ -711,7 +723,7 @@ class TransferAgent:
                     continue
                 room.expected.add((rank, comp.name))
                 n_items = len(room.indices[comp.name])
-                rows = self._rows_for(peer, comp_index, segs, src_layout, self.layout) if st.chunked else None
+                rows = self._rows_for(peer, comp_index, segs, src_layout, self.layout)
                 if rows is not None and self.staging is not None and n_items:
                     nbytes = page_layout(rows)[1] * n_items
                     offset = self.staging.alloc(nbytes)
