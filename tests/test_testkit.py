@@ -147,6 +147,16 @@ class TestHostOnly(BackendTests):
         assert f"'host-only' does not declare {capability}" in out
 
 
+def test_a_backend_without_host_memory_skips_the_host_tiers(pytester: pytest.Pytester) -> None:
+    source = BROKEN_BACKENDS + '''
+class TestGpuOnly(BackendTests):
+    spec = BackendSpec(name="gpu-only", factory=LoopbackBackend, capabilities=frozenset({Capability.CUDA_MEMORY}))
+'''
+    result = run_kit(pytester, source, "-k", "TestGpuOnly and (register or multiprocess_byte or no_overrides)")
+    result.assert_outcomes(passed=1, skipped=5)
+    assert "'gpu-only' does not declare host-memory" in result.stdout.str()
+
+
 def test_known_failures_are_strict_xfails(pytester: pytest.Pytester) -> None:
     source = BROKEN_BACKENDS + '''
 from kvbridge.backends.loopback import SPEC
@@ -361,3 +371,35 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
                          cwd=source, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "8 passed" in run.stdout, run.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ core gaps found
+@pytest.mark.xfail(strict=True, reason="core gap: Sender.send fails the room only on a KVBridgeError; an engine's own "
+                                       "exception from send_component leaves the prefill room WaitingForInput and the "
+                                       "decode room fails later with 'waiting timeout', losing the engine's reason")
+def test_an_engine_exception_in_send_fails_the_room_with_its_reason() -> None:
+    import numpy as np
+
+    from kvbridge.agent import AgentConfig
+    from kvbridge.backends.loopback import LoopbackBackend
+    from kvbridge.specs import BackendSpec, Capability
+    from kvbridge.testkit.checked import Tracker, kit_registry
+    from kvbridge.testkit.kvmodel import KINDS, KVPool
+    from kvbridge.testkit.world import World
+
+    class Raises(LoopbackBackend):
+        def send_component(self, transfer):  # type: ignore[no-untyped-def]
+            raise RuntimeError("engine exploded")
+
+    spec = BackendSpec(name="raises", factory=Raises, capabilities=frozenset({Capability.HOST_MEMORY}))
+    world = World(registry=kit_registry(spec, tracker=Tracker()), backend="raises", pairs=[(1, 1)],
+                  make_pool=lambda role, tp, r: KVPool(tp, r), config=AgentConfig(waiting_timeout_s=5.0))
+    try:
+        room = world.open(1, 1, 1, {k.name: np.arange(1, 3) for k in KINDS}, 5.0)
+        with pytest.raises(RuntimeError, match="engine exploded"):
+            room.senders[0].send(np.arange(3, 5), last=True)
+        room.wait_failed(2.0)
+        assert all("engine exploded" in side.failure_reason for side in room.senders + room.receivers)
+        room.settle(5.0)
+    finally:
+        world.close()

@@ -264,6 +264,7 @@ class BasicBackendTests(_BackendKit):
     """Basic tier: one process, host memory (see the module docstring)."""
 
     _kvbridge_kit_class: ClassVar[bool] = True
+    _kvbridge_tier_requires: ClassVar[tuple[str, ...]] = (Capability.HOST_MEMORY.value,)
     #: examples of the hypothesis state machine (each builds two backends), and rules per example
     stateful_examples: ClassVar[int] = 8
     stateful_steps: ClassVar[int] = 20
@@ -679,6 +680,7 @@ class MultiProcessBackendTests(_BackendKit):
     """Multi-process tier: decode ranks in a child process, ZMQ control plane on 127.0.0.1."""
 
     _kvbridge_kit_class: ClassVar[bool] = True
+    _kvbridge_tier_requires: ClassVar[tuple[str, ...]] = (Capability.HOST_MEMORY.value,)
     multiprocess_tp_pairs: ClassVar[Sequence[tuple[int, int]]] = ((1, 1), (2, 1), (1, 2))
     #: seconds a child process may take to start, import the engine and connect
     spawn_timeout_s: ClassVar[float] = 60.0

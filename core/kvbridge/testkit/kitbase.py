@@ -115,13 +115,14 @@ class KitTests:
         if why:
             return [pytest.mark.skip(reason=why)]
         declared = cls._kvbridge_capabilities()
-        for mark in item.iter_markers("requires"):
-            for capability in mark.args:
-                value = getattr(capability, "value", capability)
-                if value not in declared:
-                    marks.append(pytest.mark.skip(reason=f"'{cls._kvbridge_subject()}' does not declare {value}"))
         name = getattr(item, "name", "")
         original = getattr(item, "originalname", name)
+        needed = [getattr(c, "value", c) for mark in item.iter_markers("requires") for c in mark.args]
+        defined_in = kit_tests(cls).get(original, (None, None))[0]
+        needed += list(defined_in.__dict__.get("_kvbridge_tier_requires", ())) if defined_in is not None else []
+        for value in dict.fromkeys(needed):
+            if value not in declared:
+                marks.append(pytest.mark.skip(reason=f"'{cls._kvbridge_subject()}' does not declare {value}"))
         known = dict(cls.known_failures)
         reason = known.get(name) or known.get(original)
         if reason:
