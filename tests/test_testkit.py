@@ -403,3 +403,67 @@ def test_an_engine_exception_in_send_fails_the_room_with_its_reason() -> None:
         room.settle(5.0)
     finally:
         world.close()
+
+
+# ------------------------------------------------------------------------------------------ kit internals
+def test_checked_backend_reports_leaks_and_contract_violations() -> None:
+    from kvbridge.backends.base import HandleState, Poll
+    from kvbridge.testkit.checked import CheckedBackend, Tracker
+
+    class Flaky:
+        name, endpoint = "flaky", b""
+        states = [Poll.done(), Poll.pending(), Poll(HandleState.FAILED)]
+
+        def send_component(self, transfer):  # type: ignore[no-untyped-def]
+            return object()
+
+        def poll(self, handle):  # type: ignore[no-untyped-def]
+            return self.states.pop(0)
+
+        def release(self, handle):  # type: ignore[no-untyped-def]
+            pass
+
+        def close(self) -> None:
+            pass
+
+    tracker = Tracker()
+    backend = CheckedBackend(Flaky(), "flaky backend 'x'", tracker)
+    tracker.add(backend)
+    handle = backend.send_component(None)  # type: ignore[arg-type]
+    backend.poll(handle)
+    backend.poll(handle)
+    assert any("reported DONE and later PENDING" in v for v in tracker.violations), tracker.violations
+    backend.poll(handle)
+    assert any("FAILED poll carries no reason" in v for v in tracker.violations)
+    assert "flaky backend 'x' was never closed" in tracker.problems()
+    assert any("1 transfer handle(s) were never released" in p for p in backend.leaks())
+    backend.release(handle)
+    backend.close()
+    assert backend.leaks() == [] and tracker.problems() == []
+
+
+def test_handle_faults_need_the_checked_backend() -> None:
+    import numpy as np
+
+    from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, RemoteBuffers
+    from kvbridge.errors import TransferError
+    from kvbridge.planner import TransferPlan
+    from kvbridge.registry import Registry
+    from kvbridge.testkit.faults import Fault, FaultInjector
+
+    faults = FaultInjector()
+    registry = Registry.build(allow={"kv", "loopback"}, env={}, plugins=[faults])
+    backend = registry.create_backend("loopback", name="plain")
+    try:
+        transfer = ComponentTransfer(1, "kv", "nobody", 0, True, RegisteredBuffers("kv", ()), RemoteBuffers("kv", ()),
+                                     TransferPlan.empty())
+        faults.arm(Fault.STALL)
+        with pytest.raises(TransferError, match="needs the backend wrapped in"):
+            registry.send_component(backend, transfer)
+        faults.reset()
+        faults.arm(Fault.REFUSE, reason="refused on purpose")
+        with pytest.raises(TransferError, match="refused on purpose"):
+            registry.send_component(backend, transfer)
+        assert faults.injected[Fault.REFUSE] == 1
+    finally:
+        backend.close()

@@ -56,6 +56,13 @@ class Tracker:
         self._lock = threading.Lock()
         self.backends: list[CheckedBackend] = []
         self.violations: list[str] = []
+        self._reported = 0
+
+    def new_violations(self) -> list[str]:
+        """Violations not returned by an earlier call (each is reported once)."""
+        with self._lock:
+            out, self._reported = self.violations[self._reported:], len(self.violations)
+        return out
 
     def add(self, backend: CheckedBackend) -> None:
         with self._lock:
@@ -70,9 +77,10 @@ class Tracker:
             return [b for b in self.backends if not b.closed]
 
     def problems(self, *, include_open: bool = True) -> list[str]:
-        """Leaks and violations so far: open backends (optional), unreleased handles, live registrations."""
+        """Unreported violations, then leaks: open backends (optional), unreleased handles, live registrations."""
+        out = self.new_violations()
         with self._lock:
-            backends, out = list(self.backends), list(self.violations)
+            backends = list(self.backends)
         for backend in backends:
             if include_open and not backend.closed:
                 out.append(f"{backend.label} was never closed")

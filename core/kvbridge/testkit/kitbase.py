@@ -151,16 +151,20 @@ class KitTests:
         if request.node.get_closest_marker("multiprocess") is not None:
             prime_process_singletons()
         tracker = self._kvbridge_tracker()
-        before_backends = set(map(id, tracker.backends))
-        before_violations = len(tracker.violations)
+        tracker.new_violations()                         # earlier ones were reported where they happened
+        handles_before = {id(b): b.outstanding_handles() for b in tracker.backends}
         snapshot = Snapshot.take()
         yield
-        problems = list(tracker.violations[before_violations:])
+        problems = tracker.new_violations()
         for backend in list(tracker.backends):
-            if id(backend) not in before_backends and not backend.closed:
-                problems.append(f"{backend.label} was created by this test and never closed")
-            problems.extend(backend.leaks() if id(backend) not in before_backends or backend.closed
-                            else [p for p in backend.leaks() if "handle" in p])
+            before = handles_before.get(id(backend))
+            if before is None:                           # made by this test: closed, nothing left behind
+                if not backend.closed:
+                    problems.append(f"{backend.label} was created by this test and never closed")
+                problems.extend(backend.leaks())
+            elif backend.outstanding_handles() > before:  # a shared backend: no new unreleased handles
+                problems.append(f"{backend.label}: {backend.outstanding_handles() - before} transfer handle(s) "
+                                "of this test were never released")
         shared = any(name in request.fixturenames for name in self.shared_fixtures)
         problems += snapshot.leaked(self.leak_grace_s, threads_and_fds=not shared,
                                     allowed_threads=self.leak_allowed_threads)
