@@ -28,4 +28,6 @@ def test_vram_reshard_in_process(backends: Factory, pt: int, dt: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2)])
 def test_vram_two_process(backends: Factory, pt: int, dt: int) -> None:
-    run_two_process(backends, pt, dt, {}, False, seed=300 + pt + dt, device="cuda")
+    """The prefill process writes from the last GPU (another GPU when there are several)."""
+    peer = f"cuda:{torch.cuda.device_count() - 1}"
+    run_two_process(backends, pt, dt, {}, False, seed=300 + pt + dt, device="cuda:0", peer_device=peer)

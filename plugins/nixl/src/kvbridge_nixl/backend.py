@@ -51,6 +51,22 @@ def _load_api() -> Any:
     return _api
 
 
+def _make_agent(api: Any, agent_name: str, config: Any, options: NixlOptions) -> Any:
+    """Create the agent with ``options.env`` in force. NIXL refuses a pinned ``UCX_TLS`` without a CUDA
+    transport on a host with NVIDIA GPUs; such a list is retried once with ``cuda_copy`` added."""
+    try:
+        with scoped_env(options.env):
+            return api.nixl_agent(agent_name, config)
+    except Exception:
+        if not options.ucx_tls or "cuda" in options.ucx_tls:
+            raise
+        widened = f"{options.ucx_tls},cuda_copy"
+        log.warning("nixl: UCX_TLS=%s was refused (a GPU host needs a CUDA transport); using %s",
+                    options.ucx_tls, widened)
+        with scoped_env({"UCX_TLS": widened}):
+            return api.nixl_agent(agent_name, config)
+
+
 def endpoint_name(agent: str) -> str:
     """The kvbridge endpoint name an agent name was made from."""
     return agent.rsplit(_AGENT_SEP, 1)[0]
@@ -94,8 +110,7 @@ class NixlBackend:
         sync = getattr(api.nixl_thread_sync_t, f"NIXL_THREAD_SYNC_{self.options.sync_mode.upper()}")
         config = api.nixl_agent_config(enable_prog_thread=self.options.progress_thread, backends=["UCX"],
                                        num_threads=self.options.num_threads, sync_mode=sync)
-        with scoped_env(self.options.env):
-            self._agent = api.nixl_agent(self.agent_name, config)
+        self._agent = _make_agent(api, self.agent_name, config, self.options)
         if "UCX" not in self._agent.backends:
             raise PluginUnavailableError("nixl", "NIXL has no UCX plugin here", INSTALL_HINT)
         self._lock = threading.Lock()

@@ -19,18 +19,22 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.slicing import Segments
 
 from kvbridge_nixl.backend import NixlBackend
+
+_PEER_S = 120.0   # how long the decode process may take to answer
 
 
 def _wait(agent: Any, xfer: Any) -> None:
@@ -40,6 +44,11 @@ def _wait(agent: Any, xfer: Any) -> None:
     if state != "DONE":
         raise RuntimeError(f"raw NIXL transfer ended in {state}")
     agent.release_xfer_handle(xfer)
+
+
+def _say(*parts: object) -> None:
+    """Progress on stderr, so a run cut short still tells where it was."""
+    print("[bench]", *parts, file=sys.stderr, flush=True)
 
 
 def _clocked(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
@@ -99,23 +108,100 @@ class _Pool:
         return copy
 
 
-class _Case:
-    """One layout of source and destination pools, registered with both backends."""
+class _LocalDecode:
+    """The decode side in this process: its own backend and pool."""
 
-    def __init__(self, pb: NixlBackend, db: NixlBackend, nbuf: int, pool: int, item: int, fill: int,
-                 device: str) -> None:
-        self.pb, self.db, self.nbuf, self.pool, self.item = pb, db, nbuf, pool, item
+    def __init__(self, db: NixlBackend, nbuf: int, pool: int, item: int, device: str) -> None:
+        self.db, self.pool = db, _Pool(nbuf, pool, item, 0, device, stamp=False)
+        self.reg = db.register_buffers("bench", self.pool.regions)
+        self.info = PeerInfo("bench-decode", db.endpoint, (self.reg.remote(),))
+
+    def stamps(self, pages: np.ndarray) -> np.ndarray:
+        return self.pool.stamps(pages)
+
+    def drain(self) -> None:
+        self.db.drain_notifications()
+
+    def close(self) -> None:
+        self.db.deregister_buffers(self.reg)
+
+
+class _RemoteDecode:
+    """The decode side in a spawned process (``decode_process``), driven through a pipe."""
+
+    def __init__(self, nbuf: int, pool: int, item: int, device: str, options: dict[str, str] | None) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_process, args=(child, nbuf, pool, item, device, options), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(_PEER_S):
+            self.close()
+            raise TimeoutError("the decode process did not start")
+        self.info = msgspec.msgpack.decode(self.conn.recv_bytes(), type=PeerInfo)
+
+    def _ask(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        if not self.conn.poll(_PEER_S):
+            raise TimeoutError(f"the decode process did not answer {msg[0]!r}")
+        return self.conn.recv()
+
+    def stamps(self, pages: np.ndarray) -> np.ndarray:
+        return self._ask("stamps", pages)
+
+    def drain(self) -> None:
+        pass   # the decode process drains on its own
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("close",))
+            self.proc.join(_PEER_S)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.conn.close()
+
+
+def decode_process(conn: Any, nbuf: int, pool: int, item: int, device: str, options: dict[str, str] | None) -> None:
+    """Body of the decode process: register a pool, publish PeerInfo, answer stamp queries, drain notices."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with NixlBackend(name="bench-decode", options=options) as db:
+        side = _LocalDecode(db, nbuf, pool, item, device)
+        conn.send_bytes(msgspec.msgpack.encode(side.info))
+        while True:
+            if not conn.poll(0.001):
+                side.drain()
+                continue
+            msg = conn.recv()
+            if msg[0] == "stamps":
+                conn.send(side.stamps(msg[1]))
+            else:
+                break
+        side.close()
+
+
+class _Case:
+    """One layout: a source pool registered here, a destination pool registered by the decode side."""
+
+    def __init__(self, pb: NixlBackend, decode: _LocalDecode | _RemoteDecode, nbuf: int, pool: int, item: int,
+                 fill: int, device: str, dst_device: str) -> None:
+        self.pb, self.decode, self.nbuf, self.pool, self.item = pb, decode, nbuf, pool, item
         self.src = _Pool(nbuf, pool, item, fill, device, stamp=True)
-        self.dst = _Pool(nbuf, pool, item, 0, device, stamp=False)
+        self.scratch = _Pool(nbuf, pool, item, 0, dst_device, stamp=False)   # the memcpy baseline's target
         self.src_reg = pb.register_buffers("bench", self.src.regions)
-        self.dst_reg = db.register_buffers("bench", self.dst.regions)
-        self.info = PeerInfo("bench-decode", db.endpoint, (self.dst_reg.remote(),))
+        self.info = decode.info
+        self.dst_reg = self.info.component("bench")
+        first = self.dst_reg.regions[0]
+        self.dst_mem, self.dst_devid = ("DRAM", 0) if first.device is DeviceKind.CPU else ("VRAM", first.device_id)
         pb.add_peer(self.info)
 
     def close(self) -> None:
         self.pb.remove_peer("bench-decode")
         self.pb.deregister_buffers(self.src_reg)
-        self.db.deregister_buffers(self.dst_reg)
 
     def measure(self, src_idx: np.ndarray, dst_idx: np.ndarray, repeats: int) -> dict[str, Any]:
         seg = Segments.whole(self.item)
@@ -137,22 +223,20 @@ class _Case:
         base_d = np.array([r.addr for r in self.dst_reg.regions], dtype=np.uint64)
         pages = np.arange(self.pool, dtype=np.uint64) * np.uint64(self.item)
 
-        mem, devid = self.src.mem, np.uint64(self.src.devid)
-
-        def rows(bases: np.ndarray) -> np.ndarray:
+        def rows(bases: np.ndarray, devid: int) -> np.ndarray:
             out = np.zeros((bases.size * self.pool, 3), dtype=np.uint64)
             out[:, 0] = (bases[:, None] + pages[None, :]).ravel()
             out[:, 1] = self.item
             out[:, 2] = devid
             return out
 
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s), mem)
-        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d), mem)
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s, self.src.devid), self.src.mem)
+        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d, self.dst_devid), self.dst_mem)
         buf_off = (np.arange(self.nbuf, dtype=np.int64) * self.pool)[:, None]
         l_idx = (buf_off + s_sorted[None, :]).ravel().astype(np.int32)
         r_idx = (buf_off + d_sorted[None, :]).ravel().astype(np.int32)
-        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.full_like(plan.nbytes, devid)], axis=1)
-        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.full_like(plan.nbytes, devid)], axis=1)
+        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.full_like(plan.nbytes, self.src.devid)], axis=1)
+        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.full_like(plan.nbytes, self.dst_devid)], axis=1)
         send_us: list[float] = []   # send_component: kvbridge's checks and indexing + NIXL's post
         post_us: list[float] = []   # make_prepped_xfer + transfer alone, same descriptors
         overhead_us: list[float] = []   # send_component minus the NIXL calls inside it
@@ -174,7 +258,7 @@ class _Case:
             self.pb.release(handle)
             if poll.state is HandleState.FAILED:
                 raise RuntimeError(poll.reason)
-            self.db.drain_notifications()
+            self.decode.drain()
 
         def raw_prepped() -> None:
             t0 = time.perf_counter()
@@ -186,25 +270,27 @@ class _Case:
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL transfer ended in {state}")
             agent.release_xfer_handle(xfer)
-            self.db.drain_notifications()
+            self.decode.drain()
 
         def raw_initialize() -> None:
-            src = agent.get_xfer_descs(plan_rows_s, mem)
-            dst = agent.get_xfer_descs(plan_rows_d, mem)
+            src = agent.get_xfer_descs(plan_rows_s, self.src.mem)
+            dst = agent.get_xfer_descs(plan_rows_d, self.dst_mem)
             _wait(agent, agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench"))
-            self.db.drain_notifications()
+            self.decode.drain()
 
-        memcpy = self.src.copier(self.dst, nbytes)
+        memcpy = self.src.copier(self.scratch, nbytes)
 
         methods = {"kvbridge": kvbridge, "raw_prepped": raw_prepped, "raw_initialize": raw_initialize}
         runs: dict[str, list[float]] = {name: [] for name in (*methods, "memcpy")}
+        _say(f"{len(plan)} descriptors, {nbytes / 2**20:.0f} MiB: warm-up")
         kvbridge()                                      # warm-up, then verify what it wrote
         verified = self._verify(s_sorted, d_sorted)
         for fn in methods.values():
             fn()
-        for _ in range(repeats):
+        for r in range(repeats):
             for name, fn in methods.items():
                 _timed(fn, runs[name])
+            _say(f"round {r}: " + ", ".join(f"{n} {runs[n][-1] * 1e3:.1f} ms" for n in methods))
         memcpy()
         for _ in range(repeats):
             _timed(memcpy, runs["memcpy"])
@@ -225,41 +311,55 @@ class _Case:
 
     def _verify(self, s_sorted: np.ndarray, d_sorted: np.ndarray) -> bool:
         """Every moved page carries its source's (buffer, page) stamp (the body is a constant fill)."""
-        return bool(np.array_equal(self.dst.stamps(d_sorted), self.src.stamps(s_sorted)))
+        return bool(np.array_equal(self.decode.stamps(d_sorted), self.src.stamps(s_sorted)))
 
 
 def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pages: int = 320,
-              repeats: int = 5, seed: int = 0, device: str = "cpu",
-              options: dict[str, str] | None = None) -> dict[str, Any]:
-    """Measure both cases; return a JSON-able dict (see the module docstring)."""
+              repeats: int = 5, seed: int = 0, device: str = "cpu", dst_device: str | None = None,
+              two_process: bool = False, options: dict[str, str] | None = None) -> dict[str, Any]:
+    """Measure both cases; return a JSON-able dict (see the module docstring). ``dst_device`` (default:
+    ``device``) places the decode pools elsewhere, e.g. ``cuda:1``; ``two_process`` puts the decode side
+    in a spawned process (the deployment shape; UCX then uses CMA or CUDA IPC between the two)."""
+    dst_device = dst_device or device
     rng = np.random.default_rng(seed)
     pb = NixlBackend(name="bench-prefill", options=options)
-    db = NixlBackend(name="bench-decode", options=options)
+    db = None if two_process else NixlBackend(name="bench-decode", options=options)
     out: dict[str, Any] = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                                     "python": platform.python_version()},
                            "params": {"layers": layers, "pages": pages, "page_kib": page_kib,
                                       "pool_pages": pool_pages, "repeats": repeats, "device": device,
+                                      "dst_device": dst_device, "two_process": two_process,
                                       "options": options or {}},
                            "cases": {}}
+
+    def decode_side(nbuf: int, pool: int, item: int) -> _LocalDecode | _RemoteDecode:
+        if db is not None:
+            return _LocalDecode(db, nbuf, pool, item, dst_device)
+        return _RemoteDecode(nbuf, pool, item, dst_device, options)
+
+    total = 2 * layers * pages * page_kib * 1024
+    shapes = {"paged": (2 * layers, pool_pages, page_kib * 1024, 1), "contiguous": (1, 1, total, 2)}
     try:
-        paged = _Case(pb, db, 2 * layers, pool_pages, page_kib * 1024, fill=1, device=device)
-        try:
-            src = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
-            dst = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
-            out["cases"]["paged"] = paged.measure(src, dst, repeats)
-        finally:
-            paged.close()
-            del paged
-        total = 2 * layers * pages * page_kib * 1024
-        contiguous = _Case(pb, db, 1, 1, total, fill=2, device=device)
-        try:
-            one = np.zeros(1, dtype=np.int64)
-            out["cases"]["contiguous"] = contiguous.measure(one, one, repeats)
-        finally:
-            contiguous.close()
+        for name, (nbuf, pool, item, fill) in shapes.items():
+            _say(f"{name} case: {2 * nbuf * pool * item / 2**30:.2f} GiB on {device} -> {dst_device}")
+            decode = decode_side(nbuf, pool, item)
+            try:
+                case = _Case(pb, decode, nbuf, pool, item, fill, device, dst_device)
+                try:
+                    if name == "paged":
+                        src = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
+                        dst = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
+                    else:
+                        src = dst = np.zeros(1, dtype=np.int64)
+                    out["cases"][name] = case.measure(src, dst, repeats)
+                finally:
+                    case.close()
+            finally:
+                decode.close()
     finally:
         pb.close()
-        db.close()
+        if db is not None:
+            db.close()
     return out
 
 
@@ -286,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-pages", type=int, default=320)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N (torch tensors in VRAM)")
+    parser.add_argument("--dst-device", default=None, help="where the decode pools live (default: --device)")
+    parser.add_argument("--two-process", action="store_true", help="run the decode side in another process")
     parser.add_argument("--ucx-tls", default="", help="pin UCX transports (e.g. tcp)")
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")   # NIXL logs INFO lines on stdout otherwise
     result = run_bench(layers=args.layers, pages=args.pages, page_kib=args.page_kib, pool_pages=args.pool_pages,
-                       repeats=args.repeats, device=args.device,
+                       repeats=args.repeats, device=args.device, dst_device=args.dst_device,
+                       two_process=args.two_process,
                        options={"ucx_tls": args.ucx_tls} if args.ucx_tls else None)
     print(json.dumps(result, indent=1) if args.json else format_report(result))
     return 0

@@ -330,7 +330,7 @@ def prefill_peer(conn: Connection, options: dict[str, str], block_cma: bool) -> 
 
 
 def run_two_process(backends: Callable[[str], Any], pt: int, dt: int, options: dict[str, str], block_cma: bool,
-                    seed: int, device: str = "cpu") -> None:
+                    seed: int, device: str = "cpu", peer_device: str | None = None) -> None:
     """Dt decode backends here; a spawned process runs Pt prefill backends (``options``, CMA optionally
     blocked) that write one request. PeerInfo travels as bytes through a pipe; every byte is checked
     once the notices are in; the child is always reaped (killed if need be)."""
@@ -351,7 +351,7 @@ def run_two_process(backends: Callable[[str], Any], pt: int, dt: int, options: d
         infos = [msgspec.msgpack.encode(PeerInfo(f"decode-{d}", db[d].endpoint, (regs[d].remote(),)))
                  for d in range(dt)]
         parent.send_bytes(msgspec.msgpack.encode(PeerOrder(infos, pt, heads, seed, src_idx.tolist(),
-                                                           dst_idx.tolist(), room, device)))
+                                                           dst_idx.tolist(), room, peer_device or device)))
         expected = {d: {(f"prefill-{p}", f"room{room}:{p}->{d}".encode()) for p in writers(pt, dt, d)}
                     for d in range(dt)}
         got: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}
