@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
-
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
 from kvbridge.testkit import BackendTests, StateTypeTests
 from kvbridge.testkit.plugin import hardware_decision
@@ -363,12 +362,12 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBRIDGE_", "PYTEST_"))}
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                           "--disable-pip-version-check", "--quiet", "--target", str(site), str(source)],
-                         capture_output=True, text=True, timeout=240, env=env)
+                         capture_output=True, text=True, timeout=240, env=env, check=False)
     assert pip.returncode == 0, pip.stdout + pip.stderr
     env.update(PYTHONPATH=str(site), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "kvbridge.testkit.plugin", "-p", "no:cacheprovider",
                           "--strict-markers", "-q", "tests/test_conformance.py"],
-                         cwd=source, capture_output=True, text=True, timeout=300, env=env)
+                         cwd=source, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "8 passed" in run.stdout, run.stdout[-2000:]
 
@@ -379,7 +378,6 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
                                        "decode room fails later with 'waiting timeout', losing the engine's reason")
 def test_an_engine_exception_in_send_fails_the_room_with_its_reason() -> None:
     import numpy as np
-
     from kvbridge.agent import AgentConfig
     from kvbridge.backends.loopback import LoopbackBackend
     from kvbridge.specs import BackendSpec, Capability
@@ -412,7 +410,9 @@ def test_checked_backend_reports_leaks_and_contract_violations() -> None:
 
     class Flaky:
         name, endpoint = "flaky", b""
-        states = [Poll.done(), Poll.pending(), Poll(HandleState.FAILED)]
+
+        def __init__(self) -> None:
+            self.states = [Poll.done(), Poll.pending(), Poll(HandleState.FAILED)]
 
         def send_component(self, transfer):  # type: ignore[no-untyped-def]
             return object()
@@ -443,7 +443,6 @@ def test_checked_backend_reports_leaks_and_contract_violations() -> None:
 
 
 def test_handle_faults_need_the_checked_backend() -> None:
-    import numpy as np
 
     from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, RemoteBuffers
     from kvbridge.errors import TransferError

@@ -26,7 +26,9 @@ _EXPORTS = {
     "kit_registry": "kvbridge.testkit.checked",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault", "FaultInjector",
+           "HardwareBackendTests", "MultiProcessBackendTests", "RequestItems", "StateTypeTests", "kit_registry",
+           "requires", "shard_buffer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -54,7 +54,7 @@ from kvbridge.testkit.kitbase import KitTests
 from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.pools import GuardedBuffer
 from kvbridge.testkit.world import Room, World, wait_until
-from kvbridge.wire import KVPoll, Role
+from kvbridge.wire import KVPoll
 
 __all__ = ["ALL_PAIRS", "BackendTests", "BasicBackendTests", "HardwareBackendTests", "MultiProcessBackendTests",
            "requires"]
@@ -140,6 +140,13 @@ class _BackendKit(KitTests):
         return ""
 
     @classmethod
+    def _kvbridge_uses_cuda(cls, config: pytest.Config) -> bool:
+        from kvbridge.testkit.plugin import hardware_decision
+
+        return (Capability.CUDA_MEMORY.value in cls._kvbridge_capabilities() and not cls._kvbridge_unavailable(config)
+                and hardware_decision("cuda", config.getoption("kvbridge_hardware", default=None))[0] == "run")
+
+    @classmethod
     def pytest_generate_tests(cls, metafunc: pytest.Metafunc) -> None:
         attribute = getattr(metafunc.function, "_kvbridge_pairs", None)
         if attribute and "pt_dt" in metafunc.fixturenames:
@@ -198,10 +205,9 @@ class _BackendKit(KitTests):
 
     @classmethod
     def agent_config(cls, backend_options: dict[str, str], **overrides: Any) -> AgentConfig:
-        base: dict[str, Any] = dict(heartbeat_interval_s=0.1, peer_timeout_s=max(10.0, cls.room_timeout_s),
-                                    bootstrap_timeout_s=cls.room_timeout_s,
-                                    waiting_timeout_s=cls.waiting_timeout_s, staging_bytes=1 << 20,
-                                    backend_options=options_of(backend_options))
+        base: dict[str, Any] = {"heartbeat_interval_s": 0.1, "peer_timeout_s": max(10.0, cls.room_timeout_s),
+                                "bootstrap_timeout_s": cls.room_timeout_s, "waiting_timeout_s": cls.waiting_timeout_s,
+                                "staging_bytes": 1 << 20, "backend_options": options_of(backend_options)}
         base.update(overrides)
         return AgentConfig(**base)
 
@@ -281,8 +287,8 @@ class BasicBackendTests(_BackendKit):
         reg_a = a.register_buffers("kit", [region_of(x.data) for x in src])
         reg_b = b.register_buffers("kit", [region_of(x.data) for x in dst])
         peer = a.add_peer(PeerInfo("kit-dst", b.endpoint, (reg_b.remote(),)))
-        return dict(a=a, b=b, src=src, dst=dst, reg_a=reg_a, reg_b=reg_b, peer=peer, items=items, item=item_nbytes,
-                    before=[x.read() for x in dst], src_before=[x.read() for x in src])
+        return {"a": a, "b": b, "src": src, "dst": dst, "reg_a": reg_a, "reg_b": reg_b, "peer": peer, "items": items,
+                "item": item_nbytes, "before": [x.read() for x in dst], "src_before": [x.read() for x in src]}
 
     @staticmethod
     def _whole_items(s: dict[str, Any], src_items: Sequence[int], dst_items: Sequence[int], notice: bytes = b""
@@ -386,7 +392,7 @@ class BasicBackendTests(_BackendKit):
             handle = backend.send_component(transfer)
         except KVBridgeError:
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise AssertionError(f"{what}: send_component raised {type(exc).__name__} ({exc}); a refusal must be a "
                                  "kvbridge error (RegionError)") from exc
         result = self._wait_handle(backend, handle, what)
@@ -629,7 +635,7 @@ class BasicBackendTests(_BackendKit):
         Troubleshooting: a sender confirms quiescence only after every handle of the room reached a terminal
         state; ``poll`` must keep reporting PENDING while the engine may still write.
         """
-        room, seed, src, dst, positions = self._fault_room(kv_world, request)
+        room, _, src, _, _ = self._fault_room(kv_world, request)
         faults.arm(Fault.STALL, room=room.room)
         room.send([src])
         (room.receivers[0] if side == "decode" else room.senders[0]).abort(f"kvbridge-testkit {side} abort")

@@ -148,8 +148,8 @@ class KitTests:
         if not self.check_leaks:
             yield
             return
-        if request.node.get_closest_marker("multiprocess") is not None:
-            prime_process_singletons()
+        prime_process_singletons(cuda=request.node.get_closest_marker("hardware") is not None
+                                 and self._kvbridge_uses_cuda(request.config))
         tracker = self._kvbridge_tracker()
         tracker.new_violations()                         # earlier ones were reported where they happened
         handles_before = {id(b): b.outstanding_handles() for b in tracker.backends}
@@ -172,13 +172,18 @@ class KitTests:
         if problems:
             pytest.fail(f"{self._kvbridge_subject()}: this test leaked:\n  " + "\n  ".join(problems), pytrace=False)
 
+    @classmethod
+    def _kvbridge_uses_cuda(cls, config: pytest.Config) -> bool:
+        """Will this class's hardware tier touch CUDA here (so its context must be primed)?"""
+        return False
+
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
-    def _kvbridge_class_checks(cls) -> Iterator[None]:
+    def _kvbridge_class_checks(cls, request: pytest.FixtureRequest) -> Iterator[None]:
         if not cls.check_leaks:
             yield
             return
-        prime_process_singletons()
+        prime_process_singletons(cuda=cls._kvbridge_uses_cuda(request.config))
         snapshot = Snapshot.take()
         yield
         problems = cls._kvbridge_tracker().problems() + snapshot.leaked(cls.leak_grace_s,

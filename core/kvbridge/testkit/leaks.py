@@ -140,19 +140,24 @@ class Snapshot:
             time.sleep(0.05)
 
 
-_PRIMED = False
+_PRIMED: set[str] = set()
 
 
-def prime_process_singletons() -> None:
-    """Create the process-wide helpers that live until exit (the ZMQ context and its I/O thread), so a
-    test that happens to use them first is not blamed for them."""
-    global _PRIMED
-    if _PRIMED:
-        return
-    _PRIMED = True
-    try:
-        import zmq
-    except ImportError:
-        return
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    sock.close(0)
+def prime_process_singletons(*, cuda: bool = False) -> None:
+    """Create the process-wide helpers that live until exit - the ZMQ context and its I/O thread, and with
+    ``cuda`` the CUDA context (device files, UVM, driver threads) - so a test that happens to use them
+    first is not blamed for them."""
+    if "zmq" not in _PRIMED:
+        _PRIMED.add("zmq")
+        try:
+            import zmq
+        except ImportError:
+            pass
+        else:
+            zmq.Context.instance().socket(zmq.PULL).close(0)
+    if cuda and "cuda" not in _PRIMED:
+        _PRIMED.add("cuda")
+        import torch
+
+        for device in range(torch.cuda.device_count()):
+            torch.zeros(1, device=f"cuda:{device}")

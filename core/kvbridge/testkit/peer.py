@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -48,11 +48,8 @@ def _config(job: dict[str, Any]) -> AgentConfig:
 
 def _spec_ref(spec: BackendSpec) -> str:
     """How a child finds the spec: "" (by name, installed) or "module:attr"."""
-    try:
-        if installed_registry().backend_spec(spec.name) == spec:
-            return ""
-    except Exception:  # noqa: BLE001 - not installed: look for it by identity
-        pass
+    if spec.name in installed_registry().backend_names() and installed_registry().backend_spec(spec.name) == spec:
+        return ""
     path = find_spec_path(spec)
     if path is None:
         raise AssertionError(f"the multi-process tier needs '{spec.name}' in a child process, but its spec is neither "
@@ -62,7 +59,7 @@ def _spec_ref(spec: BackendSpec) -> str:
 
 class _Child:
     def __init__(self, job: dict[str, Any]) -> None:
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the child's stderr, closed in kill()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.testkit.peer"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
@@ -139,9 +136,10 @@ def run_remote_room(spec: BackendSpec, options: dict[str, str], pt: int, dt: int
     src = rng.permutation(num)[:5].astype(np.int64)
     dst = rng.permutation(num)[:5].astype(np.int64)
     positions = np.arange(5, dtype=np.int64)
-    job = dict(spec=_spec_ref(spec), backend=spec.name, options=options, pt=pt, dt=dt, seed=seed, mode=mode,
-               dst=dst.tolist(), positions=positions.tolist(), bound_s=bound_s, waiting_timeout_s=waiting_timeout_s,
-               peer_timeout_s=peer_timeout)
+    job: dict[str, Any] = {
+        "spec": _spec_ref(spec), "backend": spec.name, "options": options, "pt": pt, "dt": dt, "seed": seed,
+        "mode": mode, "dst": dst.tolist(), "positions": positions.tolist(), "bound_s": bound_s,
+        "waiting_timeout_s": waiting_timeout_s, "peer_timeout_s": peer_timeout}
     server = BootstrapServer().start()
     job["bootstrap"] = server.address
     registry = kit_registry(spec, tracker=tracker)
@@ -209,10 +207,8 @@ def _closing(items: list[Any]) -> Iterator[None]:
         yield
     finally:
         for item in reversed(items):
-            try:
+            with suppress(Exception):   # exiting anyway
                 item.close()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
 
 
 def _child_main() -> int:

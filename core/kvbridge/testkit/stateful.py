@@ -19,8 +19,15 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
 from kvbridge.geometry import region_of

@@ -325,7 +325,7 @@ class StateTypeTests(KitTests):
         def check(data: Any) -> None:
             model = self._model(data)
             pt, dt = self._pair(data, model)
-            _, counts, expected = self._assemble(state, model, self._logical(model, np.random.default_rng(0)), pt, dt)
+            _, counts, _ = self._assemble(state, model, self._logical(model, np.random.default_rng(0)), pt, dt)
             dst_comp = model.build(dt, self.num_items)
             for d in range(dt):
                 for b, (c, g) in enumerate(zip(counts[d], dst_comp.buffers)):

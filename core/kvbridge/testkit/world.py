@@ -14,6 +14,7 @@ agents serves a whole (Pt, Dt) matrix. Rooms are driven through the public Sende
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -27,6 +28,8 @@ from kvbridge.registry import Registry
 from kvbridge.wire import KVPoll, Role
 
 __all__ = ["Pool", "Room", "World", "wait_until"]
+
+log = logging.getLogger(__name__)
 
 
 class Pool(Protocol):
@@ -185,8 +188,8 @@ class World:
         for rank in ranks:
             try:
                 rank.agent.close()
-            except Exception:  # noqa: BLE001 - close the rest; a leak check reports what stayed open
-                pass
+            except Exception:
+                log.exception("closing %s failed", rank.agent.name)
         self.prefill, self.decode = {}, {}
         for pool in self._pools:
             pool.close()
