@@ -33,6 +33,7 @@ from kvbridge.specs import BackendSpec, Capability
 _MAILBOXES: dict[bytes, deque[tuple[str, bytes]]] = {}
 _MAILBOX_LOCK = threading.Lock()
 _SMALL_GROUP = 8  # below this many same-length descriptors, memmove each directly
+_LARGE_DESCRIPTOR = 16384  # and from this size on too: the per-call cost is lost in the copy itself
 
 
 class _Endpoint(msgspec.Struct, frozen=True, array_like=True):
@@ -84,7 +85,7 @@ def copy_descriptors(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None
     for length in np.unique(lens):
         sel = np.flatnonzero(lens == length)
         n = int(length)
-        if sel.size < _SMALL_GROUP:
+        if sel.size < _SMALL_GROUP or n >= _LARGE_DESCRIPTOR:
             for i in sel:
                 ctypes.memmove(int(dst[i]), int(src[i]), n)
             continue
