@@ -203,12 +203,13 @@ class KVSpec:
         return int(np.prod(self.local_page_shape(tp_size)))
 
 
-def logical_pages(spec: KVSpec, seed: int, layer: int, tensor: int, positions: Sequence[int] | np.ndarray
-                  ) -> np.ndarray:
-    """The un-sharded pages at request ``positions`` of one tensor: uint8 ``[n, *logical_page_shape]``."""
+def logical_pages(spec: KVSpec, seed: int, layer: int, tensor: int, positions: Sequence[int] | np.ndarray,
+                  heads: Sequence[int] | None = None) -> np.ndarray:
+    """The un-sharded pages at request ``positions`` of one tensor: uint8 ``[n, *logical_page_shape]``
+    (only the given ``heads``, in that order, when asked: the pattern is elementwise in its coordinates)."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1, 1, 1, 1)
     token = np.arange(spec.page_size).reshape(1, -1, 1, 1)
-    head = np.arange(spec.total_heads).reshape(1, 1, -1, 1)
+    head = (np.arange(spec.total_heads) if heads is None else np.asarray(heads, dtype=np.int64)).reshape(1, 1, -1, 1)
     byte = np.arange(spec.head_bytes).reshape(1, 1, 1, -1)
     pages = pattern(seed, layer, tensor, pos, token, head, byte)  # [n, P, H, B]: token-major order
     if spec.layout == HEAD_MAJOR:
@@ -228,7 +229,9 @@ def shard_pages(spec: KVSpec, logical: np.ndarray, tp_size: int, rank: int) -> n
 def expected_pages(spec: KVSpec, seed: int, layer: int, tensor: int, tp_size: int, rank: int,
                    positions: Sequence[int] | np.ndarray) -> np.ndarray:
     """The bytes ``rank`` must hold for request ``positions``: uint8 ``[n, *local_page_shape]``."""
-    return shard_pages(spec, logical_pages(spec, seed, layer, tensor, positions), tp_size, rank)
+    if spec.head_axis is None:
+        return logical_pages(spec, seed, layer, tensor, positions)
+    return logical_pages(spec, seed, layer, tensor, positions, heads=units_held(spec.total_heads, tp_size, rank))
 
 
 def source_buffer(spec: KVSpec, seed: int, layer: int, tensor: int, tp_size: int, rank: int, num_pages: int,
