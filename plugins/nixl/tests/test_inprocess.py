@@ -139,3 +139,32 @@ def test_registry_lists_nixl() -> None:
         assert backend.name == "nixl" and backend.endpoint
     finally:
         backend.close()
+
+
+def test_derive_side_matches_given_item_sizes() -> None:
+    """Item sizes recovered from a plan equal the geometry's (what a core field would carry)."""
+    from kvbridge.slicing import buffer_segments
+    from kvbridge_nixl.dlists import Pattern, derive_side
+
+    full = full_kv(9, 4)
+    src = Side(Rank(1, 2), prefill_pool(full, 2, 1), 4)
+    dst = Side(Rank(0, 1), decode_pool(4, 1, 0), 4)
+    segs = tuple(buffer_segments(s, d, src.rank, dst.rank) for s, d in zip(src.geometry, dst.geometry))
+    pattern = Pattern.of(segs)
+    src_reg = RegisteredBuffers("kv", tuple(regions(src.pool)))
+    dst_reg = RegisteredBuffers("kv", tuple(regions(dst.pool))).remote()
+    for n in (1, 5):
+        src_idx, dst_idx = request_pages(n, 5)
+        src_idx, dst_idx = src_idx[:n] * (n > 1), dst_idx[:n] * (n > 1)   # n == 1: only item 0 moves
+        xfer = make_transfer(src, dst, src_reg, dst_reg, "d", src_idx, dst_idx, 1, b"")
+        assert xfer is not None
+        bases = np.array([r.addr for r in src_reg.regions], dtype=np.uint64)
+        sizes = np.array([r.nbytes for r in src_reg.regions], dtype=np.int64)
+        given = [g.item_nbytes for g in src.geometry]
+        derived = derive_side(xfer.plan.src_addr, xfer.plan.nbytes, xfer.plan.buffer, bases, sizes, pattern,
+                              xfer.src_items, "src")
+        told = derive_side(xfer.plan.src_addr, xfer.plan.nbytes, xfer.plan.buffer, bases, sizes, pattern,
+                           xfer.src_items, "src", given)
+        assert told.item_nbytes.tolist() == given
+        if n > 1:
+            assert derived.item_nbytes.tolist() == given and derived.count.tolist() == told.count.tolist()

@@ -250,9 +250,11 @@ class NixlBackend:
             return self._failed(peer, "prep_xfer_dlist", exc)
         local_idx = indices(local.starts, pattern.groups, src_items)
         remote_idx = indices(remote.starts, pattern.groups, dst_items)
-        # Prepped (prep once, index per request), never initialize_xfer here: initialize_xfer re-validates
-        # and re-resolves every descriptor on each call (1-5 ms per 65k descriptors) and does not merge
-        # adjacent descriptors, so contiguous pages move ~8x slower (engines.md §2.4; bench.py measures it).
+        # Prepped (prep once, index per request), never initialize_xfer here: initialize_xfer builds, checks
+        # and resolves every descriptor against the registrations on each call, a per-request CPU cost that
+        # grows with the descriptor count (bench.py prints both calls' cost), and it does not merge adjacent
+        # descriptors (engines.md §2.4: 8x slower on contiguous 4 KiB blocks). Bandwidth is the same once
+        # the planner has merged runs: NIXL's ~6-10 us per descriptor dominates scattered pages either way.
         try:
             xfer = self._agent.make_prepped_xfer("WRITE", local.handle, local_idx, remote.handle, remote_idx,
                                                  transfer.notice)
@@ -326,7 +328,8 @@ class NixlBackend:
 
     def _local_dlist(self, transfer: ComponentTransfer, pattern: Pattern, items: np.ndarray) -> _Dlist:
         plan, regions = transfer.plan, transfer.src.regions
-        geo = derive_side(plan.src_addr, plan.nbytes, plan.buffer, *_bases_sizes(regions), pattern, items, "src")
+        geo = derive_side(plan.src_addr, plan.nbytes, plan.buffer, *_bases_sizes(regions), pattern, items, "src",
+                          getattr(transfer, "src_item_nbytes", ()))   # a field the core may add
         key = (transfer.component, geo.key() + pattern.src_key)
         dlist = self._local.get(key)
         if dlist is None:
@@ -337,7 +340,8 @@ class NixlBackend:
 
     def _remote_dlist(self, peer: _Peer, transfer: ComponentTransfer, pattern: Pattern, items: np.ndarray) -> _Dlist:
         plan, dst = transfer.plan, transfer.dst
-        geo = derive_side(plan.dst_addr, plan.nbytes, plan.buffer, *_bases_sizes(dst.regions), pattern, items, "dst")
+        geo = derive_side(plan.dst_addr, plan.nbytes, plan.buffer, *_bases_sizes(dst.regions), pattern, items, "dst",
+                          getattr(transfer, "dst_item_nbytes", ()))
         key = (transfer.component, geo.key() + pattern.dst_key)
         dlist = peer.dlists.get(key)
         if dlist is None:

@@ -240,6 +240,8 @@ class _Case:
         send_us: list[float] = []   # send_component: kvbridge's checks and indexing + NIXL's post
         post_us: list[float] = []   # make_prepped_xfer + transfer alone, same descriptors
         overhead_us: list[float] = []   # send_component minus the NIXL calls inside it
+        make_us: list[float] = []       # make_prepped_xfer alone (prepped: the per-request CPU cost)
+        init_us: list[float] = []       # get_xfer_descs x2 + initialize_xfer (its per-request CPU cost)
 
         def kvbridge() -> None:
             engine = [0.0]
@@ -263,6 +265,7 @@ class _Case:
         def raw_prepped() -> None:
             t0 = time.perf_counter()
             xfer = agent.make_prepped_xfer("WRITE", local, l_idx, remote, r_idx, b"bench")
+            make_us.append((time.perf_counter() - t0) * 1e6)
             state = agent.transfer(xfer)
             post_us.append((time.perf_counter() - t0) * 1e6)
             while state == "PROC":
@@ -273,9 +276,12 @@ class _Case:
             self.decode.drain()
 
         def raw_initialize() -> None:
+            t0 = time.perf_counter()
             src = agent.get_xfer_descs(plan_rows_s, self.src.mem)
             dst = agent.get_xfer_descs(plan_rows_d, self.dst_mem)
-            _wait(agent, agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench"))
+            xfer = agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench")
+            init_us.append((time.perf_counter() - t0) * 1e6)
+            _wait(agent, xfer)
             self.decode.drain()
 
         memcpy = self.src.copier(self.scratch, nbytes)
@@ -303,6 +309,7 @@ class _Case:
             "plan_ms": statistics.median(plan_runs) * 1e3,
             "send_component_us": statistics.median(send_us), "raw_post_us": statistics.median(post_us),
             "kvbridge_overhead_us": statistics.median(overhead_us),
+            "make_prepped_xfer_us": statistics.median(make_us), "initialize_xfer_us": statistics.median(init_us),
             "ms": {k: v * 1e3 for k, v in secs.items()}, "gbps": gbps,
             "kvbridge_over_raw": gbps["kvbridge"] / gbps["raw_prepped"],
             "raw_over_memcpy": gbps["raw_prepped"] / gbps["memcpy"],
@@ -371,6 +378,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{name:>10}: {c['bytes'] / 2**20:.0f} MiB in {c['descriptors']} descriptors (verified={c['verified']}); "
             f"plan {c['plan_ms']:.2f} ms; kvbridge's own cost per send_component {c['kvbridge_overhead_us']:.0f} us "
             f"(whole call {c['send_component_us']:.0f} us; UCX may copy inside the post)\n"
+            f"{'':>12}per-request engine CPU: make_prepped_xfer {c['make_prepped_xfer_us']:.0f} us vs "
+            f"get_xfer_descs+initialize_xfer {c['initialize_xfer_us']:.0f} us\n"
             f"{'':>12}GB/s  kvbridge {g['kvbridge']:.2f} | raw prepped {g['raw_prepped']:.2f} | "
             f"raw initialize_xfer {g['raw_initialize']:.2f} | memcpy {g['memcpy']:.2f}\n"
             f"{'':>12}ratios kvbridge/raw {c['kvbridge_over_raw']:.3f} | raw/memcpy {c['raw_over_memcpy']:.3f} | "

@@ -71,8 +71,9 @@ class SideGeometry:
 
 
 def derive_side(addr: np.ndarray, length: np.ndarray, buffer: np.ndarray, bases: np.ndarray,
-                sizes: np.ndarray, pattern: Pattern, items: np.ndarray, side: str) -> SideGeometry:
-    """Recover each active buffer's item size from one side of a plan (``side``: "src" or "dst").
+                sizes: np.ndarray, pattern: Pattern, items: np.ndarray, side: str,
+                item_nbytes: Sequence[int] = ()) -> SideGeometry:
+    """Each active buffer's item size (given, or recovered from one side of a plan; ``side``: "src"/"dst").
 
     ``bases``/``sizes`` describe every buffer's region (uint64/int64, in buffer order); ``items`` are this
     side's item indices, paired with the other side's and sorted by source. The plan must already be
@@ -86,7 +87,13 @@ def derive_side(addr: np.ndarray, length: np.ndarray, buffer: np.ndarray, bases:
         raise RegionError(f"{side}: negative item index {int(items.min())}")
     act_base, act_size = bases[active], sizes[active]
     top = int(items.max()) if items.size else 0
-    if top == 0:  # only item 0 moves: any item size works; let the whole region be one item
+    if len(item_nbytes):
+        item = np.asarray(item_nbytes, dtype=np.int64)[active]
+        count = (act_size.astype(np.int64) - seg_end) // np.maximum(item, 1) + 1
+        if np.any(item < seg_end) or np.any(count <= top):
+            raise RegionError(f"{side}: item {top} or its segments lie outside a buffer of the given item sizes")
+        geo = SideGeometry(act_base, item, count)
+    elif top == 0:  # only item 0 moves: any item size works; let the whole region be one item
         geo = SideGeometry(act_base, act_size.astype(np.int64), np.ones(active.size, dtype=np.int64))
     else:
         ends = addr + length
