@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import pytest
-
 import kvbridge_nixl
+import pytest
 
 _AVAILABLE = kvbridge_nixl.probe()
 if not _AVAILABLE.available:
     pytest.skip(f"nixl unavailable: {_AVAILABLE.reason} ({_AVAILABLE.hint})", allow_module_level=True)
 
-from kvbridge_nixl.backend import NixlBackend  # noqa: E402 - after the skip
+from kvbridge_nixl.backend import NixlBackend
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
-
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
 from kvbridge.errors import RegionError
 from kvbridge.geometry import Rank
 from kvbridge.planner import TransferPlan
-
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.options import NixlOptions
-
-from kvbridge_nixl.testing import (Side, decode_pool, expected_decode, full_kv, make_transfer, prefill_pool, regions,
-                                   request_pages, run_reshard, same_bytes, wait_done, wait_notices)
+from kvbridge_nixl.testing import (
+    Side,
+    decode_pool,
+    expected_decode,
+    full_kv,
+    make_transfer,
+    prefill_pool,
+    regions,
+    request_pages,
+    run_reshard,
+    same_bytes,
+    wait_done,
+    wait_notices,
+)
 
 Factory = Callable[[str], NixlBackend]
 
@@ -59,8 +67,8 @@ def _shifted(xfer: ComponentTransfer, *, src: int = 0, dst: int = 0) -> Componen
 
 
 def test_out_of_bounds_refused(pair) -> None:  # type: ignore[no-untyped-def]
-    pb, db, src, dst, preg, info, _ = pair
-    src_idx = np.array([0, 19]); dst_idx = np.array([1, 19])   # noqa: E702
+    pb, _, src, dst, preg, info, _ = pair
+    src_idx = np.array([0, 19]); dst_idx = np.array([1, 19])
     xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 1, b"x")
     assert xfer is not None
     page = dst.pool[0][0].nbytes

@@ -22,9 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from kvbridge.backends.base import (
-    ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers, RegionWire, check_within,
+    ComponentTransfer,
+    PeerInfo,
+    Poll,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
+    check_within,
 )
 from kvbridge.errors import PluginUnavailableError, ProtocolError, RegionError, TransferError
 from kvbridge.geometry import DeviceKind, MemoryRegion
@@ -33,7 +38,14 @@ from kvbridge.slicing import Segments
 from kvbridge_nixl import INSTALL_HINT
 from kvbridge_nixl.dlists import Pattern, SideGeometry, derive_side, dlist_rows, indices
 from kvbridge_nixl.options import NixlOptions, cma_blocked, scoped_env
-from kvbridge_nixl.wire import WIRE_VERSION, NixlBuffers, NixlEndpoint, decode_buffers, decode_endpoint, encode
+from kvbridge_nixl.wire import (
+    WIRE_VERSION,
+    NixlBuffers,
+    NixlEndpoint,
+    decode_buffers,
+    decode_endpoint,
+    encode,
+)
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -45,7 +57,7 @@ _PATTERN_CACHE = 256      # segment tuples remembered by identity
 def _load_api() -> Any:
     try:
         from nixl import _api
-    except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable", with its text
+    except Exception as exc:  # any import failure means "unavailable", with its text
         raise PluginUnavailableError("nixl", f"cannot import nixl: {type(exc).__name__}: {exc}",
                                      INSTALL_HINT) from exc
     return _api
@@ -147,7 +159,7 @@ class NixlBackend:
             self._check_open()
             try:
                 handle = self._agent.register_memory(rows, mem)
-            except Exception as exc:  # noqa: BLE001 - NIXL raises its own exception types
+            except Exception as exc:  # NIXL raises its own exception types
                 raise RegionError(f"{component}: NIXL refused to register {len(rows)} {mem} region(s): "
                                   f"{type(exc).__name__}: {exc}") from exc
             registered = RegisteredBuffers(component, tuple(regions),
@@ -475,7 +487,7 @@ class NixlBackend:
         if self._closed:
             raise RegionError("nixl backend is closed")
 
-    def __enter__(self) -> NixlBackend:
+    def __enter__(self) -> NixlBackend:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import BufferPair, plan_transfer

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from kvbridge.errors import RegionError
 from kvbridge.slicing import Segments
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers
 from kvbridge.geometry import BufferGeometry, DType, MemoryRegion, Rank, ShardAxis, region_of
 from kvbridge.planner import BufferPair, plan_transfer

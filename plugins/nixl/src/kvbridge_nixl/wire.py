@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import msgspec
-
 from kvbridge.errors import ProtocolError
 
 #: Bumped when the endpoint or descriptor layout changes.
