@@ -179,7 +179,8 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             agent.connect(INSTANCE, timeout_s=cfg.timeout_s)   # repeats its Hello until answered
         requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
         step = _prefill_request if cfg.role is Role.PREFILL else _decode_request
-        _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results))
+        _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results),
+                    idle=lambda: agent.link_wait(0.001))
         if cfg.dump and cfg.role is Role.DECODE:
             _dump(cfg, pool, requests)
         results.put(("finished", cfg.role.value, cfg.rank))
@@ -193,8 +194,9 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             pool.close()
 
 
-def _run_window(cfg: WorkerConfig, requests: list[RequestShape],
-                start: Any) -> None:
+def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any) -> None:
+    """Drive up to ``window`` requests at once; between rounds, wait for the next control frame (up to 1 ms)
+    instead of spinning: several rank processes share few cores."""
     active: dict[int, Iterator[None]] = {}
     done: set[int] = set()
     nxt = 0
@@ -211,7 +213,7 @@ def _run_window(cfg: WorkerConfig, requests: list[RequestShape],
                 done.add(index)
         if time.monotonic() > deadline:
             raise TimeoutError(f"run did not finish in {cfg.timeout_s} s ({len(done)} of {len(requests)} done)")
-        time.sleep(0.0002)
+        idle()
 
 
 def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
@@ -229,6 +231,7 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
         cuts = np.sort(rng.choice(np.arange(1, max(2, len(items))), size=min(3, max(0, len(items) - 1)),
                                   replace=False)) if len(items) > 1 else np.zeros(0, np.int64)
         chunks = np.split(items, cuts)
+        started = time.perf_counter()
         for k, chunk in enumerate(chunks):
             try:
                 last = k == len(chunks) - 1
@@ -238,13 +241,16 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
             resume = time.monotonic() + cfg.pace_s
             while time.monotonic() < resume:
                 yield
-            yield
         while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
             yield
+        transfer_s = time.perf_counter() - started
+    else:
+        transfer_s = 0.0
     while not sender.safe_to_reuse:
         yield
     nbytes, descriptors = sender.stats
-    results.put(("sent", cfg.rank, request.index, status == KVPoll.Success, nbytes, descriptors, sender.failure_reason))
+    results.put(("sent", cfg.rank, request.index, status == KVPoll.Success, nbytes, descriptors, sender.failure_reason,
+                 transfer_s))
     sender.clear()
 
 
