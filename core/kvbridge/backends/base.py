@@ -130,8 +130,9 @@ class ComponentTransfer:
     dst: RemoteBuffers
     plan: TransferPlan
     notice: bytes = b""
-    #: ``notice`` is the encoded completion notice the core will hand to ``notify_completion`` once the
-    #: handle is DONE; it is here for tracing and fault injection. Backends must not deliver it themselves.
+    #: ``notice`` is the encoded completion notice the core hands to ``notify_completion`` once the handle is
+    #: DONE. A backend may also deliver it with the data (NIXL attaches it to the WRITE, so it can never
+    #: overtake the bytes); receivers count each (sender, component, chunk) once, so a second copy is dropped.
     #: The structured form of ``plan``, for engines that index pre-registered descriptor lists (NIXL's
     #: prepped dlists, MoRI's offsets): paired item indices (sorted by source) and, per buffer, the byte
     #: segments inside one item. ``plan`` is exactly these expanded to addresses and merged.
@@ -146,7 +147,10 @@ class ComponentTransfer:
 
 @runtime_checkable
 class TransferBackend(Protocol):
-    """What every backend instance provides (see the module docstring for an example)."""
+    """What every backend instance provides (see the module docstring for an example).
+
+    The core polls every handle until it leaves PENDING (some engines, NIXL among them, deliver a write's
+    notice only once the initiator has observed its completion)."""
 
     name: str
     endpoint: bytes
