@@ -6,7 +6,7 @@ A backend plugin's whole ``tests/test_conformance.py``::
 
     class TestNixl(BackendTests):
         backend = "nixl"                                  # an installed backend, by name
-        known_failures = {}                               # test id -> reason: strict xfails
+        known_failures = {"test_byte_exact_delivery[pt4-dt1]": "issue #12"}   # strict xfails
 
     class TestMoriStandIn(BackendTests):
         spec = kvbridge_mori.testing.STANDIN_SPEC          # or a spec that is not installed by entry point
@@ -23,10 +23,13 @@ Tiers (``BackendTests`` runs all three; each is also a class of its own):
   marked ``hardware("cuda")``).
 
 What runs is decided by the spec's capabilities: a test of a capability the spec does not declare is
-skipped with "'<name>' does not declare <capability>". Knobs a subclass may set: ``backend_options``
-(fixture, class scope), ``tp_pairs``, ``multiprocess_tp_pairs``, ``hardware_tp_pairs``,
-``waiting_timeout_s``, ``room_timeout_s``, ``stateful_examples``. Every bytes check compares with
-:mod:`kvbridge.testkit.reference`, never with kvbridge's own slicing or planner.
+skipped with "'<name>' does not declare <capability>" (the basic and multi-process tiers need
+``host-memory``). Knobs a subclass may set: ``options`` (handed to the factory; or override the
+class-scoped ``backend_options`` fixture), ``tp_pairs``, ``descriptor_tp_pairs``, ``multiprocess_tp_pairs``,
+``hardware_tp_pairs``, ``waiting_timeout_s``, ``room_timeout_s``, ``spawn_timeout_s``,
+``stateful_examples`` / ``stateful_steps``, and from :mod:`~kvbridge.testkit.kitbase` ``known_failures``
+and ``leak_allowed_threads``. Every bytes check compares with :mod:`kvbridge.testkit.reference`, never
+with kvbridge's own slicing or planner.
 """
 
 from __future__ import annotations
