@@ -3,9 +3,8 @@ TransferEngine (basic tier; the stand-in declares neither multi-process nor devi
 
 from __future__ import annotations
 
-from kvbridge_ascend.testing import STANDIN_SPEC
-
 from kvbridge.testkit import BackendTests
+from kvbridge_ascend.testing import STANDIN_SPEC
 
 
 class TestAscendStandInConformance(BackendTests):

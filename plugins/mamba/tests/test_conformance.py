@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from kvbridge_mamba import mamba_component
-
 from kvbridge.testkit import StateTypeTests
+from kvbridge_mamba import mamba_component
 
 
 class TestMambaConformance(StateTypeTests):

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from kvbridge_mori.testing import STANDIN_SPEC
-
 from kvbridge.testkit import BackendTests
+from kvbridge_mori.testing import STANDIN_SPEC
 
 
 class TestMoriStandInConformance(BackendTests):

@@ -4,9 +4,8 @@ lists that start at different positions on the two sides (paired by position).""
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from kvbridge_swa import swa_component
-
 from kvbridge.testkit import RequestItems, StateTypeTests
+from kvbridge_swa import swa_component
 
 
 class TestSWAConformance(StateTypeTests):
