@@ -373,9 +373,6 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ core gaps found
-@pytest.mark.xfail(strict=True, reason="core gap: Sender.send fails the room only on a KVBridgeError; an engine's own "
-                                       "exception from send_component leaves the prefill room WaitingForInput and the "
-                                       "decode room fails later with 'waiting timeout', losing the engine's reason")
 def test_an_engine_exception_in_send_fails_the_room_with_its_reason() -> None:
     import numpy as np
     from kvbridge.agent import AgentConfig

@@ -997,6 +997,10 @@ class Sender:
             except KVBridgeError as exc:
                 self._agent._fail_send(room, str(exc))
                 raise
+            except Exception as exc:   # an engine's own exception: the room fails with the engine's words
+                reason = f"{self._agent.backend_name} send_component raised {type(exc).__name__}: {exc}"
+                self._agent._fail_send(room, reason)
+                raise
         self._agent.progress()
 
     @property

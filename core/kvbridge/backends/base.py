@@ -187,3 +187,23 @@ def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[
         i = int(np.flatnonzero(~ok)[0])
         raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside every "
                           f"registered region ({int((~ok).sum())} of {ok.size} descriptors out of bounds)")
+
+
+def check_within_buffers(plan_addr: np.ndarray, plan_len: np.ndarray, plan_buffer: np.ndarray,
+                         regions: Sequence[MemoryRegion] | Sequence[RegionWire], side: str) -> None:
+    """Like :func:`check_within`, but descriptor ``i`` must lie in ``regions[plan_buffer[i]]``, the region
+    of its own buffer (O(n), no search; also catches a plan whose buffers are given in the wrong order)."""
+    if plan_addr.size == 0:
+        return
+    if int(plan_buffer.min()) < 0 or int(plan_buffer.max()) >= len(regions):
+        raise RegionError(f"{side}: the plan names buffer {int(plan_buffer.max())} of {len(regions)} regions")
+    lo = np.array([r.addr for r in regions], dtype=np.uint64)[plan_buffer]
+    size = np.array([r.nbytes for r in regions], dtype=np.uint64)[plan_buffer]
+    inside = plan_addr >= lo
+    # addr - lo + len <= size, in a form that cannot wrap around 2**64
+    ok = inside & (plan_len > 0) & (plan_len <= size) & (np.where(inside, plan_addr - lo, size) <= size - plan_len)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside the region of "
+                          f"its buffer {int(plan_buffer[i])} ({int((~ok).sum())} of {ok.size} descriptors out of bounds)")
+

@@ -183,10 +183,17 @@ class LoopbackBackend:
         plan = transfer.plan
         with self._lock:
             peer = self._peers.get(transfer.peer)
-            local_regions = [r for reg in self._registered.get(transfer.component, []) for r in reg.regions]
+            registered = any(reg is transfer.src for reg in self._registered.get(transfer.component, []))
         if peer is None:
             raise RegionError(f"unknown peer {transfer.peer!r}; add_peer first")
-        check_within(plan.src_addr, plan.nbytes, local_regions, f"source ({transfer.component})")
+        if not registered:
+            raise RegionError(f"source buffers of {transfer.component!r} are not registered with this backend")
+        check_within(plan.src_addr, plan.nbytes, transfer.src.regions, f"source ({transfer.component})")
+        remote = peer.info.component(transfer.component).regions if transfer.component in {
+            b.component for b in peer.info.buffers} else ()
+        if tuple(transfer.dst.regions) != tuple(remote):
+            raise RegionError(f"destination regions of {transfer.component!r} are not what peer {transfer.peer!r} "
+                              "registered")
         check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, f"destination ({transfer.component})")
         dst = plan.dst_addr
         if not peer.local:
