@@ -346,13 +346,29 @@ class TransferAgent:
         """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
         frames = self.link.recv(0.0)
         notices = self.backend.drain_notifications()
+        undelivered = self._drain_notify_failures()
         with self._lock:
+            for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
+                peer = self._peers.get(peer_id)
+                if peer is not None and peer.alive:
+                    self.link.send(peer.address, notice)
             for frame in frames:
                 self._handle_frame(frame)
             for _peer, blob in notices:
                 self._handle_frame(blob)
             self._poll_inflight()
             self._tick(time.monotonic())
+
+    def _drain_notify_failures(self) -> list[tuple[str, bytes]]:
+        """Optional backend method ``drain_notify_failures() -> [obj with .peer, .notice]``."""
+        drain = getattr(self.backend, "drain_notify_failures", None)
+        if drain is None:
+            return []
+        try:
+            return [(item.peer, item.notice) for item in drain()]
+        except Exception:  # noqa: BLE001 - a faulty engine hook must not stop progress
+            log.exception("%s: drain_notify_failures failed", self.name)
+            return []
 
     def _handle_frame(self, frame: bytes) -> None:
         try:
