@@ -351,7 +351,10 @@ class TransferAgent:
             for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
                 peer = self._peers.get(peer_id)
                 if peer is not None and peer.alive:
-                    self.link.send(peer.address, notice)
+                    try:
+                        self.link.send(peer.address, notice)
+                    except Exception as exc:  # noqa: BLE001 - liveness will notice a dead peer
+                        log.warning("%s: could not resend a notice to %s: %s", self.name, peer_id, exc)
             for frame in frames:
                 self._handle_frame(frame)
             for _peer, blob in notices:
