@@ -167,7 +167,8 @@ class Worker:
         self._jobs.put(job)
 
     def stop(self, timeout: float) -> bool:
-        """Abandon what has not started, wait for what has; True when the thread ended in time."""
+        """Abandon transfers that have not started, deliver queued notices, wait for what has started; True
+        when the thread ended in time."""
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -180,7 +181,9 @@ class Worker:
             job = self._jobs.get()
             if job is None:
                 return
-            if self._closing.is_set():
+            if self._closing.is_set() and not isinstance(job, NotifyJob):
+                # a queued notice announces a write that already landed: deliver it even while closing,
+                # or the peer waits for a completion that happened (a closing prefill lost them)
                 job.abandon("mooncake backend closed before the transfer started")
                 continue
             try:
