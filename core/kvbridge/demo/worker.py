@@ -29,6 +29,7 @@ import numpy as np
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.presets import ComponentModel, Preset, RequestShape, get_preset
 from kvbridge.errors import TransferError
+from kvbridge.testkit import pools as testkit_pools
 from kvbridge.geometry import PoolLayout
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
@@ -39,15 +40,7 @@ SEGMENT_PREFIX = "kvbridge-demo-"
 
 def reap_segments(pid: int) -> list[str]:
     """Unlink the /dev/shm segments a (killed) demo rank process left behind; return their names."""
-    gone = []
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"{SEGMENT_PREFIX}{pid}-"):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-    return gone
+    return testkit_pools.reap_segments(pid, SEGMENT_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,13 +31,22 @@ def _guard_pattern(n: int) -> np.ndarray:
     return ref.pattern(0x6A7D, 0xA11CE, np.arange(n, dtype=np.int64))
 
 
-def reap_segments(pid: int) -> list[str]:
-    """Unlink the kit's /dev/shm segments of process ``pid`` (e.g. one that was killed)."""
-    gone = []
+def reap_segments(pid: int, prefix: str = SHM_PREFIX) -> list[str]:
+    """Unlink the /dev/shm segments named ``<prefix><pid>-<n>`` of process ``pid`` (e.g. one that was
+    killed and could not unlink its own); return their names."""
+    gone: list[str] = []
     try:
         names = os.listdir("/dev/shm")
     except OSError:
         return gone
+    for name in names:
+        if name.startswith(f"{prefix}{pid}-"):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+    return gone
     for name in names:
         if name.startswith(f"{SHM_PREFIX}{pid}-"):
             try:
