@@ -82,6 +82,10 @@ def copy_descriptors(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None
     """
     if lens.size == 0:
         return
+    if lens.size < _SMALL_GROUP:          # a handful: no grouping work at all
+        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+            ctypes.memmove(d, s, n)
+        return
     for length in np.unique(lens):
         sel = np.flatnonzero(lens == length)
         n = int(length)
