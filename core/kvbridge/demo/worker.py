@@ -153,7 +153,7 @@ class _Pool:
 
 def run_worker(cfg: WorkerConfig, results: Any) -> None:
     """Process entry point; every outcome (also a crash) is reported on ``results``."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")    # one INFO line per agent otherwise
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"), format=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
     pool = agent = None
     try:
