@@ -336,3 +336,70 @@ def test_staging_collapses_token_rows_into_one_write_per_chunk(make_pair: Callab
         assert pair.decode[0].staging.free_bytes == staging_bytes   # reservations handed back
     else:
         assert descriptors == [4 * P * 2 * LAYERS] * 2   # one run per token row per buffer
+
+
+def test_a_long_send_does_not_make_a_live_rank_look_dead(make_pair: Callable[..., Pair]) -> None:
+    """Heartbeats do not queue behind the agent lock (seen on GPU: a send of 1.4M descriptors held it for
+    seconds and the decode declared a live prefill dead)."""
+    pair = make_pair(1, 1, config=AgentConfig(peer_timeout_s=0.5, heartbeat_interval_s=0.05))
+    senders, receivers = start_room(pair, 95, np.array([1, 2]))
+    pre = pair.prefill[0]
+    with pre._lock:                      # what a multi-second send_component looks like from outside
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert receivers[0].poll() != KVPoll.Failed, receivers[0].failure_reason
+            time.sleep(0.01)
+    senders[0].send(np.array([3, 4]), last=True)
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
+
+
+def test_notices_the_engine_could_not_deliver_go_over_the_link() -> None:
+    from dataclasses import dataclass
+
+    from kvbridge.backends.loopback import LoopbackBackend
+    from kvbridge.plugin import hookimpl
+    from kvbridge.registry import Registry
+    from kvbridge.specs import BackendSpec, Capability
+
+    @dataclass(frozen=True)
+    class Failure:
+        peer: str
+        notice: bytes
+
+    class Lossy(LoopbackBackend):
+        """Accepts every notice, delivers none, and reports them as undeliverable."""
+
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**kw)  # type: ignore[arg-type]
+            self.failed: list[Failure] = []
+
+        def notify_completion(self, peer_id: str, notice: bytes) -> bool:
+            self.failed.append(Failure(peer_id, notice))
+            return True
+
+        def drain_notify_failures(self) -> list[Failure]:
+            out, self.failed = self.failed, []
+            return out
+
+    class Plugin:
+        @hookimpl
+        def kvbridge_transfer_backends(self) -> list[BackendSpec]:
+            return [BackendSpec(name="lossy", factory=Lossy, capabilities=frozenset({Capability.HOST_MEMORY}))]
+
+    import kvbridge.state.kv
+
+    registry = Registry.build(entry_points=False, plugins=[kvbridge.state.kv, Plugin()])
+    hub = LocalHub()
+    pl, dl = kv_layout(1, 0), kv_layout(1, 0)
+    with TransferAgent(layout=pl, buffers={"kv": kv_buffers(pl)}, role=Role.PREFILL, link=hub.link("p"),
+                       instance="i", backend="lossy", registry=registry) as pre, \
+         TransferAgent(layout=dl, buffers={"kv": kv_buffers(dl)}, role=Role.DECODE, link=hub.link("d"),
+                       backend="lossy", registry=registry) as dec:
+        pre.start(0.001)
+        dec.connect("i", timeout_s=5)
+        receiver = dec.receiver(7, "i")
+        receiver.send_metadata({"kv": np.array([1, 2])})
+        sender = pre.sender(7)
+        wait(lambda: sender.poll() >= KVPoll.WaitingForInput)
+        sender.send(np.array([3, 4]), last=True)
+        wait(lambda: receiver.poll() == KVPoll.Success)

@@ -344,10 +344,12 @@ class TransferAgent:
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:
         """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
-        frames = self.link.recv(0.0)
         notices = self.backend.drain_notifications()
         undelivered = self._drain_notify_failures()
         with self._lock:
+            # drained under the lock, right before the liveness check: frames that queued up while another
+            # thread held the lock (a long send) must count before a peer is judged silent
+            frames = self.link.recv(0.0)
             for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
                 peer = self._peers.get(peer_id)
                 if peer is not None and peer.alive:
