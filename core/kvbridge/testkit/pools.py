@@ -47,14 +47,6 @@ def reap_segments(pid: int, prefix: str = SHM_PREFIX) -> list[str]:
             except FileNotFoundError:
                 pass
     return gone
-    for name in names:
-        if name.startswith(f"{SHM_PREFIX}{pid}-"):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-    return gone
 
 
 class GuardedBuffer:
