@@ -13,12 +13,13 @@ stops the others.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any
 
 import pluggy
@@ -160,7 +161,7 @@ class Registry:
                                                 hint="".join(traceback.format_exception(exc))))
             for name, module in _BUILTINS.items():  # running from a source tree without an install
                 if name not in seen and wanted(name):
-                    sources.append(_Source(importlib_import(module), name, "kvbridge", _own_version()))
+                    sources.append(_Source(importlib.import_module(module), name, "kvbridge", _own_version()))
         for plugin in plugins:
             name = getattr(plugin, "__name__", type(plugin).__name__)
             sources.append(_Source(plugin, name, "<explicit>", "-"))
@@ -238,12 +239,6 @@ class Registry:
 
     def notify_completion(self, backend: TransferBackend, peer: str, notice: bytes) -> bool:
         return bool(self._pm.hook.kvbridge_notify_completion(backend=backend, peer=peer, notice=notice))
-
-
-def importlib_import(module: str) -> ModuleType:
-    import importlib
-
-    return importlib.import_module(module)
 
 
 def _own_version() -> str:
