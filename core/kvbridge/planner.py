@@ -57,10 +57,6 @@ class TransferPlan:
     def total_nbytes(self) -> int:
         return int(self.nbytes.sum(dtype=_U64))
 
-    def as_rows(self) -> np.ndarray:
-        """An (N, 2) view-friendly array of (src, dst) for engines that want row lists."""
-        return np.stack([self.src_addr, self.dst_addr], axis=1)
-
 
 def check_indices(indices: np.ndarray, num_items: int, what: str) -> np.ndarray:
     """Validate an index array against a buffer's item count; return it as int64."""

@@ -59,10 +59,6 @@ class ComponentSlice:
     def is_empty(self) -> bool:
         return all(len(s) == 0 for s in self.buffers)
 
-    @property
-    def nbytes_per_item(self) -> int:
-        return sum(s.total_nbytes for s in self.buffers)
-
 
 def check_ratio(src_size: int, dst_size: int) -> None:
     if src_size <= 0 or dst_size <= 0 or (src_size % dst_size and dst_size % src_size):
