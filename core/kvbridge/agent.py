@@ -88,6 +88,7 @@ class _InFlight:
     handle: Any
     peer: str
     notice: Notice
+    frame: bytes                               # the notice, encoded once
     staging: tuple[int, int] | None = None     # (offset, bytes) of our staging area to free when done
 
 
@@ -612,14 +613,15 @@ class TransferAgent:
                 plan = plan_transfer(self._pairs_for(peer, comp_index, segs), s_idx, d_idx)
                 notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes,
                                 first or 0, len(s_idx))
+                frame = self._codec.encode(notice)
                 if len(plan) == 0:
-                    self._notify(peer, notice)
+                    self._notify(peer, frame)
                     continue
                 transfer = ComponentTransfer(room.room, comp.name, agent, chunk, last, self.registered[comp.name],
                                              peer.info.component(comp.name), plan,  # type: ignore[union-attr]
-                                             self._codec.encode(notice), s_idx, d_idx, segs.buffers)
+                                             frame, s_idx, d_idx, segs.buffers)
                 handle = self.registry.send_component(self.backend, transfer)
-                room.inflight.append(_InFlight(handle, agent, notice))
+                room.inflight.append(_InFlight(handle, agent, notice, frame))
                 room.nbytes += plan.total_nbytes
                 room.descriptors += len(plan)
         room.chunks += 1
@@ -653,8 +655,9 @@ class TransferAgent:
         plan = TransferPlan(np.array([self.staging.region.addr + local], u64), np.array([dst], u64),
                             np.array([nbytes], u64), np.zeros(1, np.int32))
         notice = Notice(room.room, self.layout.tp_rank, comp.name, chunk, last, nbytes, first, len(items), True)
+        frame = self._codec.encode(notice)
         transfer = ComponentTransfer(room.room, STAGING, peer.agent, chunk, last, self._staging_reg, remote, plan,
-                                     self._codec.encode(notice))
+                                     frame)
         try:
             handle = self.registry.send_component(self.backend, transfer)
         except RegionError as exc:     # the engine cannot reach the peer's staging area: descriptors from now on
@@ -666,16 +669,18 @@ class TransferAgent:
         except BaseException:
             self.staging.free(local, nbytes)
             raise
-        room.inflight.append(_InFlight(handle, peer.agent, notice, (local, nbytes)))
+        room.inflight.append(_InFlight(handle, peer.agent, notice, frame, (local, nbytes)))
         room.nbytes += nbytes
         room.descriptors += 1
         return True
 
-    def _notify(self, peer: _Peer, notice: Notice) -> None:
-        log.debug("%s: notice to %s: %s", self.name, peer.agent, notice)
-        delivered = self.registry.notify_completion(self.backend, peer.agent, self._codec.encode(notice))
-        if not delivered:
-            self._post(peer.address, notice)
+    def _notify(self, peer: _Peer, frame: bytes) -> None:
+        """Hand an encoded notice to the backend; the control link carries it when the engine cannot."""
+        if not self.registry.notify_completion(self.backend, peer.agent, frame):
+            try:
+                self.link.send(peer.address, frame)
+            except Exception as exc:  # noqa: BLE001 - liveness deals with a dead peer
+                log.warning("%s: could not send a notice to %s: %s", self.name, peer.agent, exc)
 
     def _poll_inflight(self) -> None:
         for room in list(self._send_rooms.values()):
@@ -697,7 +702,7 @@ class TransferAgent:
                         self.staging.free(*item.staging)
                     if result is not None and result.state is HandleState.DONE:
                         if room.status is not KVPoll.Failed:
-                            self._notify(self._peers[item.peer], item.notice)
+                            self._notify(self._peers[item.peer], item.frame)
                     else:
                         self._fail_send(room, f"{self.backend_name} write of {item.notice.component} chunk "
                                               f"{item.notice.chunk} to {item.peer} failed: {reason}")
