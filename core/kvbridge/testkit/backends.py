@@ -268,6 +268,17 @@ class _BackendKit(KitTests):
             assert receiver.nbytes == want, (f"decode rank {rank.pool.rank} counted {receiver.nbytes} delivered bytes, "
                                              f"the request is {want} bytes: a chunk was counted twice or not at all")
 
+    def kv_roundtrip(self, world: World, faults: FaultInjector, pt: int, dt: int, seed: int, split: int) -> None:
+        """One chunked KV request (cut after ``split`` pages) from Pt to Dt ranks, checked byte for byte and
+        for exactly-once completion, then settled."""
+        room_id, src, dst, positions = self.kv_request(world, pt, dt, seed)
+        room = self.open_kv(world, pt, dt, room_id, dst)
+        room.send([src[:split], src[split:]])
+        room.wait_success(self.room_timeout_s)
+        self.check_kv(world, room, seed, src, dst, positions)
+        self.check_exactly_once(world, room, faults, len(src))
+        room.settle(self.room_timeout_s)
+
 
 class BasicBackendTests(_BackendKit):
     """Basic tier: one process, host memory (see the module docstring)."""
@@ -528,14 +539,7 @@ class BasicBackendTests(_BackendKit):
         means writes outside registered memory.
         """
         pt, dt = pt_dt
-        seed = _seed(request)
-        room_id, src, dst, positions = self.kv_request(kv_world, pt, dt, seed)
-        room = self.open_kv(kv_world, pt, dt, room_id, dst)
-        room.send([src[:2], src[2:]])
-        room.wait_success(self.room_timeout_s)
-        self.check_kv(kv_world, room, seed, src, dst, positions)
-        self.check_exactly_once(kv_world, room, faults, len(src))
-        room.settle(self.room_timeout_s)
+        self.kv_roundtrip(kv_world, faults, pt, dt, _seed(request), split=2)
 
     @_pairs("descriptor_tp_pairs")
     def test_byte_exact_without_staging(self, kit_registry: Registry, backend_spec: BackendSpec,
@@ -550,14 +554,7 @@ class BasicBackendTests(_BackendKit):
                       make_pool=lambda role, tp, r: KVPool(tp, r, role=role.value),
                       config=self.agent_config(backend_options, staging_bytes=0), label="kit-nostaging")
         try:
-            seed = _seed(request)
-            room_id, src, dst, positions = self.kv_request(world, pt, dt, seed)
-            room = self.open_kv(world, pt, dt, room_id, dst)
-            room.send([src[:3], src[3:]])
-            room.wait_success(self.room_timeout_s)
-            self.check_kv(world, room, seed, src, dst, positions)
-            self.check_exactly_once(world, room, faults, len(src))
-            room.settle(self.room_timeout_s)
+            self.kv_roundtrip(world, faults, pt, dt, _seed(request), split=3)
         finally:
             world.close()
 
@@ -743,22 +740,15 @@ class HardwareBackendTests(_BackendKit):
                              request: pytest.FixtureRequest) -> None:
         """As test_byte_exact_delivery, with every buffer in CUDA memory (device 0).
 
-        Troubleshooting: register VRAM with the engine's GPU memory type; the staging path is host-only, so
-        every slice travels as descriptors here.
+        Troubleshooting: register VRAM with the engine's GPU memory type; regular slices go through the
+        staging area, which lives on the same GPU as the buffers (gathered and scattered by torch kernels).
         """
         pt, dt = pt_dt
         world = World(registry=kit_registry, backend=backend_spec.name, pairs=[(pt, dt)],
                       make_pool=lambda role, tp, r: KVPool(tp, r, role=role.value, memory="cuda"),
                       config=self.agent_config(backend_options), label="kit-cuda")
         try:
-            seed = _seed(request)
-            room_id, src, dst, positions = self.kv_request(world, pt, dt, seed)
-            room = self.open_kv(world, pt, dt, room_id, dst)
-            room.send([src[:2], src[2:]])
-            room.wait_success(self.room_timeout_s)
-            self.check_kv(world, room, seed, src, dst, positions)
-            self.check_exactly_once(world, room, faults, len(src))
-            room.settle(self.room_timeout_s)
+            self.kv_roundtrip(world, faults, pt, dt, _seed(request), split=2)
         finally:
             world.close()
 
