@@ -16,9 +16,10 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import (
-    INSTANCE, SEGMENT_PREFIX, WorkerConfig, _Pool, allocate_items, make_requests, reap_segments, run_worker,
+    INSTANCE, SEGMENT_PREFIX, WorkerConfig, allocate_items, make_requests, reap_segments, run_worker,
 )
 from kvbridge.geometry import PoolLayout
+from kvbridge.hostpool import HostPool
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
@@ -98,7 +99,7 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
                        region_pages=8, timeout_s=60)
     request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
     layout = _layout(Role.PREFILL, 0, 1, 1, cfg.region_pages)
-    pool = _Pool(layout, shared=True)
+    pool = HostPool(layout, shared=True)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
                           instance=INSTANCE, config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
@@ -129,7 +130,7 @@ def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> Non
     requests = make_requests(cfg.seed, 1, 16, cfg.region_pages)
     request = requests[0]
     layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
-    pool = _Pool(layout, shared=True)
+    pool = HostPool(layout, shared=True)
     child = _child(cfg)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
                           config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
@@ -165,7 +166,7 @@ def test_garbage_frames_do_not_kill_a_peer_process() -> None:
                        region_pages=4, timeout_s=60)
     request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
     layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
-    pool = _Pool(layout, shared=True)
+    pool = HostPool(layout, shared=True)
     child = _child(cfg)
     link = ZmqLink(bootstrap=server.address)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link)

@@ -6,13 +6,12 @@
   262,016 descriptors and 143 ms / 4,194,304 descriptors, shared/DESIGN.md section 10).
 * ``control``: control-plane overhead of a 128-token request end to end (two agents over real ZMQ
   sockets, loopback backend), p50/p99, against a ZMQ PUSH/PULL round trip and a memcpy of the bytes.
-* ``--backend NAME``: the backend plugin's own benchmark (``kvbridge_<name>.bench``), e.g. kvbridge over
-  NIXL against raw NIXL and memcpy.
+* ``--backend NAME``: the backend plugin's own benchmark, the entry its spec names (``BackendSpec.bench``),
+  e.g. kvbridge over NIXL against raw NIXL and memcpy.
 """
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import threading
 import time
@@ -22,7 +21,9 @@ import numpy as np
 
 from kvbridge.geometry import BufferGeometry, DType, Rank, ShardAxis
 from kvbridge.planner import BufferPair, plan_transfer
+from kvbridge.registry import Registry
 from kvbridge.slicing import buffer_segments, target_ranks
+from kvbridge.specs import BackendSpec, PluginKind, resolve
 
 SGLANG_ANCHOR = {"equal": (107.0, 262_016), "4->2": (143.0, 4_194_304)}
 
@@ -130,7 +131,7 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
     import zmq
 
     from kvbridge.agent import TransferAgent
-    from kvbridge.demo.worker import _Pool
+    from kvbridge.hostpool import HostPool
     from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
@@ -140,7 +141,7 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
     server = BootstrapServer().start()
     child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages), daemon=True)
     child.start()
-    pool = _Pool(layout, shared=True)      # loopback reaches another process's memory through /dev/shm
+    pool = HostPool(layout, shared=True)      # loopback reaches another process's memory through /dev/shm
     dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,  # type: ignore[arg-type]
                         link=ZmqLink(bootstrap=server.address))
     pages = np.arange(1, 1 + n_pages)
@@ -225,11 +226,22 @@ def main_control() -> int:
     return 0
 
 
-def main_backend(name: str) -> int:
-    try:
-        module = importlib.import_module(f"kvbridge_{name}.bench")
-    except ImportError as exc:
-        print(f"backend {name!r} ships no benchmark (kvbridge_{name}.bench): {exc}")
+def main_backend(name: str, registry: Registry | None = None) -> int:
+    """Run the benchmark the backend's spec names (``BackendSpec.bench``), also when the backend cannot
+    run here (its benchmark then says why)."""
+    registry = Registry.build() if registry is None else registry
+    specs = {r.name: r.spec for r in registry.records() if r.kind is PluginKind.BACKEND}
+    spec = specs.get(name)
+    if not isinstance(spec, BackendSpec):
+        print(f"no backend named {name!r} is installed (known: {', '.join(sorted(specs)) or 'none'})")
         return 2
-    result = module.main() if hasattr(module, "main") else module.run_bench()
+    if spec.bench is None:
+        print(f"backend {name!r} ships no benchmark (its BackendSpec names no bench)")
+        return 2
+    try:
+        entry = resolve(spec.bench)
+    except (ImportError, AttributeError) as exc:
+        print(f"backend {name!r}: cannot load its benchmark ({spec.bench}): {exc}")
+        return 2
+    result = entry()
     return int(result) if isinstance(result, int) else 0

@@ -19,8 +19,6 @@ import time
 import traceback
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +27,15 @@ import numpy as np
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.presets import ComponentModel, Preset, RequestShape, get_preset
 from kvbridge.errors import TransferError
-from kvbridge.testkit import pools as testkit_pools
 from kvbridge.geometry import PoolLayout
+from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 
+__all__ = ["INSTANCE", "SEGMENT_PREFIX", "WorkerConfig", "allocate_items", "make_requests", "pool_items",
+           "reap_segments", "request_items", "run_worker", "state_indices"]
+
 INSTANCE = "prefill"
-SEGMENT_PREFIX = "kvbridge-demo-"
-
-
-def reap_segments(pid: int) -> list[str]:
-    """Unlink the /dev/shm segments a (killed) demo rank process left behind; return their names."""
-    return testkit_pools.reap_segments(pid, SEGMENT_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,45 +107,6 @@ def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.nda
     return {m.name: (items[m.name], m.span(request)[0]) for m in preset.components if not m.chunked}
 
 
-class _Pool:
-    """Host buffers of every component; in /dev/shm for the loopback backend (so peers can map them)."""
-
-    def __init__(self, layout: PoolLayout, shared: bool, staging_bytes: int = 16 << 20) -> None:
-        self._segments: list[SharedMemory] = []
-        self.buffers: dict[str, list[np.ndarray]] = {}
-        for comp in layout.components:
-            arrays = []
-            for geom in comp.buffers:
-                arrays.append(self._array(geom.nbytes, shared).reshape(geom.num_items, geom.item_nbytes))
-            self.buffers[comp.name] = arrays
-        self.staging = self._array(staging_bytes, shared) if staging_bytes else None
-
-    def _array(self, nbytes: int, shared: bool) -> np.ndarray:
-        if shared:
-            seg = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-{len(self._segments)}", create=True, size=nbytes)
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-            self._segments.append(seg)
-            arr = np.ndarray((nbytes,), np.uint8, seg.buf)
-        else:
-            arr = np.empty(nbytes, np.uint8)
-        arr.fill(0)            # pre-touch: first-touch page faults would cost ~20x on the first write
-        return arr
-
-    def close(self) -> None:
-        self.buffers.clear()
-        self.staging = None
-        for seg in self._segments:
-            try:
-                seg.close()
-            except BufferError:
-                pass
-            try:  # not seg.unlink(): the segment is not tracked by the resource tracker (see __init__)
-                os.unlink(f"/dev/shm/{seg.name}")
-            except FileNotFoundError:
-                pass
-        self._segments.clear()
-
-
 def run_worker(cfg: WorkerConfig, results: Any) -> None:
     """Process entry point; every outcome (also a crash) is reported on ``results``."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
@@ -160,7 +116,7 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         preset = get_preset(cfg.preset)
         layout = PoolLayout(tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
                             cfg.tp_size, cfg.rank, preset.page_size, preset.model)
-        pool = _Pool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
+        pool = HostPool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
         link = ZmqLink(bootstrap=cfg.bootstrap)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
@@ -210,7 +166,7 @@ def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idl
         idle()
 
 
-def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
+def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
                      request: RequestShape, results: Any) -> Generator[None, None, None]:
     sender = agent.sender(request.room)
     while (status := sender.poll()) == KVPoll.Bootstrapping:
@@ -248,7 +204,7 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
     sender.clear()
 
 
-def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: _Pool,
+def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
                     request: RequestShape, results: Any) -> Generator[None, None, None]:
     every = request_items(cfg, preset, request)
     for model in preset.components:
@@ -281,7 +237,7 @@ def _remember(request: RequestShape, items: dict[str, np.ndarray]) -> None:
     _DUMPED[request.index] = {name: ids.copy() for name, ids in items.items()}
 
 
-def _dump(cfg: WorkerConfig, pool: _Pool, requests: list[RequestShape]) -> None:
+def _dump(cfg: WorkerConfig, pool: HostPool, requests: list[RequestShape]) -> None:
     """Write this rank's buffers and per-request indices (see README "Checking a dump"): ``requests.npy``
     for the KV pages, ``<component>.requests.npy`` for each state component (position = absolute page
     position, 0 for a Mamba slot; page = the item id)."""

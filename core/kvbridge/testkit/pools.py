@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.testkit import reference as ref
+from kvbridge import hostpool
+from kvbridge import pattern as ref
 
 __all__ = ["GUARD", "SHM_PREFIX", "GuardedBuffer", "reap_segments"]
 
@@ -34,19 +35,7 @@ def _guard_pattern(n: int) -> np.ndarray:
 def reap_segments(pid: int, prefix: str = SHM_PREFIX) -> list[str]:
     """Unlink the /dev/shm segments named ``<prefix><pid>-<n>`` of process ``pid`` (e.g. one that was
     killed and could not unlink its own); return their names."""
-    gone: list[str] = []
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return gone
-    for name in names:
-        if name.startswith(f"{prefix}{pid}-"):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-    return gone
+    return hostpool.reap_segments(pid, prefix)
 
 
 class GuardedBuffer:
