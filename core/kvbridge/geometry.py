@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from dataclasses import dataclass
 
 import msgspec
@@ -60,6 +61,36 @@ _ITEMSIZE = {
 _ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": "int64", "int": "int32",
             "float8_e4m3": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
+MAX_NAME = 256            # characters of a buffer, component, state-type or model name
+MAX_BYTES = 2**63 - 1     # a buffer's size, in bytes, fits a signed 64-bit length
+
+
+def checked_int(owner: str, field: str, value: object, minimum: int, maximum: int = MAX_BYTES) -> int:
+    """``value`` as a plain int in ``[minimum, maximum]``, else a GeometryError naming ``owner.field`` and the value.
+
+    Numpy integers are accepted (and become ints); bools, floats and strings are not.
+    """
+    if isinstance(value, bool):
+        raise GeometryError(f"{owner}: {field}={value!r} is a bool, not an integer")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise GeometryError(f"{owner}: {field}={value!r} is not an integer") from None
+    if not minimum <= number <= maximum:
+        bound = f">= {minimum}" if maximum == MAX_BYTES else f"in [{minimum}, {maximum}]"
+        raise GeometryError(f"{owner}: {field}={number} must be {bound}")
+    return number
+
+
+def checked_name(owner: str, field: str, value: object, *, allow_empty: bool = False) -> str:
+    """A non-empty (unless ``allow_empty``) str of at most MAX_NAME characters, else a GeometryError."""
+    if not isinstance(value, str):
+        raise GeometryError(f"{owner}: {field}={value!r} is not a string")
+    if (not value and not allow_empty) or len(value) > MAX_NAME:
+        raise GeometryError(f"{owner}: {field}={value[:40]!r}{'...' if len(value) > 40 else ''} must be 1 to "
+                            f"{MAX_NAME} characters (got {len(value)})")
+    return value
+
 
 class DeviceKind(str, enum.Enum):
     CPU = "cpu"
@@ -85,6 +116,22 @@ class MemoryRegion:
     device_id: int = 0
 
     def __post_init__(self) -> None:
+        for field in ("addr", "nbytes", "device_id"):
+            value = getattr(self, field)
+            if isinstance(value, bool):
+                raise GeometryError(f"memory region: {field}={value!r} is a bool, not an integer")
+            try:
+                object.__setattr__(self, field, operator.index(value))
+            except TypeError:
+                raise GeometryError(f"memory region: {field}={value!r} is not an integer") from None
+        if not isinstance(self.device, DeviceKind):
+            try:
+                object.__setattr__(self, "device", DeviceKind(self.device))
+            except ValueError:
+                raise GeometryError(f"memory region: device={self.device!r} is not one of "
+                                    f"{[d.value for d in DeviceKind]}") from None
+        if self.device_id < 0:
+            raise GeometryError(f"memory region: device_id={self.device_id} must be >= 0")
         if not 0 <= self.addr < 2**64:
             raise GeometryError(f"region address {self.addr:#x} is not an unsigned 64-bit value")
         if self.nbytes <= 0:
@@ -110,6 +157,15 @@ class ShardAxis(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     axis: int
     total: int
     groups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = "shard axis"
+        msgspec.structs.force_setattr(self, "axis", checked_int(owner, "axis", self.axis, 0, 63))
+        msgspec.structs.force_setattr(self, "total", checked_int(owner, "total", self.total, 1))
+        if not isinstance(self.groups, (tuple, list)):
+            raise GeometryError(f"{owner}: groups={self.groups!r} is not a sequence of integers")
+        groups = tuple(checked_int(owner, f"groups[{i}]", g, 1) for i, g in enumerate(self.groups))
+        msgspec.structs.force_setattr(self, "groups", groups)
 
     @property
     def group_totals(self) -> tuple[int, ...]:
@@ -152,23 +208,34 @@ class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shard: ShardAxis | None = None
 
     def __post_init__(self) -> None:
+        checked_name("buffer", "name", self.name)
+        owner = f"buffer {self.name!r}"
         try:
             dtype = DType.parse(self.dtype)
         except GeometryError as exc:
-            raise GeometryError(f"buffer {self.name!r}: {exc}") from None
+            raise GeometryError(f"{owner}: {exc}") from None
         if dtype is not self.dtype:  # a name given directly ("bfloat16") becomes the enum member
             msgspec.structs.force_setattr(self, "dtype", dtype)
-        if self.num_items <= 0:
-            raise GeometryError(f"buffer {self.name!r}: zero-length buffer (num_items={self.num_items})")
-        if not self.item_shape or any(d <= 0 for d in self.item_shape):
-            raise GeometryError(f"buffer {self.name!r}: item shape {self.item_shape} has an empty axis")
+        if isinstance(self.num_items, int) and not isinstance(self.num_items, bool) and self.num_items <= 0:
+            raise GeometryError(f"{owner}: zero-length buffer (num_items={self.num_items})")
+        msgspec.structs.force_setattr(self, "num_items", checked_int(owner, "num_items", self.num_items, 1))
+        if not isinstance(self.item_shape, (tuple, list)) or not self.item_shape:
+            raise GeometryError(f"{owner}: item_shape={self.item_shape!r} must be a non-empty sequence of integers")
+        if any(isinstance(d, int) and not isinstance(d, bool) and d <= 0 for d in self.item_shape):
+            raise GeometryError(f"{owner}: item shape {tuple(self.item_shape)} has an empty axis")
+        shape = tuple(checked_int(owner, f"item_shape[{i}]", d, 1) for i, d in enumerate(self.item_shape))
+        msgspec.structs.force_setattr(self, "item_shape", shape)
+        if self.nbytes > MAX_BYTES:
+            raise GeometryError(f"{owner}: {self.num_items} items of {self.item_nbytes} B = {self.nbytes} B exceed "
+                                f"{MAX_BYTES} B")
         if self.shard is not None:
+            if not isinstance(self.shard, ShardAxis):
+                raise GeometryError(f"{owner}: shard={self.shard!r} is not a ShardAxis")
             if not 0 <= self.shard.axis < len(self.item_shape):
                 raise GeometryError(
-                    f"buffer {self.name!r}: shard axis {self.shard.axis} is outside item shape {self.item_shape}")
+                    f"{owner}: shard axis {self.shard.axis} is outside item shape {self.item_shape}")
             if self.shard.groups and sum(self.shard.groups) != self.shard.total:
-                raise GeometryError(f"buffer {self.name!r}: shard groups {self.shard.groups} do not sum to "
-                                    f"total {self.shard.total}")
+                raise GeometryError(f"{owner}: shard groups {self.shard.groups} do not sum to total {self.shard.total}")
 
     @property
     def item_nbytes(self) -> int:
@@ -225,6 +292,18 @@ class Component(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     options: dict[str, int | str | float] = {}
 
     def __post_init__(self) -> None:
+        checked_name("component", "name", self.name)
+        checked_name(f"component {self.name!r}", "state_type", self.state_type)
+        if not isinstance(self.index_kind, IndexKind):
+            try:
+                msgspec.structs.force_setattr(self, "index_kind", IndexKind(self.index_kind))
+            except ValueError:
+                raise GeometryError(f"component {self.name!r}: index_kind={self.index_kind!r} is not one of "
+                                    f"{[k.value for k in IndexKind]}") from None
+        if not isinstance(self.buffers, (tuple, list)) or not all(isinstance(b, BufferGeometry) for b in self.buffers):
+            raise GeometryError(f"component {self.name!r}: buffers={self.buffers!r} is not a sequence of "
+                                "BufferGeometry")
+        msgspec.structs.force_setattr(self, "buffers", tuple(self.buffers))
         if not self.buffers:
             raise GeometryError(f"component {self.name!r} has no buffers")
         names = [b.name for b in self.buffers]
@@ -249,10 +328,20 @@ class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
 
     def __post_init__(self) -> None:
-        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
-            raise GeometryError(f"TP rank {self.tp_rank} is outside TP size {self.tp_size}")
-        if self.page_size <= 0:
-            raise GeometryError(f"page size must be positive, got {self.page_size}")
+        owner = "pool layout"
+        tp_size = checked_int(owner, "tp_size", self.tp_size, 1)
+        tp_rank = checked_int(owner, "tp_rank", self.tp_rank, 0)
+        if tp_rank >= tp_size:
+            raise GeometryError(f"{owner}: TP rank {tp_rank} is outside TP size {tp_size} (tp_rank={tp_rank}, "
+                                f"tp_size={tp_size})")
+        page_size = checked_int(owner, "page_size", self.page_size, 1)
+        for field, value in (("tp_size", tp_size), ("tp_rank", tp_rank), ("page_size", page_size)):
+            msgspec.structs.force_setattr(self, field, value)
+        checked_name(owner, "model", self.model, allow_empty=True)
+        if not isinstance(self.components, (tuple, list)) or not all(isinstance(c, Component)
+                                                                      for c in self.components):
+            raise GeometryError(f"{owner}: components={self.components!r} is not a sequence of Component")
+        msgspec.structs.force_setattr(self, "components", tuple(self.components))
         names = [c.name for c in self.components]
         if len(set(names)) != len(names):
             raise GeometryError(f"pool has duplicate component names {names}")
@@ -276,6 +365,14 @@ class Rank(msgspec.Struct, frozen=True):
 
     rank: int
     size: int
+
+    def __post_init__(self) -> None:
+        size = checked_int("rank", "size", self.size, 1)
+        rank = checked_int("rank", "rank", self.rank, 0)
+        if rank >= size:
+            raise GeometryError(f"rank: rank={rank} is outside size={size}")
+        msgspec.structs.force_setattr(self, "size", size)
+        msgspec.structs.force_setattr(self, "rank", rank)
 
 
 def region_of(array: object) -> MemoryRegion:

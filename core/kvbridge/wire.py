@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.backends.base import RemoteBuffers
-from kvbridge.errors import ProtocolError
+from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
 PROTOCOL_VERSION = 1
@@ -177,6 +177,8 @@ class Codec:
             envelope = _DECODER.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"malformed frame: {exc}") from None
+        except KVBridgeError as exc:   # a received layout that fails validation (GeometryError names the field)
+            raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
         _check_ranges(envelope.body)
         return envelope.body
 
@@ -216,6 +218,14 @@ def _check_ranges(message: Message) -> None:
     if isinstance(message, Notice) and min(message.chunk, message.sender, message.nbytes, message.first,
                                            message.count) < 0:
         raise ProtocolError(f"notice for room {message.room}: negative chunk, sender, size or item range")
+    if isinstance(message, (Hello, Welcome)):
+        for buffers in message.buffers:
+            for i, region in enumerate(buffers.regions):
+                try:
+                    region.region()
+                except GeometryError as exc:
+                    raise ProtocolError(f"{type(message).__name__} from {message.agent!r}: buffers of "
+                                        f"{buffers.component!r} region {i}: {exc}") from None
     if isinstance(message, TransferRequest):
         for component, offsets in message.staging.items():
             if any(rank < 0 or offset < 0 for rank, offset in offsets.items()):
