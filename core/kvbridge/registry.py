@@ -185,6 +185,12 @@ class Registry:
         assert isinstance(record.spec, BackendSpec)
         return record.spec
 
+    def state_type_spec(self, name: str) -> StateTypeSpec:
+        """The spec of an available state type; raises UnknownPluginError / PluginUnavailableError."""
+        record = self._lookup(self._states, name, "state type")
+        assert isinstance(record.spec, StateTypeSpec)
+        return record.spec
+
     # ---------------------------------------------------------------- objects
     def create_backend(self, backend: str, **kwargs: Any) -> TransferBackend:
         """Build a backend instance by name; raises PluginUnavailableError with the install hint."""

@@ -6,7 +6,8 @@ Example, a backend plugin's whole discovery surface::
     def kvbridge_transfer_backends():
         yield BackendSpec(name="mybackend", factory="my_pkg.engine:MyBackend",
                           capabilities=frozenset({Capability.HOST_MEMORY}),
-                          probe=lambda: Availability.ok())
+                          probe=lambda: Availability.ok(),
+                          bench="my_pkg.bench:main")          # optional: ``kvbridge bench --backend mybackend``
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.errors import PluginError
+
+if TYPE_CHECKING:
+    from kvbridge.demo.model import ComponentModel
+
+#: Runs a backend's own benchmark (``kvbridge bench --backend NAME``); returns the exit status.
+BenchEntry = Callable[[], "int | None"]
+#: Builds the demo's model of one component of a state type: ``(component name, **dimensions) -> model``.
+DemoModelFactory = Callable[..., "ComponentModel"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 
@@ -88,15 +97,23 @@ def resolve(factory: str | Callable[..., Any]) -> Callable[..., Any]:
     return obj
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BackendSpec:
-    """A transfer backend: its name, how to build it, what it can do, and whether it runs here."""
+    """A transfer backend: its name, how to build it, what it can do, and whether it runs here.
+
+    ``bench`` (optional) is the backend's own benchmark, run by ``kvbridge bench --backend NAME``: a
+    :data:`BenchEntry` or its ``"module:attr"`` (imported only when the benchmark runs), called without
+    arguments; an int it returns is the exit status::
+
+        BackendSpec(name="nixl", factory="kvbridge_nixl.backend:NixlBackend", bench="kvbridge_nixl.bench:main")
+    """
 
     name: str
     factory: str | Callable[..., Any]
     capabilities: frozenset[Capability] = frozenset({Capability.HOST_MEMORY})
     probe: Callable[[], Availability] | None = field(default=None, compare=False)
     description: str = ""
+    bench: str | BenchEntry | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name)
@@ -106,14 +123,25 @@ class BackendSpec:
         return PluginKind.BACKEND
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StateTypeSpec:
-    """A state type: its name and how to build it (see ``kvbridge.state.base.StateType``)."""
+    """A state type: its name and how to build it (see ``kvbridge.state.base.StateType``).
+
+    ``demo_model`` (optional) lets ``kvbridge demo`` run hybrid presets with components of this type: a
+    :data:`DemoModelFactory` or its ``"module:attr"`` (imported only when a preset needs it), called with
+    the component's name and the preset's dimensions as keywords; it returns a
+    :class:`kvbridge.demo.model.ComponentModel` (geometry, items a request moves, fill and verify)::
+
+        StateTypeSpec(name="mamba", factory=MambaState, demo_model="kvbridge_mamba.demo:MambaModel")
+        # the qwen3-next preset then builds
+        #   MambaModel(name="mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8, ...)
+    """
 
     name: str
     factory: str | Callable[..., Any]
     capabilities: frozenset[str] = frozenset()
     description: str = ""
+    demo_model: str | DemoModelFactory | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name)

@@ -20,6 +20,7 @@ SPEC = BackendSpec(
                             Capability.ASYNC}),
     probe=probe,
     description="Mooncake transfer engine, P2P handshake; TCP verified, RDMA untested",
+    bench="kvbridge_mooncake.bench:main",
 )
 
 
