@@ -190,8 +190,8 @@ def test_an_empty_plan_is_done_at_once(pair: Any) -> None:
 def test_standin_refuses_what_mori_refuses(pair: Any) -> None:
     src, dst, _ = pair
     engine = src.backend._engine
-    lmd = src.registered.handle.descs[0]
-    rmd = standin.MemoryDesc.unpack(dst.registered.handle.descs[0].pack())
+    lmd = src.registered.handle.per_region[0]
+    rmd = standin.MemoryDesc.unpack(dst.registered.handle.per_region[0].pack())
     uid = engine.allocate_transfer_uid
     # remote range past the end: asynchronous remote access error
     status = engine.batch_write([lmd], [[0]], [rmd], [[rmd.size - 8]], [[16]], [uid()])[0]

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import enum
-import importlib
 import logging
 import os
 import socket
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, check_within
+from kvbridge.backends.scaffold import EngineTables, NoNotifications, default_host, import_engine, settled
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
@@ -96,12 +95,6 @@ class _Endpoint(msgspec.Struct, frozen=True, array_like=True):
 
 
 @dataclass(slots=True, eq=False)
-class _Registration:
-    addrs: tuple[int, ...]
-    live: bool = True
-
-
-@dataclass(slots=True, eq=False)
 class _Peer:
     name: str
     session: str
@@ -118,22 +111,6 @@ class AscendHandle:
     released: bool = False
 
 
-def load_api(spec: str) -> Any:
-    """Import the engine module named by ``spec`` (``"pkg.mod"`` or ``"pkg.mod:attr"``)."""
-    module, _, attr = spec.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in filter(None, attr.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _default_host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -143,7 +120,7 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-class AscendBackend:
+class AscendBackend(NoNotifications):
     """kvbridge backend over one memfabric ``TransferEngine``. See the module docstring."""
 
     def __init__(self, *, name: str, options: dict[str, str] | None = None, api: Any = None) -> None:
@@ -151,18 +128,14 @@ class AscendBackend:
 
         self.name = "ascend"
         self.options = opts = AscendOptions.parse(options)
-        try:
-            self.api = api if api is not None else load_api(opts.api)
-        except (ImportError, OSError) as exc:
-            raise PluginUnavailableError("ascend", f"cannot import {opts.api}: {type(exc).__name__}: {exc}",
-                                         INSTALL_HINT) from exc
+        self.api = api if api is not None else import_engine(opts.api, "ascend", INSTALL_HINT)
         if opts.host_store:
             rc = self.api.create_config_store(opts.store_url)
             if rc != 0:
                 raise PluginUnavailableError("ascend", f"create_config_store({opts.store_url!r}) returned "
                                              f"{describe(rc)}", "is the port free and the URL tcp://host:port?")
         self._te = self.api.TransferEngine()
-        host = opts.host or _default_host()
+        host = opts.host or default_host()
         self.session_id = opts.session_id or f"{host}:{self._te.get_rpc_port() or _free_port(host)}"
         extra: dict[str, str] = {}
         if opts.store_server_role is not None:
@@ -177,12 +150,10 @@ class AscendBackend:
                           f"role {opts.role.value}, NPU {opts.device_id}, {opts.protocol.name}) returned "
                           f"{describe(rc)}", NPU_HINT)
         self.endpoint: bytes = msgspec.msgpack.encode(_Endpoint(self.session_id, opts.store_url))
-        self._lock = threading.Lock()
-        self._registrations: dict[int, RegisteredBuffers] = {}   # id(handle) -> registered buffers
-        self._peers: dict[str, _Peer] = {}
+        self._tables: EngineTables[_Peer] = EngineTables("ascend")
+        self._lock = self._tables.lock
         self._running: set[cf.Future[int]] = set()
         self._pool = cf.ThreadPoolExecutor(opts.workers, thread_name_prefix=f"kvbridge-ascend-{name}")
-        self._closed = False
 
     # ------------------------------------------------------------------ memory
     def register_buffers(self, component: str, regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
@@ -195,17 +166,10 @@ class AscendBackend:
         if rc != 0:
             raise RegionError(f"memfabric batch_register_memory of {len(addrs)} regions of {component!r} returned "
                               f"{describe(rc)}")
-        registered = RegisteredBuffers(component, tuple(regions), b"", handle=_Registration(addrs))
-        with self._lock:
-            self._registrations[id(registered.handle)] = registered
-        return registered
+        return self._tables.register(component, regions, addrs)   # handle: the address of each region
 
     def deregister_buffers(self, registered: RegisteredBuffers) -> None:
-        with self._lock:
-            if self._registrations.pop(id(registered.handle), None) is None:
-                return
-        registered.handle.live = False
-        for addr in registered.handle.addrs:
+        for addr in self._tables.deregister(registered):
             self._te.unregister_memory(addr)
 
     # ------------------------------------------------------------------- peers
@@ -214,27 +178,16 @@ class AscendBackend:
         if endpoint.store_url != self.options.store_url:
             raise IncompatiblePeer(f"peer {peer.name!r} is in config store {endpoint.store_url!r}, this engine in "
                                    f"{self.options.store_url!r}; memfabric sessions only reach peers of one store")
-        with self._lock:
-            self._peers[peer.name] = _Peer(peer.name, endpoint.session)
-        return peer.name
+        return self._tables.add_peer(peer.name, _Peer(peer.name, endpoint.session))
 
     def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(peer_id, None)
+        peer = self._tables.pop_peer(peer_id)
         if peer is not None:
             peer.failure = f"peer {peer_id!r} was removed"
 
     # --------------------------------------------------------------- transfers
     def send_component(self, transfer: ComponentTransfer) -> AscendHandle:
-        if self._closed:
-            raise RegionError("ascend backend is closed")
-        with self._lock:
-            peer = self._peers.get(transfer.peer)
-            local = self._registrations.get(id(transfer.src.handle))
-        if peer is None:
-            raise RegionError(f"unknown peer {transfer.peer!r}; add_peer first")
-        if local is None or local.handle is not transfer.src.handle or not local.handle.live:
-            raise RegionError(f"source buffers of {transfer.component!r} are not registered with this ascend backend")
+        peer, local = self._tables.for_send(transfer)
         plan = transfer.plan
         check_within(plan.src_addr, plan.nbytes, local.regions, f"source ({transfer.component})")
         check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, f"destination ({transfer.component})")
@@ -262,12 +215,9 @@ class AscendBackend:
         return 0
 
     def poll(self, handle: Any) -> Poll:
-        if not isinstance(handle, AscendHandle):
-            return Poll.failed(f"not an ascend handle: {handle!r}")
-        if handle.result is not None:
-            return handle.result
-        if handle.released:
-            return Poll.failed("handle was released")
+        early = settled(handle, AscendHandle, "ascend")
+        if early is not None:
+            return early
         future = handle.future
         assert future is not None
         if not future.done():
@@ -289,31 +239,23 @@ class AscendBackend:
         if isinstance(handle, AscendHandle):
             handle.released = True   # a running write finishes on its worker; close() waits for it
 
-    # ----------------------------------------------------------- notifications
-    def notify_completion(self, peer_id: str, notice: bytes) -> bool:
-        return False   # memfabric has no notifications; the control plane carries them
-
-    def drain_notifications(self) -> list[tuple[str, bytes]]:
-        return []
+    # notifications: memfabric has none; the control plane carries them (NoNotifications)
 
     def close(self) -> None:
-        if self._closed:
+        held = self._tables.close()
+        if held is None:
             return
-        self._closed = True
+        registrations, _ = held
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             running = list(self._running)
-            registrations = list(self._registrations.values())
-            self._registrations.clear()
-            self._peers.clear()
         _, stuck = cf.wait(running, timeout=self.options.close_timeout_s)
         if stuck:   # un-initialising under a running write could crash the process; leak the engine instead
             log.warning("ascend backend %s: %d writes still running after %.0f s; leaving the engine initialised",
                         self.session_id, len(stuck), self.options.close_timeout_s)
             return
         for registered in registrations:
-            registered.handle.live = False
-            for addr in registered.handle.addrs:
+            for addr in registered.handle.per_region:
                 self._te.unregister_memory(addr)
         self._te.unInitialize()
         self._te.destroy()

@@ -19,10 +19,8 @@ The engine module is injectable: ``options={"api": "kvbridge_mori.standin"}`` or
 from __future__ import annotations
 
 import enum
-import importlib
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,7 +38,8 @@ from kvbridge.backends.base import (
     RegisteredBuffers,
     RemoteBuffers,
 )
-from kvbridge.errors import PluginUnavailableError, RegionError
+from kvbridge.backends.scaffold import EngineTables, NoNotifications, default_host, import_engine, settled
+from kvbridge.errors import RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
 
@@ -105,37 +104,10 @@ class MoriOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return kwargs
 
 
-def load_api(spec: str) -> Any:
-    """Import the engine module named by ``spec`` (``"pkg.mod"`` or ``"pkg.mod:attr"``)."""
-    module, _, attr = spec.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in filter(None, attr.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _import_engine(spec: str) -> Any:
-    try:
-        return load_api(spec)
-    except (ImportError, OSError) as exc:   # no amd-mori, or no ROCm runtime under it (OSError: libamdhip64...)
-        from kvbridge_mori import INSTALL_HINT
-        raise PluginUnavailableError("mori", f"cannot import {spec}: {type(exc).__name__}: {exc}",
-                                     INSTALL_HINT) from exc
+    from kvbridge_mori import INSTALL_HINT   # no amd-mori, or no ROCm runtime under it (OSError: libamdhip64...)
 
-
-def _default_host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-@dataclass(slots=True, eq=False)
-class _Registration:
-    """``RegisteredBuffers.handle``: the MemoryDescs of one component's regions."""
-
-    descs: tuple[Any, ...]
-    live: bool = True
+    return import_engine(spec, "mori", INSTALL_HINT)
 
 
 @dataclass(slots=True, eq=False)
@@ -170,7 +142,7 @@ def _failure_key(event: Any) -> str:
     return ""
 
 
-class MoriBackend:
+class MoriBackend(NoNotifications):
     """kvbridge backend over one MoRI-IO engine. See the module docstring."""
 
     def __init__(self, *, name: str, options: dict[str, str] | None = None, api: ModuleType | Any = None) -> None:
@@ -180,7 +152,7 @@ class MoriBackend:
         if self.options.rdma_devices:
             os.environ["MORI_RDMA_DEVICES"] = self.options.rdma_devices
         key = self.options.engine_key or f"kvbridge-{name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        host = self.options.host or _default_host()
+        host = self.options.host or default_host()
         self._engine = self.api.IOEngine(key, self.api.IOEngineConfig(host=host, port=self.options.port))
         self._engine.create_backend(self.api.BackendType.RDMA,
                                     self.api.RdmaBackendConfig(**self.options.rdma_config_kwargs(self.api)))
@@ -188,11 +160,9 @@ class MoriBackend:
         self.engine_key: str = desc.key
         self.endpoint: bytes = desc.pack()
         self._form = self.options.batch_form
-        self._lock = threading.Lock()
-        self._registrations: dict[int, RegisteredBuffers] = {}   # id(handle) -> registered buffers
-        self._peers: dict[str, _Peer] = {}
+        self._tables: EngineTables[_Peer] = EngineTables("mori")
+        self._lock = self._tables.lock
         self._parked: list[list[Any]] = []   # statuses of released, still in-flight handles (kept alive)
-        self._closed = False
 
     # ------------------------------------------------------------------ memory
     def register_buffers(self, component: str, regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
@@ -208,18 +178,10 @@ class MoriBackend:
                     self._engine.deregister_memory(md)
                 raise RegionError(f"mori registers host or GPU memory; {component} has a {region.device.value} region")
         descriptor = msgspec.msgpack.encode([md.pack() for md in descs])
-        registered = RegisteredBuffers(component, tuple(regions), descriptor, handle=_Registration(tuple(descs)))
-        with self._lock:
-            self._registrations[id(registered.handle)] = registered
-        return registered
+        return self._tables.register(component, regions, descs, descriptor)   # handle: one MemoryDesc per region
 
     def deregister_buffers(self, registered: RegisteredBuffers) -> None:
-        with self._lock:
-            if self._registrations.pop(id(registered.handle), None) is None:
-                return
-        registration: _Registration = registered.handle
-        registration.live = False
-        for md in registration.descs:
+        for md in self._tables.deregister(registered):
             self._engine.deregister_memory(md)
 
     # ------------------------------------------------------------------- peers
@@ -227,9 +189,7 @@ class MoriBackend:
         desc = self.api.EngineDesc.unpack(peer.endpoint)
         components = {buf.component: (buf.descriptor, self._remote_descs(desc, buf)) for buf in peer.buffers}
         self._engine.register_remote_engine(desc)
-        with self._lock:
-            self._peers[peer.name] = _Peer(peer.name, desc, components)
-        return peer.name
+        return self._tables.add_peer(peer.name, _Peer(peer.name, desc, components))
 
     def _remote_descs(self, desc: Any, buffers: RemoteBuffers) -> tuple[Any, ...]:
         blobs = msgspec.msgpack.decode(buffers.descriptor, type=list[bytes]) if buffers.descriptor else []
@@ -248,8 +208,8 @@ class MoriBackend:
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
-            peer = self._peers.pop(peer_id, None)
-            still_used = peer is not None and any(p.desc.key == peer.desc.key for p in self._peers.values())
+            peer = self._tables.pop_peer(peer_id)
+            still_used = peer is not None and any(p.desc.key == peer.desc.key for p in self._tables.peers.values())
         if peer is None:
             return
         peer.failure = peer.failure or f"peer {peer_id!r} was removed"
@@ -258,15 +218,7 @@ class MoriBackend:
 
     # --------------------------------------------------------------- transfers
     def send_component(self, transfer: ComponentTransfer) -> MoriHandle:
-        if self._closed:
-            raise RegionError("mori backend is closed")
-        with self._lock:
-            peer = self._peers.get(transfer.peer)
-            local = self._registrations.get(id(transfer.src.handle))
-        if peer is None:
-            raise RegionError(f"unknown peer {transfer.peer!r}; add_peer first")
-        if local is None or local.handle is not transfer.src.handle or not local.handle.live:
-            raise RegionError(f"source buffers of {transfer.component!r} are not registered with this mori backend")
+        peer, local = self._tables.for_send(transfer)
         self._drain_peer_failures()
         if peer.failure:
             return MoriHandle(peer, [], (), result=Poll.failed(peer.failure))
@@ -275,7 +227,7 @@ class MoriBackend:
         if not entries[0].size:
             return MoriHandle(peer, [], (), result=Poll.done())
         buffers, loffs, roffs, sizes = entries
-        src_descs: tuple[Any, ...] = local.handle.descs
+        src_descs: tuple[Any, ...] = local.handle.per_region
         lmds = [src_descs[b] for b in buffers.tolist()]
         rmds = [remote[b] for b in buffers.tolist()]
         uids = [self._engine.allocate_transfer_uid() for _ in lmds]
@@ -310,12 +262,9 @@ class MoriBackend:
                 for i in range(len(lmds))]
 
     def poll(self, handle: Any) -> Poll:
-        if not isinstance(handle, MoriHandle):
-            return Poll.failed(f"not a mori handle: {handle!r}")
-        if handle.result is not None:
-            return handle.result
-        if handle.released:
-            return Poll.failed("handle was released")
+        early = settled(handle, MoriHandle, "mori")
+        if early is not None:
+            return early
         self._drain_peer_failures()
         statuses = handle.statuses
         while handle.cursor < len(statuses) and statuses[handle.cursor].Succeeded():
@@ -356,10 +305,7 @@ class MoriBackend:
     def inbound_status(self, peer_id: str, uid: int) -> Poll | None:
         """Target side: did the write ``uid`` from peer ``peer_id`` land? None until MoRI knows (needs
         ``enable_notification``); popping consumes the record."""
-        with self._lock:
-            peer = self._peers.get(peer_id)
-        if peer is None:
-            raise RegionError(f"unknown peer {peer_id!r}; add_peer first")
+        peer = self._tables.peer(peer_id)
         status = self._engine.pop_inbound_transfer_status(peer.desc.key, uid)
         if status is None:
             return None
@@ -379,28 +325,20 @@ class MoriBackend:
             key = _failure_key(event)
             message = getattr(event, "message", "") or str(event)
             with self._lock:
-                for peer in self._peers.values():
+                for peer in self._tables.peers.values():
                     if peer.desc.key == key and not peer.failure:
                         peer.failure = f"MoRI reports peer engine {key!r} ({peer.name!r}) failed: {message}"
 
-    # ----------------------------------------------------------- notifications
-    def notify_completion(self, peer_id: str, notice: bytes) -> bool:
-        return False   # MoRI has no notice payload; the control plane carries it
-
-    def drain_notifications(self) -> list[tuple[str, bytes]]:
-        return []
+    # notifications: MoRI has no notice payload; the control plane carries them (NoNotifications)
 
     def close(self) -> None:
-        if self._closed:
+        held = self._tables.close()
+        if held is None:
             return
-        self._closed = True
+        registrations, peers = held
         deadline = time.monotonic() + self.options.close_timeout_ms / 1000
         with self._lock:
             parked, self._parked = self._parked, []
-            registrations = list(self._registrations.values())
-            self._registrations.clear()
-            peers = list(self._peers.values())
-            self._peers.clear()
         for statuses in parked:
             for status in statuses:
                 left_ms = int((deadline - time.monotonic()) * 1000)
@@ -408,8 +346,7 @@ class MoriBackend:
                     break
                 status.WaitFor(left_ms)
         for registered in registrations:
-            registered.handle.live = False
-            for md in registered.handle.descs:
+            for md in registered.handle.per_region:
                 self._engine.deregister_memory(md)
         for peer in {p.desc.key: p for p in peers}.values():
             self._engine.deregister_remote_engine(peer.desc)
