@@ -1,7 +1,7 @@
 """The hybrid demo presets across processes: qwen3-next, swa and deepseek-v32, byte-exact, and refusals.
 
 Every decode rank verifies each received byte of every component against the independent reference
-(``kvbridge.demo.state_models`` for the state components); seeds are picked so that each run has a
+(the state-type plugins' demo models for the state components); seeds are picked so that each run has a
 decode prefix hit (SWA still sends its whole window, NSA its pages from position 0).
 """
 

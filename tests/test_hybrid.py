@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from kvbridge.agent import Receiver, Sender, TransferAgent
-from kvbridge.demo.presets import KVModel, RequestShape
-from kvbridge.demo.state_models import MambaModel, NSAModel, SWAModel
+from kvbridge.demo.model import RequestShape
+from kvbridge.demo.presets import KVModel
 from kvbridge.errors import GeometryError, IncompatiblePeer
 from kvbridge.geometry import PoolLayout
 from kvbridge.links import LocalHub
@@ -31,9 +31,9 @@ from kvbridge.registry import Registry
 from kvbridge.testkit import reference as ref
 from kvbridge.wire import KVPoll, Role
 
-pytest.importorskip("kvbridge_mamba")
-pytest.importorskip("kvbridge_swa")
-pytest.importorskip("kvbridge_nsa")
+MambaModel = pytest.importorskip("kvbridge_mamba.demo").MambaModel     # the state types' demo models
+SWAModel = pytest.importorskip("kvbridge_swa.demo").SWAModel
+NSAModel = pytest.importorskip("kvbridge_nsa.demo").NSAModel
 
 P = 4          # GQA pool: 4-token pages, SWA window of 10 tokens = 2.5 pages
 KV = KVModel("kv", ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=2, page_size=P)

@@ -4,53 +4,27 @@ A preset is a tuple of component models in the pool's wire order. Each knows its
 (TP size, rank), which logical items a request moves (``span``: first position and count; KV pages are
 the delta after the decode prefix, state components have their own: one Mamba slot, the SWA window's
 pages, every NSA indexer page from position 0), how many items a request region of its pool holds, how
-to fill the source items of a request on prefill (the deterministic pattern of
-``kvbridge.testkit.reference``), and what the destination items must hold on decode, computed
-independently of the planner. Hybrid-state models live in :mod:`kvbridge.demo.state_models`.
+to fill the source items of a request on prefill (the deterministic pattern of :mod:`kvbridge.pattern`),
+and what the destination items must hold on decode, computed independently of the planner (the contract:
+:mod:`kvbridge.demo.model`). The paged KV model is here; the hybrid presets' state models come from the
+installed state-type plugins (:mod:`kvbridge.demo.state_models`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from kvbridge.demo.state_models import MambaModel, NSAModel, SWAModel
+from kvbridge import pattern as ref
+from kvbridge.demo.model import ComponentModel, RequestShape
+from kvbridge.demo.state_models import StateModels
 from kvbridge.errors import GeometryError, KVBridgeError, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis
-from kvbridge.testkit import reference as ref
+from kvbridge.registry import Registry
 
-
-@dataclass(frozen=True, slots=True)
-class RequestShape:
-    """One request as both sides see it (page positions are absolute, in pages of the sequence)."""
-
-    index: int
-    room: int
-    seed: int
-    seq_len: int            # tokens
-    prefix_pages: int       # pages decode already holds (prefix hit); not sent
-    num_pages: int          # pages of the whole sequence
-
-    @property
-    def positions(self) -> np.ndarray:
-        """Page positions that travel (the delta after the decode prefix)."""
-        return np.arange(self.prefix_pages, self.num_pages, dtype=np.int64)
-
-
-class ComponentModel(Protocol):
-    name: str
-    chunked: bool               # True: sent chunk by chunk (KV pages); False: once, with the last chunk
-
-    def component(self, tp_size: int, num_items: int) -> Component: ...
-    def region_items(self, region_pages: int) -> int: ...
-    def span(self, request: RequestShape) -> tuple[int, int]: ...
-    def fill(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
-             items: np.ndarray) -> None: ...
-    def verify(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
-               items: np.ndarray) -> int: ...
+__all__ = ["PRESETS", "ComponentModel", "KVModel", "Preset", "RequestShape", "get_preset"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,17 +133,14 @@ class Preset:
                 try:
                     for buf in model.component(tp, 2).buffers:
                         buf.check_tp(tp)
-                except ImportError as exc:
-                    raise UnsupportedTopology(f"{what}: component {model.name!r} needs a state-type plugin that "
-                                              f"is not installed ({exc})") from None
                 except (KVBridgeError, ValueError) as exc:
                     raise UnsupportedTopology(f"{what}: {side} TP {tp}: component {model.name!r}: {exc}") from None
 
 
-def _qwen3_next() -> Preset:
+def _qwen3_next(models: StateModels) -> Preset:
     kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=2, head_dim=64, layers=2, page_size=16)
-    gdn = MambaModel("mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8, head_k_dim=8,
-                     head_v_dim=8)
+    gdn = models.build("mamba", name="mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8,
+                       head_k_dim=8, head_v_dim=8)
     return Preset(
         "qwen3-next",
         "Qwen3-Next-like hybrid: GQA KV (2 KV heads x 64, bf16, token-major 16-token pages, 2 layers) + GDN "
@@ -179,9 +150,9 @@ def _qwen3_next() -> Preset:
         "channels resharded group by group [q|k|v], SSM state by heads")
 
 
-def _swa() -> Preset:
+def _swa(models: StateModels) -> Preset:
     kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=32, layers=2, page_size=16)
-    swa = SWAModel("swa", layers=(0, 2), page_size=16, kv_heads=8, head_dim=32, window=40)
+    swa = models.build("swa", name="swa", layers=(0, 2), page_size=16, kv_heads=8, head_dim=32, window=40)
     return Preset(
         "swa",
         "gpt-oss-like hybrid: full-attention KV (8 KV heads x 32, bf16, token-major 16-token pages, 2 layers) + "
@@ -191,9 +162,9 @@ def _swa() -> Preset:
         "to a page, aligned by absolute position), both head-sliced")
 
 
-def _deepseek_v32() -> Preset:
+def _deepseek_v32(models: StateModels) -> Preset:
     kv = KVModel("kv", ref.MLA, total_heads=1, head_dim=64, layers=2, page_size=64)
-    nsa = NSAModel("nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
+    nsa = models.build("nsa", name="nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
     return Preset(
         "deepseek-v32",
         "DeepSeek-V3.2-like: MLA latent (64 x bf16 per token, replicated, 64-token pages, 2 layers) + NSA "
@@ -203,16 +174,17 @@ def _deepseek_v32() -> Preset:
         "included), whole pages from one elected prefill rank per decode rank")
 
 
-PRESETS: dict[str, Callable[[], Preset]] = {
-    "dense-gqa": lambda: Preset(
+#: Each preset is built with the state models of the installed plugins (dense presets need none).
+PRESETS: dict[str, Callable[[StateModels], Preset]] = {
+    "dense-gqa": lambda _: Preset(
         "dense-gqa", "Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers", 16,
         (KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-dense-gqa",
         "KV pages after the decode prefix, head-sliced per token row"),
-    "dense-gqa-headmajor": lambda: Preset(
+    "dense-gqa-headmajor": lambda _: Preset(
         "dense-gqa-headmajor", "GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers", 16,
         (KVModel("kv", ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-gqa-hm",
         "KV pages after the decode prefix, head-sliced per page"),
-    "mla": lambda: Preset(
+    "mla": lambda _: Preset(
         "mla", "DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers", 16,
         (KVModel("kv", ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),), "demo-mla",
         "MLA latent pages after the decode prefix, whole pages from one elected prefill rank"),
@@ -222,8 +194,10 @@ PRESETS: dict[str, Callable[[], Preset]] = {
 }
 
 
-def get_preset(name: str) -> Preset:
+def get_preset(name: str, registry: Registry | None = None) -> Preset:
+    """The preset ``name``; a hybrid one takes its state models from ``registry`` (default: built here)."""
     try:
-        return PRESETS[name]()
+        build = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+    return build(StateModels(name, registry))

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent import AgentConfig, TransferAgent
-from kvbridge.demo.presets import ComponentModel, Preset, RequestShape, get_preset
+from kvbridge.demo.model import ComponentModel, RequestShape
+from kvbridge.demo.presets import Preset, get_preset
 from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments

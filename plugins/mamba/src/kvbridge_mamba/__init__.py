@@ -19,4 +19,5 @@ __all__ = ["MambaState", "mamba_component"]
 @hookimpl
 def kvbridge_state_types() -> list[StateTypeSpec]:
     return [StateTypeSpec(name="mamba", factory=MambaState,
-                          description="Mamba/GDN slot state: conv sharded on channels (shard groups), SSM on heads")]
+                          description="Mamba/GDN slot state: conv sharded on channels (shard groups), SSM on heads",
+                          demo_model="kvbridge_mamba.demo:MambaModel")]

@@ -20,4 +20,5 @@ __all__ = ["NSAState", "PageRange", "indexer_pages", "nsa_component"]
 @hookimpl
 def kvbridge_state_types() -> list[StateTypeSpec]:
     return [StateTypeSpec(name="nsa", factory=NSAState,
-                          description="sparse-attention indexer pages from position 0, replicated across TP")]
+                          description="sparse-attention indexer pages from position 0, replicated across TP",
+                          demo_model="kvbridge_nsa.demo:NSAModel")]

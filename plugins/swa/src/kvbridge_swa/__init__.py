@@ -20,4 +20,5 @@ __all__ = ["PageRange", "SWAState", "align_by_position", "max_window_pages", "sw
 @hookimpl
 def kvbridge_state_types() -> list[StateTypeSpec]:
     return [StateTypeSpec(name="swa", factory=SWAState,
-                          description="sliding-window KV: window pages only, aligned by position, head-sliced")]
+                          description="sliding-window KV: window pages only, aligned by position, head-sliced",
+                          demo_model="kvbridge_swa.demo:SWAModel")]
