@@ -131,7 +131,11 @@ def test_backend_that_never_notifies_fails_with_the_reason(pytester: pytest.Pyte
 def test_backend_that_reports_done_before_the_data_landed_fails(pytester: pytest.Pytester) -> None:
     result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestEarly and (single_component or delivery and pt1-dt1)")
     result.assert_outcomes(failed=2)
-    assert "differ" in result.stdout.str()
+    out = result.stdout.str()
+    assert "differ" in out
+    # the bytes land 0.3 s after DONE: both checks look again and name the cause
+    assert out.count("PREMATURE DONE: the bytes were wrong when") >= 2, out[-3000:]
+    assert "when the handle polled DONE" in out and "when the decode ranks reported Success" in out
 
 
 def test_undeclared_capability_is_skipped_with_its_name(pytester: pytest.Pytester) -> None:
@@ -206,6 +210,7 @@ class TestHonest(BackendTests):
 def test_leaks_are_reported_after_the_test(pytester: pytest.Pytester) -> None:
     source = '''
 import os
+import socket
 import threading
 
 from kvbridge.backends.loopback import LoopbackBackend, SPEC
@@ -220,7 +225,10 @@ class Leaky(LoopbackBackend):
         super().__init__(**kwargs)
         stop = threading.Event()
         threading.Thread(target=stop.wait, args=(30,), name="leaky-engine-thread", daemon=True).start()
-        HELD.append((stop, os.pipe()))
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        HELD.append((stop, os.pipe(), listener))
 
 
 class TestLeaky(BackendTests):
@@ -233,14 +241,97 @@ class TestLeaky(BackendTests):
     out = result.stdout.str()
     assert "leaky: this test leaked:" in out
     assert "thread(s) left running: leaky-engine-thread" in out
-    assert "file descriptor(s) left open: 2 x pipe" in out
+    assert "file descriptor(s) left open: 2 x pipe, 1 x socket" in out
+    assert "tcp listening on 127.0.0.1:" in out and ": pipe" in out     # each descriptor named, a socket by address
+    assert "the class TestLeaky leaked" not in out                     # reported once, by the test that leaked
+
+
+def test_class_level_leaks_are_reported_against_the_class(pytester: pytest.Pytester) -> None:
+    source = '''
+import threading
+
+from kvbridge.backends.loopback import LoopbackBackend, SPEC
+from kvbridge.specs import BackendSpec
+from kvbridge.testkit import BackendTests
+
+STOP = threading.Event()
+
+
+class StartsAnEngineThread(LoopbackBackend):
+    """Starts a thread for its first peer and never stops it (closing does not either)."""
+    started = False
+
+    def add_peer(self, peer):
+        if not StartsAnEngineThread.started:
+            StartsAnEngineThread.started = True
+            threading.Thread(target=STOP.wait, args=(30,), name="engine-peer-thread", daemon=True).start()
+        return super().add_peer(peer)
+
+
+class TestClassLeak(BackendTests):
+    spec = BackendSpec(name="class-leak", factory=StartsAnEngineThread, capabilities=SPEC.capabilities)
+    tp_pairs = ((1, 1),)
+    fault_pair = (1, 1)
+    leak_grace_s = 0.2
+'''
+    pytester.makepyfile(test_kit_subject=source)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "byte_exact_delivery")
+    result.assert_outcomes(passed=1, errors=1)
+    out = result.stdout.str()
+    # the test shares the class's agents, so the thread is found when the class ends - and blamed on the class
+    assert "the class TestClassLeak leaked" in out and "engine-peer-thread" in out
+    assert "ERROR test_kit_subject.py::TestClassLeak - " in out, out[-2000:]
+    assert "ERROR at teardown of TestClassLeak ___" in out and "at teardown of TestClassLeak.test" not in out
+
+
+def test_the_installed_registry_is_built_before_the_leak_baselines(pytester: pytest.Pytester) -> None:
+    """With ``spec = ...`` the kit needs the installed registry only inside the multi-process tier; the
+    engines' probes it runs (here: a thread and a pipe) must not be blamed on the plugin under test."""
+    pytester.makeconftest('''
+import os
+import threading
+
+import kvbridge.testkit.checked as checked
+
+_real = checked.installed_registry
+PROBES = []
+
+
+def installed_registry():
+    if not PROBES:          # an engine's probe: a thread and a descriptor that live until exit
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, args=(60,), name="engine-probe-thread", daemon=True).start()
+        PROBES.append((stop, os.pipe()))
+    return _real()
+
+
+checked.installed_registry = installed_registry
+''')
+    pytester.makepyfile(test_kit_subject='''
+from kvbridge.backends.loopback import SPEC
+from kvbridge.specs import BackendSpec
+from kvbridge.testkit import BackendTests
+
+MINE = BackendSpec(name="not-installed", factory=SPEC.factory, capabilities=SPEC.capabilities)
+
+
+class TestNotInstalled(BackendTests):
+    spec = MINE
+    leak_grace_s = 0.2
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "multiprocess_byte_exact and pt1-dt1")
+    result.assert_outcomes(passed=1)
+    assert "engine-probe-thread" not in result.stdout.str()
 
 
 # ------------------------------------------------------------------------------------------ broken state types
 BROKEN_STATES = '''
-from kvbridge.errors import UnsupportedTopology
+from hypothesis import strategies as st
+from kvbridge.errors import GeometryError, UnsupportedTopology
+from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.specs import StateTypeSpec
+from kvbridge.state.base import StateType
 from kvbridge.state.kv import KVState
 from kvbridge.testkit import StateTypeTests
 from test_testkit_factory import kv_factory
@@ -276,6 +367,67 @@ class TestPartialPlans(StateTypeTests):
 
     def component_factory(self, draw):
         return kv_factory(draw)
+
+
+class AcceptsAnything(KVState):
+    """A check_component that does nothing."""
+    def check_component(self, component, tp):
+        pass
+
+
+class PairsItsOwnWay(KVState):
+    """Paged, overrides pair_indices - and claims chunked = True, so the agent never calls it."""
+    def pair_indices(self, component, src_items, src_first, dst_items, dst_first):
+        return src_items[::-1], dst_items
+
+
+class SlotState(StateType):
+    """A correct per-request slot state (one replicated or head-sharded slot per request)."""
+    name = "slot"
+    chunked = False
+
+    def check_component(self, component, tp):
+        if component.index_kind is not IndexKind.SLOT:
+            raise GeometryError(f"{component.name!r}: slot state is indexed by slot")
+        for buf in component.buffers:
+            buf.check_tp(tp.size)
+
+
+class ClaimsChunked(SlotState):
+    chunked = True                    # wrong: a slot is one per request, final only after the last chunk
+
+
+def slot_factory(draw):
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    return lambda tp, n: Component("s", "slot", (
+        BufferGeometry("s.h", n, (local_units(heads, tp), 4), DType.BFLOAT16, ShardAxis(0, heads)),
+        BufferGeometry("s.pos", n, (1,), DType.INT64)), IndexKind.SLOT)
+
+
+class TestAcceptsAnything(StateTypeTests):
+    spec = StateTypeSpec(name="kv", factory=AcceptsAnything)
+
+    def component_factory(self, draw):
+        return kv_factory(draw)
+
+
+class TestPairsItsOwnWay(StateTypeTests):
+    spec = StateTypeSpec(name="kv", factory=PairsItsOwnWay)
+
+    def component_factory(self, draw):
+        return kv_factory(draw)
+
+
+class TestSlot(StateTypeTests):
+    spec = StateTypeSpec(name="slot", factory=SlotState)
+    items_per_request = 1
+
+    def component_factory(self, draw):
+        return slot_factory(draw)
+
+
+class TestClaimsChunked(TestSlot):
+    spec = StateTypeSpec(name="slot", factory=ClaimsChunked)
 '''
 
 
@@ -293,6 +445,55 @@ def test_state_type_that_returns_partial_plans_fails(pytester: pytest.Pytester) 
     result = run_kit(pytester, BROKEN_STATES, "-k", "PartialPlans and unsupported")
     result.assert_outcomes(failed=1)
     assert "instead of raising UnsupportedTopology" in result.stdout.str()
+
+
+def test_state_type_wrongly_claiming_chunked_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "TestClaimsChunked and (consistent or end_to_end)")
+    # the end-to-end run alone cannot tell (one slot moves either way); the consistency check does
+    result.assert_outcomes(failed=1, passed=1)
+    out = result.stdout.str()
+    assert "'slot' claims chunked = True, but its component 's' is indexed by slot" in out
+
+
+def test_chunked_state_type_with_its_own_pairing_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "TestPairsItsOwnWay and consistent")
+    result.assert_outcomes(failed=1)
+    assert "claims chunked = True and overrides pair_indices, which the agent never calls" in result.stdout.str()
+
+
+def test_check_component_that_accepts_everything_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "TestAcceptsAnything and (refused or built or end_to_end)")
+    result.assert_outcomes(failed=1, passed=2)
+    out = result.stdout.str()
+    assert "'kv'.check_component accepted its component indexed by slot instead of page" in out
+
+
+def test_a_correct_slot_state_passes_the_new_checks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", "TestSlot and (consistent or refused or end_to_end or built)")
+    result.assert_outcomes(passed=4)
+
+
+def test_shrinking_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hypothesis import Phase
+    from kvbridge.testkit import plugin
+
+    monkeypatch.delenv(plugin.NO_SHRINK_ENV, raising=False)
+    assert plugin.shrinking() and plugin.hypothesis_phases() is None
+    monkeypatch.setenv(plugin.NO_SHRINK_ENV, "1")
+    phases = plugin.hypothesis_phases()
+    assert not plugin.shrinking() and phases is not None
+    assert Phase.shrink not in phases and Phase.generate in phases
+    monkeypatch.setenv(plugin.NO_SHRINK_ENV, "0")
+    assert plugin.shrinking()
+    monkeypatch.delenv(plugin.NO_SHRINK_ENV)
+    pytester.makepyfile("from kvbridge.testkit import plugin\n\n"
+                        "def test_off():\n    assert not plugin.shrinking()\n")
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", "--kvbridge-no-shrink").assert_outcomes(passed=1)
+    assert plugin.shrinking(), "the option must not outlive its pytest run"
 
 
 def _factory_source() -> str:
@@ -369,7 +570,7 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
                           "--strict-markers", "-q", "tests/test_conformance.py"],
                          cwd=source, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "8 passed" in run.stdout, run.stdout[-2000:]
+    assert "10 passed" in run.stdout, run.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ core gaps found

@@ -83,6 +83,25 @@ def _seed(request: pytest.FixtureRequest) -> int:
     return zlib.crc32(request.node.nodeid.encode())
 
 
+#: how long a failed byte check waits before looking again, to tell a premature DONE from wrong bytes
+PREMATURE_DONE_RECHECK_S = 1.0
+
+
+def _premature_done_hint(correct_now: Any, when: str) -> str:
+    """Look again a moment after a byte check failed: bytes that are right by then arrived after the backend
+    called the write finished - the signature of a premature DONE, which deserves its own words."""
+    deadline = time.monotonic() + PREMATURE_DONE_RECHECK_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if correct_now():
+            return (f"\n  PREMATURE DONE: the bytes were wrong when {when}, and right up to "
+                    f"{PREMATURE_DONE_RECHECK_S:.1f} s later: the backend reported the write DONE before every "
+                    "byte landed at the destination. poll() may answer DONE only once the engine confirms the "
+                    "write completed at the target (not when it was posted or left the local queue); an engine "
+                    "that completes asynchronously keeps the handle PENDING until then.")
+    return ""
+
+
 class _BackendKit(KitTests):
     """Subject resolution, fixtures and helpers shared by the tiers."""
 
@@ -249,14 +268,20 @@ class _BackendKit(KitTests):
     def check_kv(self, world: World, room: Room, seed: int, src: np.ndarray, dst: np.ndarray,
                  positions: np.ndarray) -> None:
         """Destinations equal the reference reshard (and nothing else changed); sources are untouched."""
-        problems = []
-        for rank in world.decode[room.dt]:
-            problems += rank.pool.check(seed, 200 + rank.pool.rank, dst, positions)
-        for rank in world.prefill[room.pt]:
-            problems += [p.replace("bytes of the request's pages differ from the reference reshard",
-                                   "source bytes changed during the send")
-                         for p in rank.pool.check(seed, 100 + rank.pool.rank, src, positions)]
-        assert not problems, f"'{self._kvbridge_subject()}' delivered wrong bytes:\n  " + "\n  ".join(problems)
+        def problems() -> list[str]:
+            out = []
+            for rank in world.decode[room.dt]:
+                out += rank.pool.check(seed, 200 + rank.pool.rank, dst, positions)
+            for rank in world.prefill[room.pt]:
+                out += [p.replace("bytes of the request's pages differ from the reference reshard",
+                                  "source bytes changed during the send")
+                        for p in rank.pool.check(seed, 100 + rank.pool.rank, src, positions)]
+            return out
+
+        found = problems()
+        if found:
+            found[-1] += _premature_done_hint(lambda: not problems(), "the decode ranks reported Success")
+        assert not found, f"'{self._kvbridge_subject()}' delivered wrong bytes:\n  " + "\n  ".join(found)
 
     def check_exactly_once(self, world: World, room: Room, faults: FaultInjector, pages: int) -> None:
         counts = faults.notice_counts(room.room)
@@ -373,7 +398,9 @@ class BasicBackendTests(_BackendKit):
         those bytes (nothing else in the destination, nothing outside it, source untouched).
 
         Troubleshooting: ``poll`` must be non-blocking and eventually report DONE; once terminal, it must
-        keep reporting the same state until ``release``.
+        keep reporting the same state until ``release``. Bytes that differ at DONE but are right a moment
+        later (the report then says PREMATURE DONE) mean ``poll`` answered DONE before the engine confirmed
+        the write landed - e.g. on posting, or on local completion of an asynchronous write.
         """
         s = self._two_sides(make_backend, seed=_seed(request))
         transfer, si, di = self._whole_items(s, [6, 1, 3, 4], [0, 7, 2, 5])
@@ -387,19 +414,25 @@ class BasicBackendTests(_BackendKit):
         self._assert_bytes(s, self._expected(s, si, di), "a single send")
 
     def _assert_bytes(self, s: dict[str, Any], want: list[np.ndarray], what: str) -> None:
-        problems = []
-        for b, (buf, expect) in enumerate(zip(s["dst"], want)):
-            got = buf.read()
-            bad = np.flatnonzero(got != expect)
-            if bad.size:
-                item, off = divmod(int(bad[0]), s["item"])
-                problems.append(f"destination buffer {b}: {bad.size} bytes differ (first in item {item}, byte {off})")
-            if buf.guard_damage():
-                problems.append(f"destination buffer {b}: wrote outside registered memory: {buf.guard_damage()}")
-        for b, (buf, before) in enumerate(zip(s["src"], s["src_before"])):
-            if not np.array_equal(buf.read(), before):
-                problems.append(f"source buffer {b} changed")
-        assert not problems, f"'{self._kvbridge_subject()}' {what}:\n  " + "\n  ".join(problems)
+        def problems() -> list[str]:
+            out = []
+            for b, (buf, expect) in enumerate(zip(s["dst"], want)):
+                got = buf.read()
+                bad = np.flatnonzero(got != expect)
+                if bad.size:
+                    item, off = divmod(int(bad[0]), s["item"])
+                    out.append(f"destination buffer {b}: {bad.size} bytes differ (first in item {item}, byte {off})")
+                if buf.guard_damage():
+                    out.append(f"destination buffer {b}: wrote outside registered memory: {buf.guard_damage()}")
+            for b, (buf, before) in enumerate(zip(s["src"], s["src_before"])):
+                if not np.array_equal(buf.read(), before):
+                    out.append(f"source buffer {b} changed")
+            return out
+
+        found = problems()
+        if found:
+            found[-1] += _premature_done_hint(lambda: not problems(), "the handle polled DONE")
+        assert not found, f"'{self._kvbridge_subject()}' {what}:\n  " + "\n  ".join(found)
 
     def _assert_refused(self, backend: Any, transfer: ComponentTransfer, what: str) -> None:
         try:
@@ -536,7 +569,9 @@ class BasicBackendTests(_BackendKit):
 
         Troubleshooting: a diff in the request's pages with everything else intact usually means dropped or
         misaddressed descriptors; "outside the request's pages" means writes to the wrong item; guard damage
-        means writes outside registered memory.
+        means writes outside registered memory. "PREMATURE DONE" means the bytes were wrong at Success but
+        right a moment later: the backend's ``poll`` reported DONE (so the completion notice went out)
+        before the data had landed.
         """
         pt, dt = pt_dt
         self.kv_roundtrip(kv_world, faults, pt, dt, _seed(request), split=2)

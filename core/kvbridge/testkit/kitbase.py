@@ -166,16 +166,39 @@ class KitTests:
                 problems.append(f"{backend.label}: {backend.outstanding_handles() - before} transfer handle(s) "
                                 "of this test were never released")
         shared = any(name in request.fixturenames for name in self.shared_fixtures)
-        problems += snapshot.leaked(self.leak_grace_s, threads_and_fds=not shared,
-                                    allowed_threads=self.leak_allowed_threads)
+        leaked = snapshot.leaked(self.leak_grace_s, threads_and_fds=not shared,
+                                 allowed_threads=self.leak_allowed_threads)
+        if leaked:    # reported here, so the class's check at its end does not report the same things again
+            self._kvbridge_absorb(Snapshot.take())
+        problems += leaked
         tracker.forget_closed()
         if problems:
             pytest.fail(f"{self._kvbridge_subject()}: this test leaked:\n  " + "\n  ".join(problems), pytrace=False)
 
     @classmethod
+    def _kvbridge_absorb(cls, now: Snapshot) -> None:
+        baseline = cls.__dict__.get("_kvbridge_class_baseline")
+        if baseline is not None:
+            cls._kvbridge_class_baseline = baseline.merged(now)  # type: ignore[attr-defined]
+
+    @classmethod
     def _kvbridge_uses_cuda(cls, config: pytest.Config) -> bool:
         """Will this class's hardware tier touch CUDA here (so its context must be primed)?"""
         return False
+
+    @classmethod
+    def _kvbridge_prime(cls, config: pytest.Config) -> None:
+        """Make what lives until the process exits before the first baseline is taken: the ZMQ context,
+        the CUDA context when the hardware tier runs, and the registry of every installed plugin (the kit
+        builds it lazily - with ``spec = ...`` inside the first multi-process test - and building it runs
+        the engines' probes, whose threads and descriptors belong to no plugin under test)."""
+        prime_process_singletons(cuda=cls._kvbridge_uses_cuda(config))
+        from kvbridge.testkit.checked import installed_registry
+
+        try:
+            installed_registry()
+        except Exception:  # noqa: BLE001 - a broken installation is reported by the test that needs it
+            pass
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
@@ -183,11 +206,26 @@ class KitTests:
         if not cls.check_leaks:
             yield
             return
-        prime_process_singletons(cuda=cls._kvbridge_uses_cuda(request.config))
-        snapshot = Snapshot.take()
-        yield
-        problems = cls._kvbridge_tracker().problems() + snapshot.leaked(cls.leak_grace_s,
+        cls._kvbridge_prime(request.config)
+        cls._kvbridge_class_baseline = Snapshot.take()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            baseline = cls.__dict__["_kvbridge_class_baseline"]
+            del cls._kvbridge_class_baseline  # type: ignore[attr-defined]
+        problems = cls._kvbridge_tracker().problems() + baseline.leaked(cls.leak_grace_s,
                                                                        allowed_threads=cls.leak_allowed_threads)
         if problems:
-            pytest.fail(f"{cls._kvbridge_subject()}: the class's shared agents leaked:\n  " + "\n  ".join(problems),
-                        pytrace=False)
+            _report_against_class(request, f"{cls._kvbridge_subject()}: the class {cls.__qualname__} leaked "
+                                           "(found when its last test ended, after its shared fixtures closed; "
+                                           "not caused by that test alone):\n  " + "\n  ".join(problems))
+
+
+def _report_against_class(request: pytest.FixtureRequest, text: str) -> None:
+    """Report a failure of the class as a whole: an error whose node is the class, not its last test (a
+    class-scoped fixture that raised in teardown would be reported as that test's teardown error)."""
+    node = request.node
+    path = node.nodeid.split("::", 1)[0]
+    report = pytest.TestReport(nodeid=node.nodeid, location=(path, None, node.nodeid.split("::", 1)[-1]),
+                        keywords={node.name: 1}, outcome="failed", longrepr=text, when="teardown")
+    node.ihook.pytest_runtest_logreport(report=report)

@@ -5,9 +5,12 @@
     problems = before.leaked()            # re-checks for a short grace period; [] when clean
 
 Threads are compared by identity (Python threads) and by count (native threads, from /proc/self/task);
-descriptors by what they point at (``socket``, ``pipe``, ``anon_inode:[eventfd]``, a path); child
+descriptors by what they point at (``socket``, ``pipe``, ``anon_inode:[eventfd]``, a path), and a report
+names each new descriptor: its number and, for a socket, its protocol and addresses as /proc/net lists
+them (``fd 17: tcp 127.0.0.1:40112 -> 127.0.0.1:5555 ESTABLISHED``, ``unix /tmp/engine.sock``); child
 processes from /proc/self/task/*/children; /dev/shm segments this process maps, or named
-``kvbridge-...-<pid>-...`` after this process or a child the kit started. Linux only: elsewhere the /proc parts compare as empty.
+``kvbridge-<kit|demo>-<run tag>-<pid>-...`` by this run (:mod:`kvbridge.shmnames`) after this process or a child the
+kit started; another run's segments on the host are never counted. Linux only: elsewhere the /proc parts compare as empty.
 """
 
 from __future__ import annotations
@@ -17,29 +20,112 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "prime_process_singletons"]
+from kvbridge.shmnames import segment_prefix
 
-#: /dev/shm names a leak check looks at even when unmapped: ``kvbridge-...-<pid>-...`` of this process or of a
-#: child it started (the kit's peers register here); /dev/shm is host-wide, other processes' are not ours
-SHM_PREFIXES = ("kvbridge-",)
+__all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "describe_fds", "prime_process_singletons"]
+
+#: /dev/shm names a leak check looks at even when unmapped: this run's ``<prefix><pid>-...`` of this process or of a
+#: child it started (the kit's peers register here); /dev/shm is host-wide, other runs' segments are not ours
+SHM_PREFIXES = (segment_prefix("kit"), segment_prefix("demo"))
 CHILD_PIDS: set[int] = set()
 
 
-def _fd_kinds() -> Counter[str]:
-    out: Counter[str] = Counter()
+def _fd_targets() -> dict[int, str]:
+    """Descriptor number -> what it points at (``socket:[inode]``, ``pipe:[inode]``, a path, ...)."""
+    out: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return out
     for fd in names:
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except (OSError, ValueError):
             continue                                    # the listdir's own descriptor, already closed
-        out[target.split(":[", 1)[0] if target.startswith(("socket:", "pipe:")) else target] += 1
     return out
+
+
+def _kind(target: str) -> str:
+    return target.split(":[", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+
+
+def _fd_kinds(targets: dict[int, str]) -> Counter[str]:
+    return Counter(_kind(t) for t in targets.values())
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
+               "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN",
+               "0B": "CLOSING"}
+
+
+def _inet_address(text: str) -> str:
+    """``0100007F:15B3`` (or the 32-hex-digit IPv6 form) as ``127.0.0.1:5555`` / ``[::1]:5555``."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    # /proc/net prints each 32-bit word of the address in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    import ipaddress
+
+    addr = ipaddress.ip_address(raw)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    shown = f"[{addr}]" if isinstance(addr, ipaddress.IPv6Address) else str(addr)
+    return f"{shown}:{int(port, 16)}"
+
+
+def _sockets() -> dict[str, str]:
+    """Socket inode -> ``tcp 127.0.0.1:40112 -> 127.0.0.1:5555 ESTABLISHED`` (this network namespace)."""
+    out: dict[str, str] = {}
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            with open(f"/proc/self/net/{proto}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10:
+                continue
+            try:
+                local, remote = _inet_address(fields[1]), _inet_address(fields[2])
+            except ValueError:
+                continue
+            name = proto.removesuffix("6")
+            if name == "tcp" and fields[3] == "0A":
+                out[fields[9]] = f"tcp listening on {local}"
+            elif remote.endswith(":0") and name == "udp":
+                out[fields[9]] = f"udp bound to {local}"
+            else:
+                out[fields[9]] = f"{name} {local} -> {remote} {_TCP_STATES.get(fields[3], '') if name == 'tcp' else ''}".rstrip()
+    try:
+        with open("/proc/self/net/unix") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        rows = []
+    for row in rows:
+        fields = row.split()
+        if len(fields) >= 7:
+            path = fields[7] if len(fields) > 7 else ""
+            out[fields[6]] = f"unix {path.replace('@', 'abstract @', 1) if path.startswith('@') else path}".rstrip() \
+                if path else "unix (unnamed)"
+    return out
+
+
+def describe_fds(targets: dict[int, str]) -> list[str]:
+    """One line per descriptor: ``fd 17: tcp 127.0.0.1:40112 -> 127.0.0.1:5555 ESTABLISHED`` for a socket
+    (the protocol and addresses from /proc/net; ``socket`` and its inode for one /proc/net does not list:
+    netlink, or TCP bound but neither listening nor connected), ``fd 9: pipe``, ``fd 12: /dev/shm/x``."""
+    sockets = _sockets() if any(t.startswith("socket:") for t in targets.values()) else {}
+    lines = []
+    for fd, target in sorted(targets.items()):
+        if target.startswith("socket:["):
+            inode = target[len("socket:["):-1]
+            lines.append(f"fd {fd}: {sockets.get(inode, f'socket (inode {inode}; /proc/net lists no address: unconnected, or not tcp/udp/unix)')}")
+        else:
+            lines.append(f"fd {fd}: {_kind(target)}")
+    return lines
 
 
 def _native_threads() -> int:
@@ -76,8 +162,8 @@ def _shm() -> frozenset[str]:
     """Segments this process maps, plus kvbridge-named ones of this process and its kit children."""
     mine = {str(os.getpid()), *map(str, CHILD_PIDS)}
     try:
-        names = {n for n in os.listdir("/dev/shm")
-                 if n.startswith(SHM_PREFIXES) and mine.intersection(n.split("-"))}
+        names = {n for n in os.listdir("/dev/shm") for p in SHM_PREFIXES
+                 if n.startswith(p) and n[len(p):].split("-", 1)[0] in mine}
     except OSError:
         return frozenset()
     try:
@@ -98,21 +184,35 @@ class Snapshot:
     native_threads: int
     children: frozenset[int]
     shm: frozenset[str]
+    #: descriptor number -> target, to name the new descriptors in a report
+    fd_targets: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls(_fd_kinds(), frozenset(threading.enumerate()), _native_threads(), _children(), _shm())
+        targets = _fd_targets()
+        return cls(_fd_kinds(targets), frozenset(threading.enumerate()), _native_threads(), _children(), _shm(),
+                   targets)
+
+    def merged(self, other: Snapshot) -> Snapshot:
+        """A baseline holding what either snapshot holds (what was already reported is not reported again)."""
+        return Snapshot(self.fds | other.fds, self.threads | other.threads,
+                        max(self.native_threads, other.native_threads), self.children | other.children,
+                        self.shm | other.shm, {**self.fd_targets, **other.fd_targets})
 
     def diff(self, now: Snapshot, *, threads_and_fds: bool = True, allowed_threads: tuple[str, ...] = ()) -> list[str]:
         """What ``now`` holds that this snapshot did not. ``allowed_threads``: name prefixes of threads that
         live as long as the process (declared by a plugin); they are not counted, nor are native threads."""
         out = []
         if not threads_and_fds:
-            now = Snapshot(self.fds, self.threads, self.native_threads, now.children, now.shm)
+            now = Snapshot(self.fds, self.threads, self.native_threads, now.children, now.shm, self.fd_targets)
         extra_fds = now.fds - self.fds
         if extra_fds:
             what = ", ".join(f"{n} x {k}" for k, n in sorted(extra_fds.items()))
-            out.append(f"{sum(extra_fds.values())} file descriptor(s) left open: {what}")
+            known = set(self.fd_targets.values())
+            new = {fd: t for fd, t in now.fd_targets.items() if t not in known and _kind(t) in extra_fds}
+            detail = describe_fds(new)
+            more = f" ({'; '.join(detail[:12])}{'; ...' if len(detail) > 12 else ''})" if detail else ""
+            out.append(f"{sum(extra_fds.values())} file descriptor(s) left open: {what}{more}")
         new_threads = [t for t in now.threads - self.threads if t.is_alive()]
         threads = [t for t in new_threads if not t.name.startswith(allowed_threads or ("\0",))]
         if threads:

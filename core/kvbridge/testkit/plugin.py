@@ -9,6 +9,10 @@ Options:
   ``pytest --pyargs kvbridge.testkit.installed`` it runs the kit against each named installed backend.
 * ``--kvbridge-hardware {none,cuda}``: the hardware tier. Default: run it when a CUDA device is present;
   ``none`` skips it; ``cuda`` requires it (fails when there is no device).
+* ``--kvbridge-no-shrink`` (or the environment variable ``KVBRIDGE_KIT_NO_SHRINK=1``): hypothesis reports
+  the first failing example it finds instead of shrinking it to a minimal one. Shrinking a failing
+  state-machine run of a slow engine can take many minutes; turn it off while iterating on a fix, and
+  back on to get the small example for a bug report.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ MARKERS = (
 )
 
 _CUDA: bool | None = None
+_NO_SHRINK_OPTION = False
+NO_SHRINK_ENV = "KVBRIDGE_KIT_NO_SHRINK"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,11 +39,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvbridge-hardware", choices=("none", "cuda"), default=None,
                     help="hardware tier: 'none' skips it, 'cuda' requires a CUDA device "
                          "(default: run it when a CUDA device is present)")
+    group.addoption("--kvbridge-no-shrink", action="store_true", default=False,
+                    help=f"report the first failing hypothesis example without shrinking it (also: {NO_SHRINK_ENV}=1)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _NO_SHRINK_OPTION
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    _NO_SHRINK_OPTION = bool(config.getoption("kvbridge_no_shrink", default=False))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _NO_SHRINK_OPTION
+    _NO_SHRINK_OPTION = False
+
+
+def shrinking() -> bool:
+    """Should the kit's hypothesis tests shrink a failing example? (no with --kvbridge-no-shrink or
+    KVBRIDGE_KIT_NO_SHRINK set to anything but "", "0", "false", "no")"""
+    env = os.environ.get(NO_SHRINK_ENV, "").strip().lower()
+    return not (_NO_SHRINK_OPTION or env not in ("", "0", "false", "no"))
+
+
+def hypothesis_phases() -> tuple[object, ...] | None:
+    """The ``phases`` for the kit's hypothesis settings: None (hypothesis's own, from the active profile)
+    while shrinking is on, else every phase of the active profile but shrinking (and explaining, which
+    needs it)."""
+    if shrinking():
+        return None
+    from hypothesis import Phase, settings
+
+    return tuple(p for p in settings().phases if p not in (Phase.shrink, Phase.explain))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -215,7 +215,12 @@ class BackendMachine(RuleBasedStateMachine):
 
 def run_backend_machine(make_backend: Callable[[str], Any], notifications: bool, *, examples: int, bound_s: float,
                         steps: int = 20) -> None:
+    """Run the machine; shrinking is off with ``--kvbridge-no-shrink`` or ``KVBRIDGE_KIT_NO_SHRINK=1``."""
+    from kvbridge.testkit.plugin import hypothesis_phases
+
+    phases = hypothesis_phases()
     run_state_machine_as_test(
         lambda: BackendMachine(make_backend, notifications, bound_s),
         settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+                          **({"phases": phases} if phases is not None else {})))

@@ -29,7 +29,12 @@ Properties, for generated geometries and (Pt, Dt) pairs of ``tp_sizes``:
 * TP ratio 1 is the identity (same offsets, whole items, from the same rank);
 * a pair whose sizes do not divide raises UnsupportedTopology (never a partial plan);
 * slicing is pure (same inputs, same segments) and built components pass ``check_component``;
-* end to end: TransferAgents over LocalHub with the ``loopback`` backend move a request byte-exact.
+* ``check_component`` refuses invalid components: the other index kind (unless ``index_kinds`` lists
+  both), whatever ``invalid_components`` lists, and (via ``Registry.compose``) a pool of the wrong TP size;
+* ``chunked = True`` is consistent: page-indexed, ``pair_indices`` not overridden, requests paired by
+  position from 0 (what the agent does with a chunked component);
+* end to end: TransferAgents over LocalHub with the ``loopback`` backend move a request byte-exact, sent
+  in two prefill chunks (a chunked state's items split over both, other state on the last).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvbridge.agent import AgentConfig
-from kvbridge.errors import PluginError, UnsupportedTopology
-from kvbridge.geometry import BufferGeometry, Component, PoolLayout, Rank
+from kvbridge.errors import GeometryError, PluginError, UnsupportedTopology
+from kvbridge.geometry import BufferGeometry, Component, IndexKind, PoolLayout, Rank
 from kvbridge.registry import Registry
 from kvbridge.slicing import ComponentSlice, target_ranks
 from kvbridge.specs import PluginKind, StateTypeSpec, resolve
@@ -211,9 +217,13 @@ class StateTypeTests(KitTests):
         from hypothesis import HealthCheck, given, settings
         from hypothesis import strategies as st
 
+        from kvbridge.testkit.plugin import hypothesis_phases
+
+        phases = hypothesis_phases()
         @settings(max_examples=examples or self.max_examples, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                         HealthCheck.data_too_large])
+                                         HealthCheck.data_too_large],
+                  **({"phases": phases} if phases is not None else {}))
         @given(st.data())
         def run(data: Any) -> None:
             check(data)
@@ -365,6 +375,108 @@ class StateTypeTests(KitTests):
 
         self._examples(check)
 
+    def test_chunked_flag_is_consistent(self, state: StateType) -> None:
+        """A state type that claims ``chunked = True`` is really sent like KV pages: the agent sends its
+        items with every prefill chunk, taking the chunk's *KV page ids* as its source items and the next
+        entries of the decode's list as destinations, paired by position from 0. So such a state type must
+        be indexed by page (a slot is one per request and final only after the last chunk), must not
+        override ``pair_indices`` (never called for a chunked component), and its requests must pair the
+        k-th source item with the k-th destination item, both lists starting at position 0.
+
+        Troubleshooting: state that is final only when prefill ends (a slot, a window, a ring, an indexer)
+        travels once, with the last chunk: set ``chunked = False``. Only a component whose pages are
+        written once, in order, like the KV cache, is chunked.
+        """
+        if not state.chunked:
+            return
+        name = self._kvbridge_subject()
+        where = f"'{name}' claims chunked = True"
+        if type(state).pair_indices is not StateType.pair_indices:
+            raise AssertionError(f"{where} and overrides pair_indices, which the agent never calls for a chunked "
+                                 "component (it pairs chunk pages by position); a state type that needs its own "
+                                 "pairing travels once, with the last chunk: set chunked = False")
+
+        def check(data: Any) -> None:
+            model = self._model(data)
+            comp = model.logical
+            if comp.index_kind is not IndexKind.PAGE:
+                raise AssertionError(f"{where}, but its component {comp.name!r} is indexed by "
+                                     f"{comp.index_kind.value}: a chunked component is sent with every chunk using "
+                                     "that chunk's KV page ids, while a slot is one per request and final only "
+                                     "after the last chunk; set chunked = False")
+            request = self.request_items(comp, np.random.default_rng(0))
+            src, dst = request.expected_pairs()
+            positional = (request.src_first == 0 and request.dst_first == 0 and len(request.src) == len(request.dst)
+                          and np.array_equal(src, request.src) and np.array_equal(dst, request.dst))
+            assert positional, (
+                f"{where}, but its requests do not pair item k with item k from position 0 (source first "
+                f"{request.src_first}, destination first {request.dst_first}, {len(request.src)} source and "
+                f"{len(request.dst)} destination items, pairs given: {request.pairs is not None}); chunked items "
+                "are paired by position across chunks, so this pairing can only be had with chunked = False")
+
+        self._examples(check, max(3, self.max_examples // 8))
+
+    def invalid_components(self, build: ComponentFactory) -> list[tuple[str, Component]]:
+        """Components this state type's ``check_component`` must refuse (``(why, component)``), besides the
+        ones the kit derives itself (the valid component with the other index kind, unless
+        ``index_kinds`` lists both). ``build`` is the drawn geometry's factory. Default: none."""
+        return []
+
+    #: the index kinds the state type accepts; None: only the one its factory builds (the kit then checks
+    #: that the other kind is refused)
+    index_kinds: ClassVar[tuple[IndexKind, ...] | None] = None
+
+    def test_invalid_components_are_refused(self, state: StateType, loopback_registry: Registry) -> None:
+        """``check_component`` refuses what is not a valid instance of the state type: the drawn component
+        with the other index kind (a paged state given slots, or the reverse), every component of
+        ``invalid_components``, and - through the path an agent takes, ``Registry.compose`` of a pool
+        layout - a component built for one TP size in a pool of another. Each must raise GeometryError
+        (an agent built on such a pool would move bytes to the wrong places).
+
+        Troubleshooting: check the index kind, the options the geometry needs and the shape of every buffer
+        (``BufferGeometry.check_tp`` for sharded axes) in ``check_component``. A state type that really
+        accepts both index kinds sets ``index_kinds = (IndexKind.PAGE, IndexKind.SLOT)`` and lists in
+        ``invalid_components`` what it refuses instead.
+        """
+        name = self._kvbridge_subject()
+
+        def refused(why: str, comp: Component, rank: Rank) -> None:
+            try:
+                state.check_component(comp, rank)
+            except GeometryError:
+                return
+            except Exception as exc:
+                raise AssertionError(f"'{name}'.check_component raised {type(exc).__name__} ({exc}) for {why}; a "
+                                     "refusal must be a GeometryError") from exc
+            raise AssertionError(f"'{name}'.check_component accepted {why} (TP rank {rank.rank}/{rank.size}): "
+                                 f"{comp}")
+
+        def check(data: Any) -> None:
+            model = self._model(data)
+            tp = max(model.sizes)
+            comp = model.build(tp, self.num_items)
+            cases = [(f"the invalid component {why!r}", bad) for why, bad in self.invalid_components(model.build)]
+            accepted = self.index_kinds if self.index_kinds is not None else (comp.index_kind,)
+            for kind in IndexKind:
+                if kind not in accepted:
+                    cases.append((f"its component indexed by {kind.value} instead of {comp.index_kind.value}",
+                                  msgspec.structs.replace(comp, index_kind=kind)))
+            assert cases, (f"'{name}' accepts every index kind and lists no invalid_components: nothing shows that "
+                           "its check_component refuses anything; list geometries it must refuse")
+            for why, bad in cases:
+                refused(why, bad, Rank(0, tp))
+            others = [t for t in model.sizes if model.build(t, self.num_items) != comp]
+            for other in others[:1]:
+                try:
+                    layout = PoolLayout((comp,), other, 0, 16, "kvbridge-testkit-invalid")
+                    loopback_registry.compose(layout)
+                except GeometryError:
+                    continue
+                raise AssertionError(f"a pool of TP {other} holding '{name}' component built for TP {tp} was "
+                                     "accepted by Registry.compose (its shard axes hold another rank count's share)")
+
+        self._examples(check, max(5, self.max_examples // 4))
+
     def test_tp_ratio_one_is_identity(self, state: StateType) -> None:
         """With the same TP on both sides, rank r copies its whole items to rank r at the same offsets.
 
@@ -490,10 +602,12 @@ class StateTypeTests(KitTests):
             else:
                 metadata = {name: (request.dst, request.dst_first)}
             room = world.open(pt, dt, next(_ROOMS), metadata, 10.0)
-            if state.chunked:
-                room.send([request.src])
-            else:
-                room.send([np.zeros(0, np.int64)], state={name: (request.src, request.src_first)})
+            if state.chunked:      # pages of a chunked component travel with the chunks that cover them
+                cut = len(request.src) // 2
+                room.send([request.src[:cut], request.src[cut:]])
+            else:                  # state travels once, with the last of the chunks
+                none = np.zeros(0, np.int64)
+                room.send([none, none], state={name: (request.src, request.src_first)})
             room.wait_success(10.0)
             src_items, dst_items = request.expected_pairs()
             for rank, noise in zip(world.decode[dt], before):
