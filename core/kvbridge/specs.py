@@ -105,7 +105,7 @@ class BackendSpec:
     :data:`BenchEntry` or its ``"module:attr"`` (imported only when the benchmark runs), called without
     arguments; an int it returns is the exit status::
 
-        BackendSpec(name="nixl", factory="kvbridge_nixl.backend:NixlBackend", bench="kvbridge_nixl.bench:main")
+        BackendSpec(name="mybackend", factory="my_pkg.engine:MyBackend", bench="my_pkg.bench:main")
     """
 
     name: str
@@ -132,9 +132,9 @@ class StateTypeSpec:
     the component's name and the preset's dimensions as keywords; it returns a
     :class:`kvbridge.demo.model.ComponentModel` (geometry, items a request moves, fill and verify)::
 
-        StateTypeSpec(name="mamba", factory=MambaState, demo_model="kvbridge_mamba.demo:MambaModel")
-        # the qwen3-next preset then builds
-        #   MambaModel(name="mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8, ...)
+        StateTypeSpec(name="ring", factory=RingState, demo_model="my_pkg.demo:RingModel")
+        # a preset with a ring component then builds it with
+        #   StateModels(preset).build("ring", name="ring", slots=2)  ->  RingModel(name="ring", slots=2)
     """
 
     name: str
