@@ -6,14 +6,37 @@ named shared memory (``/dev/shm``): registration finds the segment backing each 
 descriptor is checked against the registered regions on both sides before a byte is copied.
 Copies are vectorized per (buffer pair, descriptor length); notifications are delivered in-process
 (a peer in another process gets them through the core's control plane instead).
+
+Peer data is never a capability. What a peer announces (its endpoint, regions, segment names and
+offsets) is validated in :meth:`LoopbackBackend.add_peer` before anything is opened or mapped:
+
+* a segment name must match ``[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}`` (no ``/``, no leading dot); it is
+  opened relative to a descriptor of ``/dev/shm`` with ``O_NOFOLLOW``, and must be a regular file of
+  this user at least ``offset + nbytes`` long (a shorter one would fault on write);
+* a component's regions must be valid host regions, one descriptor entry each, not overlapping, and
+  never overlapping memory this backend registered itself;
+* the same-process fast path (raw addresses, no mapping) is on only for a peer whose endpoint carries
+  the proof of a live backend of *this* process: every backend keeps a random 16-byte token that is
+  never sent, and advertises ``HMAC(token, name)`` truncated to 16 bytes. A process-local table maps
+  proofs to backends, so no claim (a pid, an address, a guessed proof) from elsewhere matches it; and
+  even then every destination region must be one that backend has registered for that component.
+
+A remote that replays another endpoint it was sent (in a Hello or Welcome) impersonates that peer, as
+it could with any descriptor; its writes still land only in memory that peer registered. Binding a
+Hello to its sender is the control plane's job (the shared secret), not the backend's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import mmap
 import os
+import secrets
+import stat
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,25 +48,85 @@ import numpy as np
 from kvbridge.backends.base import (
     ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers, check_within,
 )
-from kvbridge.errors import RegionError
+from kvbridge.errors import GeometryError, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.plugin import hookimpl
+from kvbridge.shmnames import MAX_SEGMENT_NAME, is_segment_name
 from kvbridge.specs import BackendSpec, Capability
 
-_MAILBOXES: dict[bytes, deque[tuple[str, bytes]]] = {}
+_MAILBOXES: dict[bytes, deque[tuple[str, bytes]]] = {}      # proof -> notices for that local backend
 _MAILBOX_LOCK = threading.Lock()
+_LOCAL: dict[bytes, tuple[bytes, weakref.ref[LoopbackBackend]]] = {}   # proof -> (token, backend): this process
+_PROOF_BYTES = 16
+_MAX_ENDPOINT_NAME = 256
+SHM_DIR = "/dev/shm"
 _SMALL_GROUP = 8  # below this many same-length descriptors, memmove each directly
 _LARGE_DESCRIPTOR = 16384  # and from this size on too: the per-call cost is lost in the copy itself
 
 
+class PeerDataError(ProtocolError, RegionError):
+    """What a peer announced (endpoint, regions, segment names, offsets) fails validation; names the field."""
+
+
 class _Endpoint(msgspec.Struct, frozen=True, array_like=True):
     name: str
-    pid: int
+    proof: bytes       # HMAC(token, name)[:16] of a backend whose token never leaves its process
 
 
 class _Backing(msgspec.Struct, frozen=True, array_like=True):
     shm_name: str      # "" when the region is private memory of its process
     offset: int        # byte offset of the region inside the shm segment
+
+
+def _proof(token: bytes, name: str) -> bytes:
+    return hmac.new(token, name.encode(), hashlib.sha256).digest()[:_PROOF_BYTES]
+
+
+def check_segment_name(name: object, field: str) -> str:
+    """``name`` if it is a plain /dev/shm segment name (no ``/``, no leading dot, bounded), else PeerDataError."""
+    if not is_segment_name(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 60 else repr(name[:60]) + "..."
+        raise PeerDataError(f"{field}={shown} is not a /dev/shm segment name (allowed: [A-Za-z0-9._-], no leading "
+                            f"dot, 1 to {MAX_SEGMENT_NAME} characters)")
+    return name
+
+
+def _open_segment(name: str, need: int, field: str) -> tuple[int, os.stat_result]:
+    """Open /dev/shm/``name`` read-write without following a link; it must be a regular file of this user
+    holding at least ``need`` bytes. Returns the descriptor (the caller closes it) and its stat."""
+    check_segment_name(name, field)
+    directory = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK, dir_fd=directory)
+    except OSError as exc:
+        why = "is a symbolic link" if os.path.islink(os.path.join(SHM_DIR, name)) else exc.strerror
+        raise PeerDataError(f"{field}={name!r}: cannot open {SHM_DIR}/{name}: {why}") from None
+    finally:
+        os.close(directory)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PeerDataError(f"{field}={name!r}: {SHM_DIR}/{name} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise PeerDataError(f"{field}={name!r}: {SHM_DIR}/{name} belongs to uid {info.st_uid}, not this user")
+        if info.st_size < need:
+            raise PeerDataError(f"{field}={name!r}: {SHM_DIR}/{name} holds {info.st_size} B, the region needs "
+                                f"{need} B (offset + length)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _file_id(backing: _Backing) -> tuple[int, int] | None:
+    """(device, inode) of the segment behind a registration of ours, or None for private memory."""
+    if not backing.shm_name:
+        return None
+    try:
+        info = os.stat(os.path.join(SHM_DIR, backing.shm_name), follow_symlinks=False)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _shm_backing(region: MemoryRegion) -> _Backing:
@@ -65,9 +148,24 @@ def _shm_backing(region: MemoryRegion) -> _Backing:
 @dataclass(slots=True)
 class _Peer:
     info: PeerInfo
-    local: bool
+    proof: bytes
+    target: weakref.ref[LoopbackBackend] | None   # the proven backend of this process, or None (another process)
     maps: list[mmap.mmap]
     translate: dict[str, np.ndarray]   # component -> per-region (remote base, local base) uint64 pairs
+    checked_generation: int = -1        # the target's registration generation its regions were last checked at
+
+    @property
+    def local(self) -> bool:
+        return self.target is not None
+
+
+def _overlaps(spans: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """Indices of two overlapping ``(start, end)`` spans, or None."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    for a, b in zip(order, order[1:]):
+        if spans[b][0] < spans[a][1]:
+            return a, b
+    return None
 
 
 def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
@@ -107,13 +205,17 @@ class LoopbackBackend:
     def __init__(self, *, name: str, options: dict[str, str] | None = None) -> None:
         self.name = "loopback"
         self.endpoint_name = name
-        self.endpoint = msgspec.msgpack.encode(_Endpoint(name, os.getpid()))
+        token = secrets.token_bytes(16)              # never leaves this process
+        self._proof = _proof(token, name)
+        self.endpoint = msgspec.msgpack.encode(_Endpoint(name, self._proof))
         self._registered: dict[str, list[RegisteredBuffers]] = {}
+        self._generation = 0                         # bumped on every (de)registration
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._closed = False
         with _MAILBOX_LOCK:
-            _MAILBOXES[self.endpoint] = deque()
+            _MAILBOXES[self._proof] = deque()
+            _LOCAL[self._proof] = (token, weakref.ref(self))
 
     # -- memory
     def register_buffers(self, component: str, regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
@@ -121,9 +223,11 @@ class LoopbackBackend:
             if region.device is not DeviceKind.CPU:
                 raise RegionError(f"loopback moves host memory only; {component} has a {region.device.value} region")
         backing = [_shm_backing(r) for r in regions]
-        registered = RegisteredBuffers(component, tuple(regions), msgspec.msgpack.encode(backing))
+        files = [(_file_id(b), b.offset, b.offset + r.nbytes) for b, r in zip(backing, regions)]
+        registered = RegisteredBuffers(component, tuple(regions), msgspec.msgpack.encode(backing), handle=files)
         with self._lock:
             self._registered.setdefault(component, []).append(registered)
+            self._generation += 1
         return registered
 
     def deregister_buffers(self, registered: RegisteredBuffers) -> None:
@@ -131,6 +235,7 @@ class LoopbackBackend:
             entries = self._registered.get(registered.component, [])
             if registered in entries:
                 entries.remove(registered)
+                self._generation += 1
             if not entries:
                 self._registered.pop(registered.component, None)
 
@@ -141,29 +246,100 @@ class LoopbackBackend:
 
     # -- peers
     def add_peer(self, peer: PeerInfo) -> str:
-        endpoint = msgspec.msgpack.decode(peer.endpoint, type=_Endpoint)
-        local = endpoint.pid == os.getpid()
+        """Validate everything ``peer`` announces (see the module docstring), then map its segments."""
+        endpoint = _decode_endpoint(peer)
+        target = self._proven_local(endpoint)
+        components = [b.component for b in peer.buffers]
+        if len(set(components)) != len(components):
+            raise PeerDataError(f"peer {peer.name!r}: buffers name a component twice: {components}")
+        regions = {b.component: _checked_regions(peer.name, b) for b in peer.buffers}
         maps: list[mmap.mmap] = []
         translate: dict[str, np.ndarray] = {}
-        if not local:
-            for buffers in peer.buffers:
-                translate[buffers.component] = self._map_remote(buffers, maps)
+        try:
+            if target is not None:
+                generation = target._check_holds(peer.name, peer.buffers)
+                own = self._own_spans()
+                for component, spans in regions.items():
+                    for i, (lo, hi) in enumerate(spans):
+                        if any(lo < o_hi and o_lo < hi for o_lo, o_hi in own):
+                            raise PeerDataError(f"peer {peer.name!r}: buffers[{component!r}].regions[{i}] "
+                                                f"[{lo:#x}, {hi:#x}) overlaps memory this backend registered")
+            else:
+                generation = -1
+                for buffers in peer.buffers:
+                    translate[buffers.component] = self._map_remote(peer.name, buffers, maps)
+        except BaseException:
+            _close_maps(maps)
+            raise
         with self._lock:
             old = self._peers.pop(peer.name, None)
-            self._peers[peer.name] = _Peer(peer, local, maps, translate)
+            self._peers[peer.name] = _Peer(peer, endpoint.proof, None if target is None else weakref.ref(target),
+                                           maps, translate, generation)
         if old is not None:
             _close_maps(old.maps)
         return peer.name
 
-    def _map_remote(self, buffers: RemoteBuffers, maps: list[mmap.mmap]) -> np.ndarray:
-        backing = msgspec.msgpack.decode(buffers.descriptor, type=list[_Backing])
+    def _proven_local(self, endpoint: _Endpoint) -> LoopbackBackend | None:
+        """The live backend of this process whose proof ``endpoint`` carries, or None (a peer elsewhere)."""
+        with _MAILBOX_LOCK:
+            entry = _LOCAL.get(endpoint.proof)
+        if entry is None:
+            return None
+        token, ref = entry
+        backend = ref()
+        if backend is None or backend._closed or not hmac.compare_digest(_proof(token, endpoint.name), endpoint.proof):
+            return None
+        return backend
+
+    def _check_holds(self, peer: str, claimed: Sequence[RemoteBuffers]) -> int:
+        """Raise unless every claimed region is one this backend has registered for that component;
+        return the registration generation checked."""
+        with self._lock:
+            generation = self._generation
+            held = {c: {(r.addr, r.nbytes) for reg in regs for r in reg.regions} for c, regs in self._registered.items()}
+        for buffers in claimed:
+            mine = held.get(buffers.component, set())
+            for i, region in enumerate(buffers.regions):
+                if (region.addr, region.nbytes) not in mine:
+                    raise PeerDataError(f"peer {peer!r}: buffers[{buffers.component!r}].regions[{i}] "
+                                        f"[{region.addr:#x}, +{region.nbytes}) is not registered by the in-process "
+                                        f"backend {self.endpoint_name!r} it claims to be")
+        return generation
+
+    def _own_spans(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return [(r.addr, r.end) for regs in self._registered.values() for reg in regs for r in reg.regions]
+
+    def _own_files(self) -> list[tuple[tuple[int, int], int, int]]:
+        with self._lock:
+            return [f for regs in self._registered.values() for reg in regs for f in (reg.handle or ())
+                    if f[0] is not None]
+
+    def _map_remote(self, peer: str, buffers: RemoteBuffers, maps: list[mmap.mmap]) -> np.ndarray:
+        where_field = f"peer {peer!r}: buffers[{buffers.component!r}].descriptor"
+        try:
+            backing = msgspec.msgpack.decode(buffers.descriptor, type=list[_Backing])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise PeerDataError(f"{where_field} is not a list of (shm_name, offset): {exc}") from None
+        if len(backing) != len(buffers.regions):
+            raise PeerDataError(f"{where_field} has {len(backing)} entries for {len(buffers.regions)} regions")
+        own = self._own_files()
         pairs = np.zeros((len(buffers.regions), 2), dtype=np.uint64)
         for i, (region, where) in enumerate(zip(buffers.regions, backing)):
             if not where.shm_name:
                 pairs[i] = (region.addr, 0)   # private memory of the peer: unreachable, refused at send
                 continue
-            fd = os.open(f"/dev/shm/{where.shm_name}", os.O_RDWR)
+            field = f"{where_field}[{i}]"
+            check_segment_name(where.shm_name, f"{field}.shm_name")
+            if not 0 <= where.offset <= 2**63 - 1 - region.nbytes:
+                raise PeerDataError(f"{field}.offset={where.offset} is outside [0, 2**63 - length)")
+            fd, info = _open_segment(where.shm_name, where.offset + region.nbytes, f"{field}.shm_name")
             try:
+                lo, hi = where.offset, where.offset + region.nbytes
+                for file_id, o_lo, o_hi in own:
+                    if file_id == (info.st_dev, info.st_ino) and lo < o_hi and o_lo < hi:
+                        raise PeerDataError(f"{field}: segment {where.shm_name!r} [{lo}, {hi}) overlaps memory this "
+                                            "backend registered")
                 page = mmap.ALLOCATIONGRANULARITY
                 start = where.offset - where.offset % page
                 mapped = mmap.mmap(fd, where.offset - start + region.nbytes, offset=start)
@@ -200,7 +376,9 @@ class LoopbackBackend:
                               "registered")
         check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, f"destination ({transfer.component})")
         dst = plan.dst_addr
-        if not peer.local:
+        if peer.target is not None:
+            self._recheck_local(transfer.peer, peer)
+        else:
             pairs = peer.translate.get(transfer.component)
             if pairs is None:
                 raise RegionError(f"peer {transfer.peer!r} registered no component {transfer.component!r}")
@@ -212,6 +390,15 @@ class LoopbackBackend:
             dst = dst - pairs[rows, 0] + pairs[rows, 1]
         copy_descriptors(plan.src_addr, dst, plan.nbytes)
         return Poll.done()
+
+    @staticmethod
+    def _recheck_local(peer_id: str, peer: _Peer) -> None:
+        """An in-process peer's regions are written at their raw addresses: they must still be registered."""
+        target = peer.target() if peer.target is not None else None
+        if target is None or target._closed:
+            raise RegionError(f"peer {peer_id!r}: its in-process backend is closed")
+        if target._generation != peer.checked_generation:
+            peer.checked_generation = target._check_holds(peer_id, peer.info.buffers)
 
     def poll(self, handle: Any) -> Poll:
         return handle if isinstance(handle, Poll) else Poll.failed(f"not a loopback handle: {handle!r}")
@@ -226,7 +413,7 @@ class LoopbackBackend:
         if peer is None or not peer.local:
             return False
         with _MAILBOX_LOCK:
-            box = _MAILBOXES.get(peer.info.endpoint)
+            box = _MAILBOXES.get(peer.proof)
             if box is None:
                 return False
             box.append((self.endpoint_name, notice))
@@ -234,7 +421,7 @@ class LoopbackBackend:
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         with _MAILBOX_LOCK:
-            box = _MAILBOXES.get(self.endpoint)
+            box = _MAILBOXES.get(self._proof)
             if not box:
                 return []
             out = list(box)
@@ -249,7 +436,40 @@ class LoopbackBackend:
         for peer in peers:
             _close_maps(peer.maps)
         with _MAILBOX_LOCK:
-            _MAILBOXES.pop(self.endpoint, None)
+            _MAILBOXES.pop(self._proof, None)
+            _LOCAL.pop(self._proof, None)
+
+
+def _decode_endpoint(peer: PeerInfo) -> _Endpoint:
+    try:
+        endpoint = msgspec.msgpack.decode(peer.endpoint, type=_Endpoint)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+        raise PeerDataError(f"peer {peer.name!r}: endpoint is not a loopback endpoint (name, proof): {exc}") from None
+    if not endpoint.name or len(endpoint.name) > _MAX_ENDPOINT_NAME:
+        raise PeerDataError(f"peer {peer.name!r}: endpoint.name of {len(endpoint.name)} characters (1 to "
+                            f"{_MAX_ENDPOINT_NAME} allowed)")
+    if len(endpoint.proof) != _PROOF_BYTES:
+        raise PeerDataError(f"peer {peer.name!r}: endpoint.proof of {len(endpoint.proof)} bytes (want {_PROOF_BYTES})")
+    return endpoint
+
+
+def _checked_regions(peer: str, buffers: RemoteBuffers) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each announced region: valid host regions that do not overlap each other."""
+    spans = []
+    for i, wire in enumerate(buffers.regions):
+        field = f"peer {peer!r}: buffers[{buffers.component!r}].regions[{i}]"
+        try:
+            region = wire.region()
+        except GeometryError as exc:
+            raise PeerDataError(f"{field}: {exc}") from None
+        if region.device is not DeviceKind.CPU:
+            raise PeerDataError(f"{field}.device={region.device.value!r}: loopback moves host memory only")
+        spans.append((region.addr, region.end))
+    clash = _overlaps(spans)
+    if clash is not None:
+        a, b = clash
+        raise PeerDataError(f"peer {peer!r}: buffers[{buffers.component!r}].regions[{a}] and [{b}] overlap")
+    return spans
 
 
 def _close_maps(maps: list[mmap.mmap]) -> None:
