@@ -1,22 +1,30 @@
 """The protocol a transfer backend implements, and the records that flow through it.
 
 A backend moves bytes and reports state; the core owns slicing, completion counting, timeouts and
-retries. It is built by its spec's factory with keyword arguments (``name``: a unique endpoint name,
+retries. It is built by its spec's factory with keyword arguments (``name``: this endpoint's unique name,
 ``options``: a str->str dict of engine settings) and must be non-blocking: ``send_component`` posts, ``poll``
-tells. Minimal example (host memory, same process)::
+tells. The instance's ``name`` attribute is the backend *type* name (the spec's), not the endpoint name.
+``docs/plugin-api.md`` describes every method: when the agent calls it, on which thread, and what it may
+raise. Minimal example (host memory, same process)::
+
+    from kvbridge.plugin import Poll, RegisteredBuffers, check_within, copy_descriptors
 
     class EchoBackend:
-        name = "echo"
-        def __init__(self, *, name, options=None): self.endpoint = name.encode()
+        name = "echo"                                    # the backend type name
+        def __init__(self, *, name, options=None):      # name: this endpoint's unique name
+            self.endpoint = name.encode()
         def register_buffers(self, component, regions):
             return RegisteredBuffers(component, tuple(regions), descriptor=b"")
         def deregister_buffers(self, registered): pass
-        def add_peer(self, peer): return peer.name
+        def add_peer(self, peer): return peer.name       # called again with the same name to refresh
         def remove_peer(self, peer_id): pass
         def send_component(self, transfer):
-            copy_plan(transfer.plan)        # ctypes.memmove per descriptor, bounds-checked first
-            return object()
-        def poll(self, handle): return Poll.done()
+            plan = transfer.plan                         # refuse a plan with any bad descriptor, post nothing
+            check_within(plan.src_addr, plan.nbytes, transfer.src.regions, "source")
+            check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, "destination")
+            copy_descriptors(plan.src_addr, plan.dst_addr, plan.nbytes)   # host memmove per descriptor
+            return Poll.done()                           # the handle: here, its final state
+        def poll(self, handle): return handle
         def release(self, handle): pass
         def notify_completion(self, peer_id, notice): return False   # let the control plane carry it
         def drain_notifications(self): return []
