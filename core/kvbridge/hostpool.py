@@ -19,10 +19,11 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from kvbridge.geometry import PoolLayout
+from kvbridge.shmnames import segment_prefix
 
 __all__ = ["SEGMENT_PREFIX", "HostPool", "reap_segments"]
 
-SEGMENT_PREFIX = "kvbridge-demo-"
+SEGMENT_PREFIX = segment_prefix("demo")   # kvbridge-demo-<run tag>-: unique per run (kvbridge.shmnames)
 
 
 def reap_segments(pid: int, prefix: str = SEGMENT_PREFIX) -> list[str]:

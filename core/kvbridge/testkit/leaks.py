@@ -9,7 +9,8 @@ descriptors by what they point at (``socket``, ``pipe``, ``anon_inode:[eventfd]`
 names each new descriptor: its number and, for a socket, its protocol and addresses as /proc/net lists
 them (``fd 17: tcp 127.0.0.1:40112 -> 127.0.0.1:5555 ESTABLISHED``, ``unix /tmp/engine.sock``); child
 processes from /proc/self/task/*/children; /dev/shm segments this process maps, or named
-``kvbridge-...-<pid>-...`` after this process or a child the kit started. Linux only: elsewhere the /proc parts compare as empty.
+``kvbridge-<kit|demo>-<run tag>-<pid>-...`` by this run (:mod:`kvbridge.shmnames`) after this process or a child the
+kit started; another run's segments on the host are never counted. Linux only: elsewhere the /proc parts compare as empty.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvbridge.shmnames import segment_prefix
+
 __all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "describe_fds", "prime_process_singletons"]
 
-#: /dev/shm names a leak check looks at even when unmapped: ``kvbridge-...-<pid>-...`` of this process or of a
-#: child it started (the kit's peers register here); /dev/shm is host-wide, other processes' are not ours
-SHM_PREFIXES = ("kvbridge-",)
+#: /dev/shm names a leak check looks at even when unmapped: this run's ``<prefix><pid>-...`` of this process or of a
+#: child it started (the kit's peers register here); /dev/shm is host-wide, other runs' segments are not ours
+SHM_PREFIXES = (segment_prefix("kit"), segment_prefix("demo"))
 CHILD_PIDS: set[int] = set()
 
 
@@ -159,8 +162,8 @@ def _shm() -> frozenset[str]:
     """Segments this process maps, plus kvbridge-named ones of this process and its kit children."""
     mine = {str(os.getpid()), *map(str, CHILD_PIDS)}
     try:
-        names = {n for n in os.listdir("/dev/shm")
-                 if n.startswith(SHM_PREFIXES) and mine.intersection(n.split("-"))}
+        names = {n for n in os.listdir("/dev/shm") for p in SHM_PREFIXES
+                 if n.startswith(p) and n[len(p):].split("-", 1)[0] in mine}
     except OSError:
         return frozenset()
     try:

@@ -2,7 +2,8 @@
 
 Every registered buffer sits between two guard zones filled with a fixed pattern; a write that strays
 outside registered memory changes a guard and is reported. /dev/shm buffers (what ``loopback`` needs
-to reach another process) are named ``kvbridge-kit-<pid>-<n>`` so a killed process's can be reaped.
+to reach another process) are named ``kvbridge-kit-<run>-<pid>-<n>`` (``<run>``: this test run's tag, see
+:mod:`kvbridge.shmnames`) so a killed process's can be reaped and no other run's is ever touched.
 
     buf = GuardedBuffer(4096, memory="host")
     agent_buffers = [buf.data]            # a contiguous uint8 array exactly the registered size
@@ -20,11 +21,12 @@ import numpy as np
 
 from kvbridge import hostpool
 from kvbridge import pattern as ref
+from kvbridge.shmnames import segment_prefix
 
 __all__ = ["GUARD", "SHM_PREFIX", "GuardedBuffer", "reap_segments"]
 
 GUARD = 256                  # bytes of guard on each side of a registered buffer
-SHM_PREFIX = "kvbridge-kit-"
+SHM_PREFIX = segment_prefix("kit")   # kvbridge-kit-<run tag>-: this run's only
 _COUNTER = itertools.count()
 
 
@@ -34,7 +36,7 @@ def _guard_pattern(n: int) -> np.ndarray:
 
 def reap_segments(pid: int, prefix: str = SHM_PREFIX) -> list[str]:
     """Unlink the /dev/shm segments named ``<prefix><pid>-<n>`` of process ``pid`` (e.g. one that was
-    killed and could not unlink its own); return their names."""
+    killed and could not unlink its own); return their names. The default prefix is this run's."""
     return hostpool.reap_segments(pid, prefix)
 
 
