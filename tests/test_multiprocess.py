@@ -140,7 +140,7 @@ def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> Non
         receiver = agent.receiver(request.room, INSTANCE)
         items = np.arange(1, 1 + max(1, len(request.positions)))
         receiver.send_metadata({"kv": items[: len(request.positions)]})
-        time.sleep(0.5)                    # the child sends its first chunk, then pauses
+        _wait(lambda: receiver.poll() >= KVPoll.Transferring, 30)   # the child sent its first chunk and pauses
         _kill(child)
         took = _wait(lambda: receiver.poll() == KVPoll.Failed, 5)
         assert took < 1.0 + 1.5, f"took {took:.2f} s to notice the dead prefill rank"

@@ -58,7 +58,10 @@ def test_out_of_bounds_destination_is_refused_before_posting(pair: Any, monkeypa
     src, dst, peer = pair
     monkeypatch.setattr(src.backend._te, "batch_transfer_sync_write", lambda *a: pytest.fail("posted"))
     plan = _plan(src, dst)
-    bad = TransferPlan(plan.src_addr, plan.dst_addr + np.uint64(dst.arrays[-1].nbytes * 64), plan.nbytes, plan.buffer)
+    # every destination moved to just past the end of the highest registered region: outside all of them
+    # wherever the allocator placed the arrays (a fixed shift could land in another registered region)
+    beyond = max(r.addr + r.nbytes for r in dst.registered.remote().regions)
+    bad = TransferPlan(plan.src_addr, plan.dst_addr - plan.dst_addr.min() + np.uint64(beyond), plan.nbytes, plan.buffer)
     with pytest.raises(RegionError, match=r"destination \(kv\) descriptor 0 .* outside every registered region"):
         src.backend.send_component(transfer(src, dst, peer, bad))
 
