@@ -1,7 +1,16 @@
-"""kvbridge: move KV cache and hybrid-model state between disaggregated prefill and decode workers."""
+"""kvbridge: move KV cache and hybrid-model state between disaggregated prefill and decode workers.
+
+Public modules (stable names; everything else under ``kvbridge`` is internal and may move):
+
+* ``kvbridge``: the records and errors below;
+* ``kvbridge.agent``: ``TransferAgent``, ``Sender``, ``Receiver`` and ``AgentConfig``, what an engine drives;
+* ``kvbridge.plugin``: the plugin-author surface, the one module a backend or state-type plugin imports;
+* ``kvbridge.testkit``: the conformance kit and test helpers for plugins (its package root only).
+"""
 
 from __future__ import annotations
 
+from kvbridge._markers import hookimpl
 from kvbridge.errors import (
     GeometryError, IncompatiblePeer, KVBridgeError, PluginConflictError, PluginError, PluginUnavailableError,
     ProtocolError, RegionError, TransferError, UnknownPluginError, UnsupportedTopology,
@@ -10,7 +19,6 @@ from kvbridge.geometry import (
     BufferGeometry, Component, DeviceKind, DType, IndexKind, MemoryRegion, PoolLayout, Rank, ShardAxis,
     geometry_of, region_of,
 )
-from kvbridge.plugin import hookimpl
 from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec
 
 __all__ = [

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvbridge._markers import hookspec
 from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
 from kvbridge.geometry import Component, MemoryRegion, Rank
-from kvbridge.plugin import hookspec
 from kvbridge.slicing import ComponentSlice
 from kvbridge.specs import BackendSpec, StateTypeSpec
 from kvbridge.state.base import StateType

@@ -25,10 +25,10 @@ from typing import Any
 import pluggy
 
 from kvbridge import hookspecs
+from kvbridge._markers import ENTRY_POINT_GROUP, PROJECT, hookimpl
 from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
 from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank
-from kvbridge.plugin import ENTRY_POINT_GROUP, PROJECT, hookimpl
 from kvbridge.slicing import ComponentSlice
 from kvbridge.specs import Availability, BackendSpec, PluginKind, PluginStatus, StateTypeSpec, resolve
 from kvbridge.state.base import StateType

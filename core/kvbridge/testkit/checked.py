@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kvbridge._markers import hookimpl
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers
 from kvbridge.geometry import MemoryRegion
-from kvbridge.plugin import hookimpl
 from kvbridge.registry import Registry
 from kvbridge.specs import BackendSpec, StateTypeSpec, resolve
 

@@ -35,9 +35,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge._markers import hookimpl
 from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
 from kvbridge.errors import ProtocolError, TransferError
-from kvbridge.plugin import hookimpl
 from kvbridge.testkit.checked import CheckedBackend
 from kvbridge.wire import Codec, Notice
 
