@@ -3,6 +3,8 @@ plugin subclasses in its ``tests/test_conformance.py``.
 
     from kvbridge.testkit import BackendTests, StateTypeTests
 
+Plugins (their ``testing`` helpers and tests) use only this package root; its modules are internal.
+
 Importing this package is cheap: the names below load their modules on first use.
 """
 
@@ -24,11 +26,29 @@ _EXPORTS = {
     "FaultInjector": "kvbridge.testkit.faults",
     "CheckedBackend": "kvbridge.testkit.checked",
     "kit_registry": "kvbridge.testkit.checked",
+    # the reshard rig: byte-exact TP resharding through a state type, by copy or through backends
+    "Outcome": "kvbridge.testkit.reshard",
+    "TP_SIZES": "kvbridge.testkit.reshard",
+    "run_reshard": "kvbridge.testkit.reshard",
+    "shardable": "kvbridge.testkit.reshard",
+    "units_held": "kvbridge.testkit.reshard",
+    "wait": "kvbridge.testkit.reshard",
+    # paged KV ranks for backend tests
+    "Model": "kvbridge.testkit.rig",
+    "Rig": "kvbridge.testkit.rig",
+    "make_rank": "kvbridge.testkit.rig",
+    "peer_info": "kvbridge.testkit.rig",
+    "plan_for": "kvbridge.testkit.rig",
+    "reference_heads": "kvbridge.testkit.rig",
+    "run_backend_reshard": "kvbridge.testkit.rig",
+    "transfer": "kvbridge.testkit.rig",
 }
 
-__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault", "FaultInjector",
-           "HardwareBackendTests", "MultiProcessBackendTests", "RequestItems", "StateTypeTests", "kit_registry",
-           "requires", "shard_buffer"]
+__all__ = ["TP_SIZES", "BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault",
+           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
+           "Rig", "StateTypeTests", "kit_registry", "make_rank", "peer_info", "plan_for", "reference_heads",
+           "requires", "run_backend_reshard", "run_reshard", "shard_buffer", "shardable", "transfer", "units_held",
+           "wait"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,22 +2,32 @@
 
 A component is described at TP 1 (its logical, un-sharded form). The reference fills it with random bytes,
 shards it per rank itself, then runs kvbridge for every (prefill rank, decode rank) pair -- slice through the
-state type, plan with ``plan_transfer``, copy with ``copy_descriptors`` into the decode rank's buffers -- and
-compares each decode buffer, byte for byte, with its own reshard for the decode TP. It also counts how many
-times each destination byte was written.
+state type, plan with ``plan_transfer``, move the bytes into the decode rank's buffers -- and compares each
+decode buffer, byte for byte, with its own reshard for the decode TP. It also counts how many times each
+destination byte was written.
 
-Used by the state-type plugins' tests (kvbridge-mamba, -swa, -nsa) and available to any third party.
+The bytes move with ``copy_descriptors`` (state-type tests: kvbridge-mamba, -swa, -nsa), or through one
+backend per rank, driven by the backend protocol directly (no agent), when ``backend`` is given (backend
+tests; :func:`kvbridge.testkit.rig.run_backend_reshard` is the paged-KV shorthand)::
+
+    run_reshard(STATE, make, pt=4, dt=2, src_items=s, dst_items=d).assert_exact()
+    run_reshard(KVState(), make, 4, 2, s, d, backend=lambda name: MyBackend(name=name)).assert_exact()
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from kvbridge.backends.loopback import copy_descriptors
-from kvbridge.geometry import BufferGeometry, Component, Rank
-from kvbridge.planner import BufferPair, plan_transfer
+
+from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers
+from kvbridge.backends.copying import copy_descriptors
+from kvbridge.geometry import BufferGeometry, Component, Rank, region_of
+from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.slicing import ComponentSlice
 from kvbridge.state.base import StateType
 
 TP_SIZES = (1, 2, 4, 8)
@@ -87,10 +97,17 @@ class Outcome:
 
 
 def run_reshard(state: StateType, make: Callable[[int], Component], pt: int, dt: int,
-                src_items: np.ndarray, dst_items: np.ndarray, seed: int = 0) -> Outcome:
-    """Move ``src_items`` of every prefill rank to ``dst_items`` of every decode rank and compare."""
+                src_items: np.ndarray, dst_items: np.ndarray, seed: int = 0, *,
+                backend: Callable[[str], Any] | None = None,
+                make_dst: Callable[[int], Component] | None = None) -> Outcome:
+    """Move ``src_items`` of every prefill rank to ``dst_items`` of every decode rank and compare.
+
+    ``make(tp)`` builds the component of one rank at TP ``tp`` (``make_dst``, if given, the decode side's).
+    With ``backend`` (a factory called with an endpoint name), each rank gets its own backend and every
+    pair's plan is posted with ``send_component`` and polled to DONE; the backends are closed at the end.
+    """
     rng = np.random.default_rng(seed)
-    logical_comp, src_comp, dst_comp = make(1), make(pt), make(dt)
+    logical_comp, src_comp, dst_comp = make(1), make(pt), (make_dst or make)(dt)
     logical = [logical_bytes(b, rng) for b in logical_comp.buffers]
     src = [[reshard(x, b, pt, p) for x, b in zip(logical, logical_comp.buffers)] for p in range(pt)]
     initial = [[rng.integers(0, 256, (b.num_items, b.item_nbytes), dtype=np.uint8) for b in dst_comp.buffers]
@@ -98,22 +115,33 @@ def run_reshard(state: StateType, make: Callable[[int], Component], pt: int, dt:
     got = [[a.copy() for a in bufs] for bufs in initial]
     diffs = [[np.zeros(a.size + 1, dtype=np.int64) for a in bufs] for bufs in got]
     descriptors = np.zeros((pt, dt), dtype=np.int64)
-    for p in range(pt):
-        for d in range(dt):
-            sl = state.slice(src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
-            assert len(sl.buffers) == len(dst_comp.buffers)
-            pairs = [BufferPair(s.ctypes.data, sb.item_nbytes, sb.num_items, g.ctypes.data, db.item_nbytes,
-                                db.num_items, seg)
-                     for s, g, sb, db, seg in zip(src[p], got[d], src_comp.buffers, dst_comp.buffers, sl.buffers)]
-            plan = plan_transfer(pairs, src_items, dst_items)
-            descriptors[p, d] = len(plan)
-            _check_bounds(plan.src_addr, plan.nbytes, plan.buffer, src[p])
-            starts = _check_bounds(plan.dst_addr, plan.nbytes, plan.buffer, got[d])
-            copy_descriptors(plan.src_addr, plan.dst_addr, plan.nbytes)
-            for b in np.unique(plan.buffer):
-                sel = plan.buffer == b
-                np.add.at(diffs[d][b], starts[sel], 1)
-                np.add.at(diffs[d][b], starts[sel] + plan.nbytes[sel].astype(np.int64), -1)
+    movers = _Movers(backend, src, got) if backend is not None else None
+    try:
+        for p in range(pt):
+            for d in range(dt):
+                sl = state.slice(src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
+                assert len(sl.buffers) == len(dst_comp.buffers)
+                pairs = [BufferPair(s.ctypes.data, sb.item_nbytes, sb.num_items, g.ctypes.data, db.item_nbytes,
+                                    db.num_items, seg)
+                         for s, g, sb, db, seg in zip(src[p], got[d], src_comp.buffers, dst_comp.buffers,
+                                                      sl.buffers)]
+                plan = plan_transfer(pairs, src_items, dst_items)
+                descriptors[p, d] = len(plan)
+                _check_bounds(plan.src_addr, plan.nbytes, plan.buffer, src[p])
+                starts = _check_bounds(plan.dst_addr, plan.nbytes, plan.buffer, got[d])
+                if movers is None:
+                    copy_descriptors(plan.src_addr, plan.dst_addr, plan.nbytes)
+                elif len(plan):
+                    movers.send(p, d, plan, sl, src_items, dst_items)
+                for b in np.unique(plan.buffer):
+                    sel = plan.buffer == b
+                    np.add.at(diffs[d][b], starts[sel], 1)
+                    np.add.at(diffs[d][b], starts[sel] + plan.nbytes[sel].astype(np.int64), -1)
+        if movers is not None:
+            movers.finish()
+    finally:
+        if movers is not None:
+            movers.close()
     expected, expected_writes = [], []
     for d in range(dt):
         exp, ew = [], []
@@ -128,6 +156,54 @@ def run_reshard(state: StateType, make: Callable[[int], Component], pt: int, dt:
         expected_writes.append(ew)
     writes = [[np.cumsum(diff)[:-1] for diff in bufs] for bufs in diffs]
     return Outcome(got, expected, writes, expected_writes, descriptors)
+
+
+class _Movers:
+    """One backend per rank: prefill rank ``p`` is ``prefill-<p>``, decode rank ``d`` is ``decode-<d>``."""
+
+    def __init__(self, factory: Callable[[str], Any], src: list[list[np.ndarray]],
+                 dst: list[list[np.ndarray]]) -> None:
+        self.prefill: list[tuple[Any, RegisteredBuffers]] = []
+        self.decode: list[tuple[Any, RegisteredBuffers]] = []
+        self.pending: list[tuple[Any, Any]] = []
+        for side, name, pools in ((self.prefill, "prefill", src), (self.decode, "decode", dst)):
+            for rank, arrays in enumerate(pools):
+                backend = factory(f"{name}-{rank}")
+                side.append((backend, backend.register_buffers(COMPONENT, [region_of(a) for a in arrays])))
+
+    def send(self, p: int, d: int, plan: TransferPlan, sl: ComponentSlice, src_items: np.ndarray,
+             dst_items: np.ndarray) -> None:
+        sender, registered = self.prefill[p]
+        receiver, dst = self.decode[d]
+        peer = sender.add_peer(PeerInfo(f"decode-{d}", receiver.endpoint, (dst.remote(),)))
+        order = np.argsort(src_items, kind="stable")
+        transfer = ComponentTransfer(room=1, component=COMPONENT, peer=peer, chunk=0, last=True, src=registered,
+                                     dst=dst.remote(), plan=plan, src_items=np.asarray(src_items, np.int64)[order],
+                                     dst_items=np.asarray(dst_items, np.int64)[order], segments=tuple(sl.buffers))
+        self.pending.append((sender, sender.send_component(transfer)))
+
+    def finish(self, timeout: float = 10.0) -> None:
+        for sender, handle in self.pending:
+            result = wait(sender, handle, timeout)
+            assert result == Poll.done(), result
+            sender.release(handle)
+
+    def close(self) -> None:
+        for backend, _ in self.prefill + self.decode:
+            backend.close()
+
+
+COMPONENT = "kv"
+
+
+def wait(backend: Any, handle: Any, timeout: float = 10.0) -> Poll:
+    """Poll ``handle`` until it leaves PENDING (or ``timeout`` seconds passed); the last poll."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result: Poll = backend.poll(handle)
+        if result.state is not HandleState.PENDING or time.monotonic() > deadline:
+            return result
+        time.sleep(0.001)
 
 
 def _check_bounds(addr: np.ndarray, nbytes: np.ndarray, buffer: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
