@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import Availability, BackendSpec, Capability, probe_import
+from kvbridge.plugin import Availability, BackendSpec, Capability, hookimpl, probe_import
 
 __all__ = ["DRIVER_DIR", "INSTALL_HINT", "NPU_HINT", "SPEC", "kvbridge_transfer_backends", "probe"]
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, check_within
-from kvbridge.backends.scaffold import EngineTables, NoNotifications, default_host, import_engine, settled
-from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion
-from kvbridge.planner import TransferPlan
+from kvbridge.plugin import (
+    ComponentTransfer, DeviceKind, EngineTables, IncompatiblePeer, MemoryRegion, NoNotifications, PeerInfo,
+    PluginUnavailableError, Poll, RegionError, RegisteredBuffers, TransferPlan, check_within, default_host,
+    import_engine, settled,
+)
 
 from kvbridge_ascend.codes import describe
 

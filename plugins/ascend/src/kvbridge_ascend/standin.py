@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvbridge.backends.loopback import copy_descriptors
+from kvbridge.plugin import copy_descriptors
 
 from kvbridge_ascend.codes import SmemCode
 

@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import StateTypeSpec
+from kvbridge.plugin import StateTypeSpec, hookimpl
 
 from kvbridge_mamba.geometry import mamba_component
 from kvbridge_mamba.state import MambaState

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from kvbridge.demo.model import RequestShape, StateModel
-from kvbridge.errors import GeometryError, UnsupportedTopology
-from kvbridge.geometry import Component, DType
-from kvbridge.pattern import pattern, shard_axis
+from kvbridge.plugin import (
+    Component, DType, GeometryError, RequestShape, StateModel, UnsupportedTopology, pattern, shard_axis,
+)
 
 from kvbridge_mamba.geometry import mamba_component
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbridge.errors import GeometryError
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
+from kvbridge.plugin import BufferGeometry, Component, DType, GeometryError, IndexKind, ShardAxis, local_units
 
 
 def layer_ids(layers: int | Sequence[int]) -> tuple[int, ...]:

@@ -29,9 +29,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-from kvbridge.errors import GeometryError
-from kvbridge.geometry import Component, IndexKind, Rank
-from kvbridge.state.base import StateType
+from kvbridge.plugin import Component, GeometryError, IndexKind, Rank, StateType
 
 
 class MambaState(StateType):

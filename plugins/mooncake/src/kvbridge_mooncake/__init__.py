@@ -7,8 +7,7 @@ unavailable instead of failing. See README.md for what is verified (TCP) and wha
 
 from __future__ import annotations
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import BackendSpec, Capability
+from kvbridge.plugin import BackendSpec, Capability, hookimpl
 
 from kvbridge_mooncake.availability import APT_HINT, PIP_HINT, probe
 

@@ -7,7 +7,7 @@ import ctypes.util
 import importlib.util
 import os
 
-from kvbridge.specs import Availability
+from kvbridge.plugin import Availability
 
 APT_HINT = "apt-get install -y --no-install-recommends libibverbs1"
 PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"

@@ -21,9 +21,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, check_within
-from kvbridge.errors import IncompatiblePeer, ProtocolError, RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion
+from kvbridge.plugin import (
+    ComponentTransfer, DeviceKind, IncompatiblePeer, MemoryRegion, PeerInfo, Poll, ProtocolError, RegionError,
+    RegisteredBuffers, check_within,
+)
 
 from kvbridge_mooncake.engine import MooncakeOptions, create_engine
 from kvbridge_mooncake.worker import MooncakeHandle, NotifyFailure, NotifyJob, SendJob, Worker

@@ -35,11 +35,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RemoteBuffers
-from kvbridge.backends.loopback import copy_descriptors
-from kvbridge.geometry import BufferGeometry, Component, DType, Rank, ShardAxis, region_of
-from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
-from kvbridge.slicing import buffer_segments
+from kvbridge.plugin import (
+    BufferGeometry, BufferPair, Component, ComponentTransfer, DType, HandleState, PeerInfo, Rank,
+    RemoteBuffers, ShardAxis, TransferPlan, buffer_segments, copy_descriptors, plan_transfer, region_of,
+)
 
 _PIPE_WAIT_S = 60.0
 _RAW_SYNC_CHUNK = 1024

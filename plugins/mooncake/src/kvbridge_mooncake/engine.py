@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvbridge.errors import PluginUnavailableError
+from kvbridge.plugin import PluginUnavailableError
 
 from kvbridge_mooncake.availability import hint_for, quiet_glog
 

@@ -15,12 +15,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.backends.base import (
-    ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers,
+from kvbridge.plugin import (
+    BufferGeometry, BufferPair, Component, ComponentTransfer, DType, HandleState, PeerInfo, Poll, Rank,
+    RegisteredBuffers, RemoteBuffers, ShardAxis, TransferPlan, buffer_segments, plan_transfer, region_of,
 )
-from kvbridge.geometry import BufferGeometry, Component, DType, Rank, ShardAxis, region_of
-from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
-from kvbridge.slicing import buffer_segments
 
 from kvbridge_mooncake.availability import probe
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvbridge.backends.base import HandleState, Poll
+from kvbridge.plugin import HandleState, Poll
 
 log = logging.getLogger("kvbridge.mooncake")
 _BAD_BATCH_IDS = frozenset({0, 2**64 - 1})  # submit failed (0), or no segment for the peer (-1 as uint64)

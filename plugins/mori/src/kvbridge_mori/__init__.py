@@ -10,8 +10,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import Availability, BackendSpec, Capability, probe_import
+from kvbridge.plugin import Availability, BackendSpec, Capability, hookimpl, probe_import
 
 __all__ = ["INSTALL_HINT", "SPEC", "kvbridge_transfer_backends", "probe"]
 

@@ -30,18 +30,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    PeerInfo,
-    Poll,
-    RegionWire,
-    RegisteredBuffers,
-    RemoteBuffers,
+from kvbridge.plugin import (
+    ComponentTransfer, DeviceKind, EngineTables, MemoryRegion, NoNotifications, PeerInfo, Poll, RegionError,
+    RegionWire, RegisteredBuffers, RemoteBuffers, TransferPlan, default_host, import_engine, settled,
 )
-from kvbridge.backends.scaffold import EngineTables, NoNotifications, default_host, import_engine, settled
-from kvbridge.errors import RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion
-from kvbridge.planner import TransferPlan
 
 _U64 = np.uint64
 _MAX_FAILURE_EVENTS = 1024  # drained per call, so a chatty engine cannot stall a poll

@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from kvbridge.backends.loopback import copy_descriptors
+from kvbridge.plugin import copy_descriptors
 
 _ERR_BEGIN = 10  # codes above this are failures (not exported by the real binding either)
 _IPC_HANDLE_SIZE = 64

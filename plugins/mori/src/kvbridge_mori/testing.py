@@ -5,17 +5,16 @@ explicitly::
 
     from kvbridge_mori.testing import STANDIN_SPEC
 
-The reshard rig the plugin's tests use lives in ``kvbridge.testkit.rig`` and is re-exported here.
+The reshard rig the plugin's tests use comes from :mod:`kvbridge.testkit` and is re-exported here.
 """
 
 from __future__ import annotations
 
 import functools
 
-from kvbridge.specs import Availability, BackendSpec, Capability
-from kvbridge.testkit.rig import (  # noqa: F401 - the plugin's tests import the rig from here
-    COMPONENT, Model, Rig, make_rank, peer_info, plan_for, reference_heads, run_reshard, transfer, wait,
-)
+from kvbridge.plugin import Availability, BackendSpec, Capability
+from kvbridge.testkit import Model, Rig, make_rank, peer_info, plan_for, reference_heads, transfer, wait
+from kvbridge.testkit import run_backend_reshard as run_reshard
 
 from kvbridge_mori import standin
 from kvbridge_mori.backend import MoriBackend

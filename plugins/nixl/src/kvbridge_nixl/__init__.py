@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import Availability, BackendSpec, Capability
+from kvbridge.plugin import Availability, BackendSpec, Capability, hookimpl
 
 __all__ = ["INSTALL_HINT", "SPEC", "kvbridge_transfer_backends", "probe"]
 

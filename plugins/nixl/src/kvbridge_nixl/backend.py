@@ -22,18 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    PeerInfo,
-    Poll,
-    RegionWire,
-    RegisteredBuffers,
-    RemoteBuffers,
-    check_within,
+from kvbridge.plugin import (
+    ComponentTransfer, DeviceKind, MemoryRegion, PeerInfo, PluginUnavailableError, Poll, ProtocolError,
+    RegionError, RegionWire, RegisteredBuffers, RemoteBuffers, Segments, TransferError, check_within,
 )
-from kvbridge.errors import PluginUnavailableError, ProtocolError, RegionError, TransferError
-from kvbridge.geometry import DeviceKind, MemoryRegion
-from kvbridge.slicing import Segments
 
 from kvbridge_nixl import INSTALL_HINT
 from kvbridge_nixl.dlists import Pattern, SideGeometry, derive_side, dlist_rows, indices

@@ -26,10 +26,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
-from kvbridge.geometry import DeviceKind, MemoryRegion
-from kvbridge.planner import BufferPair, plan_transfer
-from kvbridge.slicing import Segments
+from kvbridge.plugin import (
+    BufferPair, ComponentTransfer, DeviceKind, HandleState, MemoryRegion, PeerInfo, Segments, plan_transfer,
+)
 
 from kvbridge_nixl.backend import NixlBackend
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers
-from kvbridge.geometry import BufferGeometry, DType, MemoryRegion, Rank, ShardAxis, region_of
-from kvbridge.planner import BufferPair, plan_transfer
-from kvbridge.slicing import buffer_segments
+from kvbridge.plugin import (
+    BufferGeometry, BufferPair, ComponentTransfer, DType, HandleState, MemoryRegion, PeerInfo, Rank,
+    RegisteredBuffers, RemoteBuffers, ShardAxis, buffer_segments, plan_transfer, region_of,
+)
 
 PAGE = 4            # tokens per page
 HEAD_DIM = 8        # fp16 -> 16 B per head per token

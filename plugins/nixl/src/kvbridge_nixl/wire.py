@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from kvbridge.errors import ProtocolError
+from kvbridge.plugin import ProtocolError
 
 #: Bumped when the endpoint or descriptor layout changes.
 WIRE_VERSION = 1

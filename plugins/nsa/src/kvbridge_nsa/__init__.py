@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import StateTypeSpec
+from kvbridge.plugin import StateTypeSpec, hookimpl
 
 from kvbridge_nsa.geometry import nsa_component
 from kvbridge_nsa.pages import PageRange, indexer_pages

@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from kvbridge.demo.model import RequestShape, StateModel
-from kvbridge.geometry import Component
-from kvbridge.pattern import pattern
+from kvbridge.plugin import Component, RequestShape, StateModel, pattern
 
 from kvbridge_nsa.geometry import nsa_component
 

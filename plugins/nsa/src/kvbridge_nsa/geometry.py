@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbridge.errors import GeometryError
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind
+from kvbridge.plugin import BufferGeometry, Component, DType, GeometryError, IndexKind
 
 
 def nsa_component(name: str, *, layers: int | Sequence[int], page_size: int = 64, bytes_per_token: int = 132,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvbridge.errors import GeometryError
+from kvbridge.plugin import GeometryError
 
 
 class PageRange(NamedTuple):

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbridge.errors import GeometryError
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
+from kvbridge.plugin import BufferGeometry, Component, DType, GeometryError, IndexKind, ShardAxis, local_units
 
 
 def swa_component(name: str, *, layers: int | Sequence[int], page_size: int, kv_heads: int, head_dim: int, tp: int,

@@ -24,10 +24,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-from kvbridge.errors import GeometryError, IncompatiblePeer
-from kvbridge.geometry import Component, IndexKind, Rank
-from kvbridge.slicing import ComponentSlice
-from kvbridge.state.base import StateType
+from kvbridge.plugin import (
+    Component, ComponentSlice, GeometryError, IncompatiblePeer, IndexKind, Rank, StateType,
+)
 
 from kvbridge_swa.window import PageRange, align_by_position, max_window_pages, window_pages
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from kvbridge.errors import GeometryError
+from kvbridge.plugin import GeometryError
 
 
 class PageRange(NamedTuple):
