@@ -98,7 +98,8 @@ def _sockets() -> dict[str, str]:
             elif remote.endswith(":0") and name == "udp":
                 out[fields[9]] = f"udp bound to {local}"
             else:
-                out[fields[9]] = f"{name} {local} -> {remote} {_TCP_STATES.get(fields[3], '') if name == 'tcp' else ''}".rstrip()
+                state = _TCP_STATES.get(fields[3], "") if name == "tcp" else ""
+                out[fields[9]] = f"{name} {local} -> {remote} {state}".rstrip()
     try:
         with open("/proc/self/net/unix") as f:
             rows = f.read().splitlines()[1:]
@@ -108,8 +109,8 @@ def _sockets() -> dict[str, str]:
         fields = row.split()
         if len(fields) >= 7:
             path = fields[7] if len(fields) > 7 else ""
-            out[fields[6]] = f"unix {path.replace('@', 'abstract @', 1) if path.startswith('@') else path}".rstrip() \
-                if path else "unix (unnamed)"
+            shown = f"abstract {path}" if path.startswith("@") else path
+            out[fields[6]] = f"unix {shown}" if path else "unix (unnamed)"
     return out
 
 
@@ -122,7 +123,8 @@ def describe_fds(targets: dict[int, str]) -> list[str]:
     for fd, target in sorted(targets.items()):
         if target.startswith("socket:["):
             inode = target[len("socket:["):-1]
-            lines.append(f"fd {fd}: {sockets.get(inode, f'socket (inode {inode}; /proc/net lists no address: unconnected, or not tcp/udp/unix)')}")
+            unlisted = f"socket (inode {inode}; /proc/net lists no address: unconnected, or not tcp/udp/unix)"
+            lines.append(f"fd {fd}: {sockets.get(inode, unlisted)}")
         else:
             lines.append(f"fd {fd}: {_kind(target)}")
     return lines
