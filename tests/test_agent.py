@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvbridge.agent import AgentConfig, Receiver, Sender, TransferAgent
+from kvbridge.agent.peers import HandshakeState
 from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, TransferError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.links import LocalHub
@@ -136,7 +137,7 @@ def test_duplicate_and_late_notices_are_dropped(make_pair: Callable[..., Pair]) 
     codec = Codec()
     dec = pair.decode[0]
     # a forged "last" notice for chunk 1 must not complete the room while chunk 0 is missing
-    dec._handle_frame(codec.encode(Notice(9, 0, "kv", 1, True)))
+    dec.handle_frame(codec.encode(Notice(9, 0, "kv", 1, True)))
     assert receivers[0].poll() == KVPoll.Transferring
     senders[0].send(np.array([3]))
     wait(lambda: receivers[0].poll() == KVPoll.Success)
@@ -144,7 +145,7 @@ def test_duplicate_and_late_notices_are_dropped(make_pair: Callable[..., Pair]) 
     wait(lambda: senders[0].poll() == KVPoll.Success)
     assert receivers[0].poll() == KVPoll.Success
     receivers[0].clear()
-    dec._handle_frame(codec.encode(Notice(9, 0, "kv", 0, True)))   # late: room cleared
+    dec.handle_frame(codec.encode(Notice(9, 0, "kv", 0, True)))   # late: room cleared
     with pytest.raises(KVBridgeError, match="cleared"):
         receivers[0].poll()
 
@@ -191,7 +192,7 @@ def test_out_of_range_destination_from_peer_is_refused_before_any_write(make_pai
     pre, dec = pair.prefill[0], pair.decode[0]
     sender = pre.sender(21)
     forged = TransferRequest(21, dec.name, 0, 1, {"kv": PackedIndices.pack(np.array([1, NUM_PAGES + 5]))})
-    pre._handle_frame(Codec().encode(forged))
+    pre.handle_frame(Codec().encode(forged))
     assert sender.poll() == KVPoll.Failed            # the bad request fails the room, with the reason
     assert "outside [0, 16)" in sender.failure_reason
     with pytest.raises(TransferError):
@@ -243,8 +244,8 @@ def test_hmac_rejects_unauthenticated_frames(make_pair: Callable[..., Pair]) -> 
     senders, receivers = start_room(pair, 40, np.array([1]))
     dec = pair.decode[0]
     before = dec.rejected_frames
-    dec._handle_frame(Codec().encode(Notice(40, 0, "kv", 0, True)))     # no MAC
-    dec._handle_frame(Codec(b"wrong").encode(Notice(40, 0, "kv", 0, True)))
+    dec.handle_frame(Codec().encode(Notice(40, 0, "kv", 0, True)))     # no MAC
+    dec.handle_frame(Codec(b"wrong").encode(Notice(40, 0, "kv", 0, True)))
     assert dec.rejected_frames == before + 2
     assert receivers[0].poll() == KVPoll.WaitingForInput
     senders[0].send(np.array([2]), last=True)
@@ -255,7 +256,7 @@ def test_malformed_frames_are_rejected_and_the_agent_keeps_working(make_pair: Ca
     pair = make_pair(1, 1)
     dec = pair.decode[0]
     for junk in (b"", b"\x00\x01", b"\x92\x07\xc0", b"\x92\x01\x81\xa4type\xa6nosuch", b"\xff" * 100):
-        dec._handle_frame(junk)
+        dec.handle_frame(junk)
     assert dec.rejected_frames == 5
     senders, receivers = start_room(pair, 41, np.array([1]))
     senders[0].send(np.array([2]), last=True)
@@ -303,17 +304,20 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     pair = make_pair(1, 1, connect=False)
     dec = pair.decode[0]
     hello = wire.Hello(wire.PROTOCOL_VERSION, dec.name, dec.link.address, Role.DECODE, dec.layout, "loopback",
-                       dec.backend.endpoint, dec._remote_buffers())
+                       dec.backend.endpoint, dec.buffers.remote())
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(wire.Envelope(wire.PROTOCOL_VERSION, hello)))
     raw[0] = wire.PROTOCOL_VERSION + 1                     # a newer decode speaks version 2
     future_hello = msgspec.msgpack.encode(raw)
     info = dec.link.lookup("inst")
     assert info is not None
-    dec._pending_welcome = {info.addresses[0]: ""}
+    with dec.context.lock:
+        shake = dec.peers.begin("inst", dict(info.addresses), [0])
+    target = shake.targets[info.addresses[0]]
     dec.link.send(info.addresses[0], future_hello)
-    wait(lambda: (dec.progress(), dec._pending_welcome[info.addresses[0]])[1] != "")
-    assert dec._pending_welcome[info.addresses[0]] == (
-        f"refused:prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
+    wait(lambda: (dec.progress(), target.state)[1] is not HandshakeState.WAITING)
+    assert target.state is HandshakeState.REFUSED
+    assert target.reason == (
+        f"prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
         f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + 1}")
 
 
@@ -344,7 +348,7 @@ def test_a_long_send_does_not_make_a_live_rank_look_dead(make_pair: Callable[...
     pair = make_pair(1, 1, config=AgentConfig(peer_timeout_s=0.5, heartbeat_interval_s=0.05))
     senders, receivers = start_room(pair, 95, np.array([1, 2]))
     pre = pair.prefill[0]
-    with pre._lock:                      # what a multi-second send_component looks like from outside
+    with pre.context.lock:                      # what a multi-second send_component looks like from outside
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             assert receivers[0].poll() != KVPoll.Failed, receivers[0].failure_reason

@@ -70,9 +70,9 @@ def pair():  # type: ignore[no-untyped-def]
 def test_agents_survive_garbage_and_still_transfer(pair, garbage: list[bytes]) -> None:  # type: ignore[no-untyped-def]
     pre, dec = pair
     for frame in garbage:
-        dec._handle_frame(frame)
-        with pre._lock:
-            pre._handle_frame(frame)
+        dec.handle_frame(frame)
+        with pre.context.lock:
+            pre.handle_frame(frame)
     room = int(np.random.default_rng().integers(1, 2**62))
     receiver = dec.receiver(room, "i")
     receiver.send_metadata({"kv": np.array([1, 2])})

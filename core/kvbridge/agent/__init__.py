@@ -1,0 +1,31 @@
+"""One rank's transfer agent, and the per-request Sender (prefill) and Receiver (decode).
+
+    hub = LocalHub()
+    prefill = TransferAgent(layout=p_layout, buffers=p_arrays, role=Role.PREFILL, link=hub.link("p0"),
+                            instance="llama")
+    decode = TransferAgent(layout=d_layout, buffers=d_arrays, role=Role.DECODE, link=hub.link("d0"))
+    decode.connect("llama")                              # handshake with the ranks the TP mapping assigns
+    receiver = decode.receiver(room=42, instance="llama")
+    receiver.send_metadata({"kv": dst_pages})
+    sender = prefill.sender(room=42)
+    sender.send(src_pages, last=True)
+    while receiver.poll() < KVPoll.Success: ...          # Failed (0) < ... < Success (4)
+
+Modules, one concern each (all internal except the names exported here):
+
+- ``transfer_agent``: lifecycle and the progress loop; composes the parts below
+- ``peers``: handshake (a typed record per ``connect()``), heartbeats, silence, peer death
+- ``prefill``: send rooms, decode requests, planning, staging, posting, completion of writes
+- ``decode``: receive rooms, requests to prefill ranks, notices, staged scatter, completion
+- ``handles``: ``Sender`` / ``Receiver``, thin over the role objects
+- ``buffers``: registration, byte views, the staging area
+- ``plans``: per (peer, component) slice / buffer-pair / staging-row caches
+- ``context``: what the parts share (identity, layout, backend, link, codec, lock)
+- ``config``: ``AgentConfig`` and protocol constants
+"""
+
+from kvbridge.agent.config import AgentConfig
+from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.transfer_agent import TransferAgent
+
+__all__ = ["AgentConfig", "Receiver", "Sender", "TransferAgent"]

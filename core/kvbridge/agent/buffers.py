@@ -1,0 +1,95 @@
+"""This rank's registered memory: one registration per component, byte views, the staging area."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBackend
+from kvbridge.errors import GeometryError
+from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
+from kvbridge.registry import Registry
+from kvbridge.staging import STAGING, StagingArea, device_view, host_view
+
+log = logging.getLogger("kvbridge.agent")
+
+
+class LocalBuffers:
+    """Registers the engine's buffers (and a staging area) with the backend and keeps them alive.
+
+    ``views[component]`` holds one uint8 ``[items, item_nbytes]`` view per buffer (numpy or torch) when
+    every buffer of the component can be viewed; the staging path needs them.
+    """
+
+    def __init__(self, *, layout: PoolLayout, registry: Registry, backend: TransferBackend) -> None:
+        self._layout, self._registry, self._backend = layout, registry, backend
+        self.registered: dict[str, RegisteredBuffers] = {}
+        self.views: dict[str, list[Any]] = {}
+        self.staging: StagingArea | None = None
+        self.staging_registration: RegisteredBuffers | None = None
+        self._keepalive: list[Any] = []      # registered memory must outlive the registration
+
+    def register(self, buffers: Mapping[str, Sequence[Any]]) -> None:
+        layout = self._layout
+        missing = [c.name for c in layout.components if c.name not in buffers]
+        extra = sorted(set(buffers) - set(layout.component_names))
+        if missing or extra:
+            raise GeometryError(f"buffers given for {sorted(buffers)}; the layout needs exactly "
+                                f"{list(layout.component_names)} (missing {missing}, unknown {extra})")
+        for comp in layout.components:
+            given = buffers[comp.name]
+            if len(given) != len(comp.buffers):
+                raise GeometryError(f"component {comp.name!r}: {len(given)} buffers given, layout has "
+                                    f"{len(comp.buffers)}")
+            regions = []
+            self._keepalive.extend(given)
+            for geom, buf in zip(comp.buffers, given):
+                region = buf if isinstance(buf, MemoryRegion) else region_of(buf)
+                geom.check_region(region)
+                regions.append(region)
+            self.registered[comp.name] = self._registry.register_buffers(self._backend, comp.name, regions)
+            if all(r.device is DeviceKind.CPU for r in regions):
+                self.views[comp.name] = [host_view(r).reshape(g.num_items, g.item_nbytes)
+                                         for r, g in zip(regions, comp.buffers)]
+            elif all(r.device is DeviceKind.CUDA for r in regions):
+                views = [device_view(b, g.num_items, g.item_nbytes) for b, g in zip(given, comp.buffers)]
+                if all(v is not None for v in views):
+                    self.views[comp.name] = views
+
+    def setup_staging(self, staging: Any | None, staging_bytes: int) -> None:
+        """Register the staging area (given, e.g. in /dev/shm for loopback peers in other processes, or
+        allocated here: host memory, or on the GPU of CUDA buffers) when every buffer has a view."""
+        if len(self.views) != len(self._layout.components):
+            return
+        if staging is None:
+            if staging_bytes <= 0:
+                return
+            first = next(iter(self.views.values()))[0]
+            if isinstance(first, np.ndarray):
+                staging = np.zeros(staging_bytes, np.uint8)   # zeros: pre-touched before registering
+            else:
+                import torch
+
+                staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=first.device)
+        self._keepalive.append(staging)
+        self.staging = StagingArea(staging.reshape(-1).view(np.uint8) if isinstance(staging, np.ndarray)
+                                   else staging)
+        self.staging_registration = self._registry.register_buffers(self._backend, STAGING, [self.staging.region])
+
+    def remote(self) -> tuple[RemoteBuffers, ...]:
+        """What a peer needs to write into us: every registration, the staging area last."""
+        regs = list(self.registered.values())
+        if self.staging_registration is not None:
+            regs.append(self.staging_registration)
+        return tuple(reg.remote() for reg in regs)
+
+    def deregister_all(self, agent_name: str) -> None:
+        for reg in self.registered.values():
+            try:
+                self._backend.deregister_buffers(reg)
+            except Exception:  # noqa: BLE001 - closing goes on
+                log.exception("%s: deregistering %s failed", agent_name, reg.component)
+        self.registered.clear()

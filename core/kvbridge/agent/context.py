@@ -1,0 +1,73 @@
+"""What every part of one agent shares: identity, layout, backend, link, codec and the agent lock."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvbridge.agent.buffers import LocalBuffers
+from kvbridge.agent.config import TOMBSTONES, AgentConfig
+from kvbridge.backends.base import TransferBackend
+from kvbridge.geometry import PoolLayout, Rank
+from kvbridge.links import Link
+from kvbridge.registry import Registry
+from kvbridge.state.base import StateType
+from kvbridge.wire import Codec, Message, Role
+
+log = logging.getLogger("kvbridge.agent")
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class AgentContext:
+    """One rank's shared dependencies; the role objects and the peer table hold a reference to it.
+
+    ``lock`` guards every room and peer record; whoever mutates them holds it.
+    """
+
+    name: str
+    role: Role
+    layout: PoolLayout
+    config: AgentConfig
+    registry: Registry
+    state_types: tuple[StateType, ...]
+    backend: TransferBackend
+    backend_name: str
+    link: Link
+    codec: Codec
+    buffers: LocalBuffers
+    lock: threading.RLock
+
+    @property
+    def rank(self) -> Rank:
+        return Rank(self.layout.tp_rank, self.layout.tp_size)
+
+    def post(self, address: str, message: Message) -> None:
+        """Encode and send one control frame; a dead peer is logged, never raised (liveness handles it)."""
+        self.send_frame(address, self.codec.encode(message), type(message).__name__)
+
+    def send_frame(self, address: str, frame: bytes, what: str = "frame") -> None:
+        try:
+            self.link.send(address, frame)
+        except Exception as exc:  # noqa: BLE001 - a dead peer must not kill the caller
+            log.warning("%s: could not send %s to %s: %s", self.name, what, address, exc)
+
+
+class Tombstones:
+    """Rooms cleared recently (bounded, oldest forgotten first): late frames for them are ignored."""
+
+    def __init__(self, capacity: int = TOMBSTONES) -> None:
+        self._rooms: OrderedDict[int, None] = OrderedDict()
+        self._capacity = capacity
+
+    def bury(self, room: int) -> None:
+        self._rooms[room] = None
+        while len(self._rooms) > self._capacity:
+            self._rooms.popitem(last=False)
+
+    def revive(self, room: int) -> None:
+        self._rooms.pop(room, None)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms

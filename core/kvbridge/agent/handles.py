@@ -1,0 +1,123 @@
+"""``Sender`` and ``Receiver``: an engine's handles on one request, thin over the role objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from kvbridge.agent.decode import DecodeSide
+from kvbridge.agent.prefill import PrefillSide
+from kvbridge.errors import GeometryError
+from kvbridge.geometry import PoolLayout
+from kvbridge.planner import check_indices
+from kvbridge.wire import KVPoll, PackedIndices
+
+IndexArg = np.ndarray | tuple[np.ndarray, int]
+
+
+def _split(value: IndexArg) -> tuple[np.ndarray, int]:
+    return value if isinstance(value, tuple) else (value, 0)
+
+
+class Sender:
+    """The prefill side of one request on one rank.
+
+        sender = agent.sender(room=42)
+        while sender.poll() < KVPoll.WaitingForInput: ...
+        sender.send(pages[:8]); sender.send(pages[8:], last=True, state={"mamba": slot})
+    """
+
+    def __init__(self, side: PrefillSide, progress: Callable[[], None], room: int) -> None:
+        self._side, self._progress, self.room = side, progress, room
+
+    def poll(self) -> KVPoll:
+        self._progress()
+        return self._side.status(self.room)
+
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens the decode side already holds (the first request's prefix length)."""
+        return self._side.prefix_len(self.room)
+
+    def send(self, pages: np.ndarray, *, last: bool = False, state: Mapping[str, IndexArg] | None = None) -> None:
+        """Send one chunk: KV ``pages`` (source page ids), and on the last chunk every state component's
+        indices (``{name: indices}`` or ``{name: (indices, first_position)}``)."""
+        normalized = {k: _split(v) for k, v in (state or {}).items()}
+        self._side.send(self.room, np.asarray(pages), last, normalized)
+        self._progress()
+
+    @property
+    def failure_reason(self) -> str:
+        return self._side.reason(self.room)
+
+    @property
+    def stats(self) -> tuple[int, int]:
+        """(bytes posted, descriptors posted) so far."""
+        return self._side.stats(self.room)
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._side.abort(self.room, reason)
+        self._progress()
+
+    @property
+    def safe_to_reuse(self) -> bool:
+        """True once no write from this room's source pages is in flight (after Success or Failed)."""
+        self._progress()
+        return self._side.safe_to_reuse(self.room)
+
+    def clear(self) -> None:
+        self._side.clear(self.room)
+
+
+class Receiver:
+    """The decode side of one request on one rank.
+
+        receiver = agent.receiver(room=42, instance="llama")
+        receiver.send_metadata({"kv": dst_pages})
+        while receiver.poll() < KVPoll.Success: ...
+    """
+
+    def __init__(self, side: DecodeSide, progress: Callable[[], None], layout: PoolLayout, room: int) -> None:
+        self._side, self._progress, self._layout, self.room = side, progress, layout, room
+
+    def send_metadata(self, indices: Mapping[str, IndexArg], *, prefix_len: int = 0) -> None:
+        """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``)."""
+        packed: dict[str, PackedIndices] = {}
+        for comp in self._layout.components:
+            if comp.name not in indices:
+                raise GeometryError(f"room {self.room}: no destination indices for component {comp.name!r}")
+            ids, first = _split(indices[comp.name])
+            checked = check_indices(ids, comp.num_items, f"room {self.room} {comp.name} destination")
+            packed[comp.name] = PackedIndices.pack(checked, first)
+        unknown = sorted(set(indices) - set(self._layout.component_names))
+        if unknown:
+            raise GeometryError(f"room {self.room}: indices for unknown components {unknown}")
+        self._side.send_metadata(self.room, packed, prefix_len)
+
+    def poll(self) -> KVPoll:
+        self._progress()
+        return self._side.status(self.room)
+
+    @property
+    def failure_reason(self) -> str:
+        return self._side.reason(self.room)
+
+    @property
+    def nbytes(self) -> int:
+        return self._side.nbytes(self.room)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self._side.abort(self.room, reason)
+
+    @property
+    def safe_to_reuse(self) -> bool:
+        """True when no write into this room's destination items can still happen: the room succeeded,
+        or every sender confirmed quiescence (or is dead) after a failure or abort."""
+        self._progress()
+        return self._side.safe_to_reuse(self.room)
+
+    def clear(self) -> None:
+        """Forget the room. Its staging reservations are freed only once no write can still land in them."""
+        safe = self.safe_to_reuse if self.room in self._side.rooms else True
+        self._side.clear(self.room, safe)

@@ -1,0 +1,319 @@
+"""``TransferAgent``: one rank's lifecycle and progress loop, composed of the peer table and one role side."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbridge.agent.buffers import LocalBuffers
+from kvbridge.agent.config import HELLO_RESEND_S, AgentConfig
+from kvbridge.agent.context import AgentContext
+from kvbridge.agent.decode import DecodeSide
+from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.peers import PeerTable
+from kvbridge.agent.plans import PlanCache
+from kvbridge.agent.prefill import PrefillSide
+from kvbridge.backends.base import RegisteredBuffers, TransferBackend
+from kvbridge.errors import IncompatiblePeer, KVBridgeError, ProtocolError
+from kvbridge.geometry import PoolLayout, Rank
+from kvbridge.links import Link
+from kvbridge.registry import Registry
+from kvbridge.slicing import target_ranks
+from kvbridge.staging import StagingArea
+from kvbridge.wire import (
+    Abort, Codec, Goodbye, Heartbeat, Hello, Message, Notice, Role, StatusPush, TransferRequest, VersionMismatch,
+    Welcome,
+)
+
+log = logging.getLogger("kvbridge.agent")
+
+
+class TransferAgent:
+    """A prefill or decode rank: backend, registered buffers, peers, rooms.
+
+    ``progress()`` drains control frames and backend notices, polls in-flight writes and runs heartbeats
+    and timeouts; ``poll()`` of a Sender/Receiver calls it, and ``start()`` runs it on a background thread.
+    """
+
+    def __init__(self, *, layout: PoolLayout, buffers: Mapping[str, Sequence[Any]], role: Role, link: Link,
+                 backend: str = "loopback", registry: Registry | None = None, instance: str = "",
+                 name: str | None = None, config: AgentConfig | None = None,
+                 staging: np.ndarray | None = None) -> None:
+        config = config or AgentConfig()
+        registry = registry or Registry.build()
+        self.name = name or f"{role.value}-{layout.tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.instance = instance
+        engine: TransferBackend = registry.create_backend(backend, name=self.name,
+                                                          options=dict(config.backend_options))
+        self.buffers = LocalBuffers(layout=layout, registry=registry, backend=engine)
+        self.context = AgentContext(name=self.name, role=role, layout=layout, config=config, registry=registry,
+                                    state_types=registry.compose(layout), backend=engine, backend_name=backend,
+                                    link=link, codec=Codec(config.secret), buffers=self.buffers,
+                                    lock=threading.RLock())
+        plans = PlanCache(self.context)
+        self.peers = PeerTable(self.context, plans)
+        self.prefill = PrefillSide(self.context, self.peers, plans) if role is Role.PREFILL else None
+        self.decode = DecodeSide(self.context, self.peers, plans) if role is Role.DECODE else None
+        self.rejected_frames = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        try:
+            self.buffers.register(buffers)
+            self.buffers.setup_staging(staging, config.staging_bytes)
+        except BaseException:
+            engine.close()
+            raise
+        if role is Role.PREFILL and instance:
+            link.publish(instance, layout.tp_size, layout.tp_rank)
+
+    # ------------------------------------------------------------------ what engines and tests read
+    @property
+    def layout(self) -> PoolLayout:
+        return self.context.layout
+
+    @property
+    def role(self) -> Role:
+        return self.context.role
+
+    @property
+    def link(self) -> Link:
+        return self.context.link
+
+    @property
+    def config(self) -> AgentConfig:
+        return self.context.config
+
+    @property
+    def registry(self) -> Registry:
+        return self.context.registry
+
+    @property
+    def backend(self) -> TransferBackend:
+        return self.context.backend
+
+    @property
+    def backend_name(self) -> str:
+        return self.context.backend_name
+
+    @property
+    def rank(self) -> Rank:
+        return self.context.rank
+
+    @property
+    def state_types(self) -> tuple[Any, ...]:
+        return self.context.state_types
+
+    @property
+    def registered(self) -> dict[str, RegisteredBuffers]:
+        return self.buffers.registered
+
+    @property
+    def staging(self) -> StagingArea | None:
+        return self.buffers.staging
+
+    # ------------------------------------------------------------------ handshake
+    def connect(self, instance: str, timeout_s: float | None = None) -> None:
+        """Handshake with the prefill ranks of ``instance`` that our TP rank reads from (decode only).
+
+        Blocks until every target accepted, refused (IncompatiblePeer with the reason) or timed out.
+        """
+        if self.role is not Role.DECODE:
+            raise KVBridgeError("connect() is for decode ranks; prefill ranks wait for their decode peers")
+        ctx = self.context
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else ctx.config.bootstrap_timeout_s)
+        info = ctx.link.lookup(instance)
+        while info is None or not info.complete:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill instance {instance!r} did not publish all its ranks in time "
+                                   f"(have {sorted(info.addresses) if info else []})")
+            time.sleep(0.01)
+            info = ctx.link.lookup(instance)
+        ranks = target_ranks(info.tp_size, ctx.layout.tp_size, ctx.layout.tp_rank)
+        hello = self.peers.hello()
+        with ctx.lock:
+            shake = self.peers.begin(instance, dict(info.addresses), list(ranks))
+        try:
+            next_hello = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= next_hello:   # (again) to every target that has not answered: a link may drop a
+                    with ctx.lock:      # frame while its connection is still being set up
+                        silent = shake.silent
+                    for address in silent:
+                        ctx.post(address, hello)
+                    next_hello = now + HELLO_RESEND_S
+                self.progress()
+                with ctx.lock:
+                    refused, done = shake.refused, shake.done
+                if refused is not None:
+                    raise IncompatiblePeer(refused.reason)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"prefill instance {instance!r} did not answer the handshake in time")
+                self.link_wait(0.005)
+        finally:
+            with ctx.lock:
+                self.peers.finish(shake)
+
+    def link_wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for control frames and handle them."""
+        frames = self.context.link.recv(timeout_s)
+        if frames:
+            with self.context.lock:
+                for frame in frames:
+                    self.handle_frame(frame)
+
+    # ------------------------------------------------------------------ rooms
+    def sender(self, room: int) -> Sender:
+        if self.prefill is None:
+            raise KVBridgeError("sender() is for prefill ranks")
+        self.prefill.open(room)
+        return Sender(self.prefill, self.progress, room)
+
+    def receiver(self, room: int, instance: str) -> Receiver:
+        if self.decode is None:
+            raise KVBridgeError("receiver() is for decode ranks")
+        self.decode.open(room, instance)
+        return Receiver(self.decode, self.progress, self.layout, room)
+
+    # ------------------------------------------------------------------ progress
+    def progress(self) -> None:
+        """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
+        ctx = self.context
+        notices = ctx.backend.drain_notifications()
+        undelivered = self._drain_notify_failures()
+        with ctx.lock:
+            # drained under the lock, right before the liveness check: frames that queued up while another
+            # thread held the lock (a long send) must count before a peer is judged silent
+            frames = ctx.link.recv(0.0)
+            for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
+                peer = self.peers.get(peer_id)
+                if peer is not None and peer.alive:
+                    ctx.send_frame(peer.address, notice, "resent notice")
+            for frame in frames:
+                self.handle_frame(frame)
+            for _peer, blob in notices:
+                self.handle_frame(blob)
+            now = time.monotonic()
+            if self.prefill is not None:
+                self.prefill.poll_inflight()
+            self.peers.tick(now)
+            if self.prefill is not None:
+                self.prefill.tick(now)
+            if self.decode is not None:
+                self.decode.tick(now)
+
+    def _drain_notify_failures(self) -> list[tuple[str, bytes]]:
+        """Optional backend method ``drain_notify_failures() -> [obj with .peer, .notice]``."""
+        drain = getattr(self.context.backend, "drain_notify_failures", None)
+        if drain is None:
+            return []
+        try:
+            return [(item.peer, item.notice) for item in drain()]
+        except Exception:  # noqa: BLE001 - a faulty engine hook must not stop progress
+            log.exception("%s: drain_notify_failures failed", self.name)
+            return []
+
+    def handle_frame(self, frame: bytes) -> None:
+        """Decode, validate and act on one control frame (call with the agent lock held); never raises."""
+        try:
+            self._dispatch(self.context.codec.decode(frame))
+        except VersionMismatch as exc:
+            self.rejected_frames += 1
+            log.error("%s: rejected control frame: %s", self.name, exc)
+            self.peers.refuse_other_version(exc)
+        except ProtocolError as exc:
+            self.rejected_frames += 1
+            log.error("%s: rejected control frame: %s", self.name, exc)
+        except Exception:  # noqa: BLE001 - never let a bad frame kill the progress thread
+            self.rejected_frames += 1
+            log.exception("%s: error while handling a control frame", self.name)
+
+    def _dispatch(self, message: Message) -> None:
+        self.peers.touch(getattr(message, "agent", ""))
+        if isinstance(message, Hello):
+            self.peers.on_hello(message)
+        elif isinstance(message, Welcome):
+            self.peers.on_welcome(message)
+        elif isinstance(message, Heartbeat):
+            self.peers.on_heartbeat(message)
+        elif isinstance(message, Goodbye):
+            self.peers.on_goodbye(message)
+        elif isinstance(message, TransferRequest):
+            if self.prefill is None:
+                raise ProtocolError(f"{self.name} is a decode rank and got a transfer request from {message.agent}")
+            self.prefill.on_request(message)
+        elif isinstance(message, Abort):
+            if self.prefill is not None:
+                self.prefill.on_abort(message)
+            elif self.decode is not None:
+                self.decode.on_abort(message)
+        elif isinstance(message, Notice):
+            if self.decode is not None:
+                self.decode.on_notice(message)
+        elif isinstance(message, StatusPush):
+            if self.decode is not None:
+                self.decode.on_status(message)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _beat_forever(self) -> None:
+        """Heartbeats from their own thread, never behind the agent lock: a long send (millions of
+        descriptors) must not make this rank look dead to its peers."""
+        ctx = self.context
+        seq = 0
+        while not self._stop.wait(ctx.config.heartbeat_interval_s):
+            seq += 1
+            beat = ctx.codec.encode(Heartbeat(self.name, ctx.link.address, seq))
+            for address in list(self.peers.beat_targets.values()):
+                try:
+                    ctx.link.send(address, beat)
+                except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business
+                    log.debug("%s: heartbeat to %s not sent", self.name, address)
+
+    def start(self, interval_s: float = 0.005) -> None:
+        """Run progress() on a background thread (for processes whose engine polls rarely), and send
+        heartbeats from a second one."""
+        if self._thread is not None:
+            return
+        self.peers.beats_threaded = True
+        threading.Thread(target=self._beat_forever, name=f"kvbridge-beat-{self.name}", daemon=True).start()
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.progress()
+                    self.link_wait(interval_s)
+                except Exception:  # noqa: BLE001 - keep the progress thread alive
+                    log.exception("%s: progress failed", self.name)
+                    time.sleep(interval_s)
+
+        self._thread = threading.Thread(target=loop, name=f"kvbridge-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        ctx = self.context
+        with ctx.lock:
+            self.peers.say_goodbye()
+            self.buffers.deregister_all(self.name)
+        ctx.backend.close()
+        ctx.link.close()
+
+    def __enter__(self) -> TransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
