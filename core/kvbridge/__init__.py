@@ -12,12 +12,30 @@ from __future__ import annotations
 
 from kvbridge._markers import hookimpl
 from kvbridge.errors import (
-    GeometryError, IncompatiblePeer, KVBridgeError, PluginConflictError, PluginError, PluginUnavailableError,
-    ProtocolError, RegionError, TransferError, UnknownPluginError, UnsupportedTopology,
+    GeometryError,
+    IncompatiblePeer,
+    KVBridgeError,
+    PluginConflictError,
+    PluginError,
+    PluginUnavailableError,
+    ProtocolError,
+    RegionError,
+    TransferError,
+    UnknownPluginError,
+    UnsupportedTopology,
 )
 from kvbridge.geometry import (
-    BufferGeometry, Component, DeviceKind, DType, IndexKind, MemoryRegion, PoolLayout, Rank, ShardAxis,
-    geometry_of, region_of,
+    BufferGeometry,
+    Component,
+    DeviceKind,
+    DType,
+    IndexKind,
+    MemoryRegion,
+    PoolLayout,
+    Rank,
+    ShardAxis,
+    geometry_of,
+    region_of,
 )
 from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec
 

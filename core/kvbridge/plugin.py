@@ -40,21 +40,54 @@ from __future__ import annotations
 # The markers come first: core modules that mark hook implementations import them from here too.
 from kvbridge._markers import ENTRY_POINT_GROUP, PROJECT, hookimpl, hookspec
 from kvbridge.backends.base import (
-    ComponentTransfer, HandleState, PeerInfo, Poll, RegionWire, RegisteredBuffers, RemoteBuffers, TransferBackend,
-    check_within, check_within_buffers,
+    ComponentTransfer,
+    HandleState,
+    PeerInfo,
+    Poll,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
+    TransferBackend,
+    check_within,
+    check_within_buffers,
 )
 from kvbridge.backends.copying import copy_descriptors, copy_plan
 from kvbridge.backends.scaffold import (
-    EngineTables, NoNotifications, PendingHandle, Registration, default_host, import_engine, load_api, settled,
+    EngineTables,
+    NoNotifications,
+    PendingHandle,
+    Registration,
+    default_host,
+    import_engine,
+    load_api,
+    settled,
 )
 from kvbridge.demo.model import ComponentModel, RequestShape, StateModel, item_rows
 from kvbridge.errors import (
-    GeometryError, IncompatiblePeer, KVBridgeError, PluginError, PluginUnavailableError, ProtocolError, RegionError,
-    TransferError, UnsupportedTopology,
+    GeometryError,
+    IncompatiblePeer,
+    KVBridgeError,
+    PluginError,
+    PluginUnavailableError,
+    ProtocolError,
+    RegionError,
+    TransferError,
+    UnsupportedTopology,
 )
 from kvbridge.geometry import (
-    BufferGeometry, Component, DeviceKind, DType, IndexKind, MemoryRegion, PoolLayout, Rank, ShardAxis,
-    geometry_of, local_units, owned_range, region_of,
+    BufferGeometry,
+    Component,
+    DeviceKind,
+    DType,
+    IndexKind,
+    MemoryRegion,
+    PoolLayout,
+    Rank,
+    ShardAxis,
+    geometry_of,
+    local_units,
+    owned_range,
+    region_of,
 )
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer

@@ -46,7 +46,12 @@ import msgspec
 import numpy as np
 
 from kvbridge.backends.base import (
-    ComponentTransfer, PeerInfo, Poll, RegisteredBuffers, RemoteBuffers, check_within,
+    ComponentTransfer,
+    PeerInfo,
+    Poll,
+    RegisteredBuffers,
+    RemoteBuffers,
+    check_within,
 )
 from kvbridge.errors import GeometryError, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion

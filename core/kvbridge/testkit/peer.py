@@ -59,7 +59,7 @@ def _spec_ref(spec: BackendSpec) -> str:
 
 class _Child:
     def __init__(self, job: dict[str, Any]) -> None:
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the child's stderr, closed in kill()
+        self.log = tempfile.TemporaryFile()  # the child's stderr, closed in kill()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.testkit.peer"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)

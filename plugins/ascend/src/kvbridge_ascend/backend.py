@@ -25,12 +25,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from kvbridge.plugin import (
-    ComponentTransfer, DeviceKind, EngineTables, IncompatiblePeer, MemoryRegion, NoNotifications, PeerInfo,
-    PluginUnavailableError, Poll, RegionError, RegisteredBuffers, TransferPlan, check_within, default_host,
-    import_engine, settled,
-)
 
+from kvbridge.plugin import (
+    ComponentTransfer,
+    DeviceKind,
+    EngineTables,
+    IncompatiblePeer,
+    MemoryRegion,
+    NoNotifications,
+    PeerInfo,
+    PluginUnavailableError,
+    Poll,
+    RegionError,
+    RegisteredBuffers,
+    TransferPlan,
+    check_within,
+    default_host,
+    import_engine,
+    settled,
+)
 from kvbridge_ascend.codes import describe
 
 log = logging.getLogger("kvbridge.ascend")

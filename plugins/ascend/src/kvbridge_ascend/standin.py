@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvbridge.plugin import copy_descriptors
 
+from kvbridge.plugin import copy_descriptors
 from kvbridge_ascend.codes import SmemCode
 
 _ROLES = ("Prefill", "Decode")
@@ -166,7 +166,7 @@ class TransferEngine:
     def get_rpc_port(self) -> int:
         return self._rpc_port
 
-    def unInitialize(self) -> None:  # noqa: N802 - memfabric's name
+    def unInitialize(self) -> None:  # memfabric's name
         with _LOCK:
             if self._store is not None and self._store.sessions.get(self._session) is self:
                 del self._store.sessions[self._session]

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from kvbridge.plugin import StateTypeSpec, hookimpl
-
 from kvbridge_mamba.geometry import mamba_component
 from kvbridge_mamba.state import MambaState
 

@@ -13,10 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from kvbridge.plugin import (
-    Component, DType, GeometryError, RequestShape, StateModel, UnsupportedTopology, pattern, shard_axis,
-)
 
+from kvbridge.plugin import (
+    Component,
+    DType,
+    GeometryError,
+    RequestShape,
+    StateModel,
+    UnsupportedTopology,
+    pattern,
+    shard_axis,
+)
 from kvbridge_mamba.geometry import mamba_component
 
 __all__ = ["TAG_MAMBA", "MambaModel"]

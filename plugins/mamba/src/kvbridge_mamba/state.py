@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
+
 from kvbridge.plugin import Component, GeometryError, IndexKind, Rank, StateType
 
 

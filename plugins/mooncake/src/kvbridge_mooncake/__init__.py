@@ -8,7 +8,6 @@ unavailable instead of failing. See README.md for what is verified (TCP) and wha
 from __future__ import annotations
 
 from kvbridge.plugin import BackendSpec, Capability, hookimpl
-
 from kvbridge_mooncake.availability import APT_HINT, PIP_HINT, probe
 
 __all__ = ["APT_HINT", "PIP_HINT", "SPEC", "kvbridge_transfer_backends", "probe"]

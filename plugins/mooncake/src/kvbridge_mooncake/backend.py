@@ -22,10 +22,17 @@ import msgspec
 import numpy as np
 
 from kvbridge.plugin import (
-    ComponentTransfer, DeviceKind, IncompatiblePeer, MemoryRegion, PeerInfo, Poll, ProtocolError, RegionError,
-    RegisteredBuffers, check_within,
+    ComponentTransfer,
+    DeviceKind,
+    IncompatiblePeer,
+    MemoryRegion,
+    PeerInfo,
+    Poll,
+    ProtocolError,
+    RegionError,
+    RegisteredBuffers,
+    check_within,
 )
-
 from kvbridge_mooncake.engine import MooncakeOptions, create_engine
 from kvbridge_mooncake.worker import MooncakeHandle, NotifyFailure, NotifyJob, SendJob, Worker
 

@@ -36,8 +36,21 @@ import msgspec
 import numpy as np
 
 from kvbridge.plugin import (
-    BufferGeometry, BufferPair, Component, ComponentTransfer, DType, HandleState, PeerInfo, Rank,
-    RemoteBuffers, ShardAxis, TransferPlan, buffer_segments, copy_descriptors, plan_transfer, region_of,
+    BufferGeometry,
+    BufferPair,
+    Component,
+    ComponentTransfer,
+    DType,
+    HandleState,
+    PeerInfo,
+    Rank,
+    RemoteBuffers,
+    ShardAxis,
+    TransferPlan,
+    buffer_segments,
+    copy_descriptors,
+    plan_transfer,
+    region_of,
 )
 
 _PIPE_WAIT_S = 60.0

@@ -22,7 +22,6 @@ from types import ModuleType
 from typing import Any
 
 from kvbridge.plugin import PluginUnavailableError
-
 from kvbridge_mooncake.availability import hint_for, quiet_glog
 
 PROTOCOLS = ("tcp", "rdma")

@@ -16,10 +16,23 @@ import msgspec
 import numpy as np
 
 from kvbridge.plugin import (
-    BufferGeometry, BufferPair, Component, ComponentTransfer, DType, HandleState, PeerInfo, Poll, Rank,
-    RegisteredBuffers, RemoteBuffers, ShardAxis, TransferPlan, buffer_segments, plan_transfer, region_of,
+    BufferGeometry,
+    BufferPair,
+    Component,
+    ComponentTransfer,
+    DType,
+    HandleState,
+    PeerInfo,
+    Poll,
+    Rank,
+    RegisteredBuffers,
+    RemoteBuffers,
+    ShardAxis,
+    TransferPlan,
+    buffer_segments,
+    plan_transfer,
+    region_of,
 )
-
 from kvbridge_mooncake.availability import probe
 
 

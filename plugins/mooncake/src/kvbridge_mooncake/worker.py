@@ -188,7 +188,7 @@ class Worker:
                 continue
             try:
                 job.run(self._engine)
-            except Exception as exc:  # noqa: BLE001 - a bad job fails its handle, never the thread
+            except Exception as exc:  # a bad job fails its handle, never the thread
                 log.exception("mooncake transfer job failed")
                 job.abandon(f"mooncake transfer raised {type(exc).__name__}: {exc}")
 

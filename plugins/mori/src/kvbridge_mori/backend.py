@@ -30,9 +30,23 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvbridge.plugin import (
-    ComponentTransfer, DeviceKind, EngineTables, MemoryRegion, NoNotifications, PeerInfo, Poll, RegionError,
-    RegionWire, RegisteredBuffers, RemoteBuffers, TransferPlan, default_host, import_engine, settled,
+    ComponentTransfer,
+    DeviceKind,
+    EngineTables,
+    MemoryRegion,
+    NoNotifications,
+    PeerInfo,
+    Poll,
+    RegionError,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
+    TransferPlan,
+    default_host,
+    import_engine,
+    settled,
 )
 
 _U64 = np.uint64
@@ -97,7 +111,9 @@ class MoriOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 def _import_engine(spec: str) -> Any:
-    from kvbridge_mori import INSTALL_HINT   # no amd-mori, or no ROCm runtime under it (OSError: libamdhip64...)
+    from kvbridge_mori import (
+        INSTALL_HINT,  # no amd-mori, or no ROCm runtime under it (OSError: libamdhip64...)
+    )
 
     return import_engine(spec, "mori", INSTALL_HINT)
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvbridge.plugin import copy_descriptors
 
 _ERR_BEGIN = 10  # codes above this are failures (not exported by the real binding either)
@@ -113,45 +114,45 @@ class TransferStatus:
         self._code = StatusCode.INIT
         self._msg = ""
 
-    def Code(self) -> StatusCode:  # noqa: N802 - MoRI's names
+    def Code(self) -> StatusCode:  # MoRI's names
         return self._code
 
-    def Message(self) -> str:  # noqa: N802
+    def Message(self) -> str:
         with self._cond:
             return self._msg
 
-    def Update(self, code: StatusCode, message: str) -> None:  # noqa: N802
+    def Update(self, code: StatusCode, message: str) -> None:
         with self._cond:
             if self._code > _ERR_BEGIN:
                 return
             self._code, self._msg = StatusCode(code), message
             self._cond.notify_all()
 
-    def SetCode(self, code: StatusCode) -> None:  # noqa: N802
+    def SetCode(self, code: StatusCode) -> None:
         with self._cond:
             self._code = StatusCode(code)
             self._cond.notify_all()
 
-    def SetMessage(self, message: str) -> None:  # noqa: N802
+    def SetMessage(self, message: str) -> None:
         with self._cond:
             self._msg = message
 
-    def Init(self) -> bool:  # noqa: N802
+    def Init(self) -> bool:
         return self._code == StatusCode.INIT
 
-    def InProgress(self) -> bool:  # noqa: N802
+    def InProgress(self) -> bool:
         return self._code == StatusCode.IN_PROGRESS
 
-    def Succeeded(self) -> bool:  # noqa: N802
+    def Succeeded(self) -> bool:
         return self._code == StatusCode.SUCCESS
 
-    def Failed(self) -> bool:  # noqa: N802
+    def Failed(self) -> bool:
         return self._code > _ERR_BEGIN
 
-    def Wait(self) -> None:  # noqa: N802
+    def Wait(self) -> None:
         self.WaitFor(-1)
 
-    def WaitFor(self, timeout_ms: int = -1) -> StatusCode:  # noqa: N802
+    def WaitFor(self, timeout_ms: int = -1) -> StatusCode:
         with self._cond:
             if timeout_ms != 0:
                 self._cond.wait_for(lambda: self._code != StatusCode.IN_PROGRESS,
@@ -400,12 +401,12 @@ class IOEngine:
     def get_engine_desc(self) -> EngineDesc:
         return self._desc
 
-    def create_backend(self, type: BackendType, config: BackendConfig | None = None) -> None:  # noqa: A002
+    def create_backend(self, type: BackendType, config: BackendConfig | None = None) -> None:
         if type is not BackendType.RDMA:
             raise RuntimeError(f"the stand-in models the RDMA backend only, not {BackendType(type).name}")
         self._backends[BackendType.RDMA] = config if config is not None else RdmaBackendConfig()
 
-    def remove_backend(self, type: BackendType) -> None:  # noqa: A002
+    def remove_backend(self, type: BackendType) -> None:
         self._backends.pop(BackendType(type), None)
 
     def register_remote_engine(self, engine_desc: EngineDesc) -> None:

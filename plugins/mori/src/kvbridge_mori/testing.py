@@ -15,7 +15,6 @@ import functools
 from kvbridge.plugin import Availability, BackendSpec, Capability
 from kvbridge.testkit import Model, Rig, make_rank, peer_info, plan_for, reference_heads, transfer, wait
 from kvbridge.testkit import run_backend_reshard as run_reshard
-
 from kvbridge_mori import standin
 from kvbridge_mori.backend import MoriBackend
 

@@ -22,11 +22,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from kvbridge.plugin import (
-    ComponentTransfer, DeviceKind, MemoryRegion, PeerInfo, PluginUnavailableError, Poll, ProtocolError,
-    RegionError, RegionWire, RegisteredBuffers, RemoteBuffers, Segments, TransferError, check_within,
-)
 
+from kvbridge.plugin import (
+    ComponentTransfer,
+    DeviceKind,
+    MemoryRegion,
+    PeerInfo,
+    PluginUnavailableError,
+    Poll,
+    ProtocolError,
+    RegionError,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
+    Segments,
+    TransferError,
+    check_within,
+)
 from kvbridge_nixl import INSTALL_HINT
 from kvbridge_nixl.dlists import Pattern, SideGeometry, derive_side, dlist_rows, indices
 from kvbridge_nixl.options import NixlOptions, cma_blocked, scoped_env
@@ -479,7 +491,7 @@ class NixlBackend:
         if self._closed:
             raise RegionError("nixl backend is closed")
 
-    def __enter__(self) -> NixlBackend:  # noqa: PYI034 (typing.Self needs Python 3.11)
+    def __enter__(self) -> NixlBackend:  # not typing.Self: that needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

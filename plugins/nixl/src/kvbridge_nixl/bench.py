@@ -26,10 +26,17 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from kvbridge.plugin import (
-    BufferPair, ComponentTransfer, DeviceKind, HandleState, MemoryRegion, PeerInfo, Segments, plan_transfer,
-)
 
+from kvbridge.plugin import (
+    BufferPair,
+    ComponentTransfer,
+    DeviceKind,
+    HandleState,
+    MemoryRegion,
+    PeerInfo,
+    Segments,
+    plan_transfer,
+)
 from kvbridge_nixl.backend import NixlBackend
 
 _PEER_S = 120.0   # how long the decode process may take to answer

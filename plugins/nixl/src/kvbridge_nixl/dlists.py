@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvbridge.plugin import RegionError, Segments
 
 _I32_MAX = np.iinfo(np.int32).max

@@ -18,9 +18,22 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvbridge.plugin import (
-    BufferGeometry, BufferPair, ComponentTransfer, DType, HandleState, MemoryRegion, PeerInfo, Rank,
-    RegisteredBuffers, RemoteBuffers, ShardAxis, buffer_segments, plan_transfer, region_of,
+    BufferGeometry,
+    BufferPair,
+    ComponentTransfer,
+    DType,
+    HandleState,
+    MemoryRegion,
+    PeerInfo,
+    Rank,
+    RegisteredBuffers,
+    RemoteBuffers,
+    ShardAxis,
+    buffer_segments,
+    plan_transfer,
+    region_of,
 )
 
 PAGE = 4            # tokens per page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from kvbridge.plugin import ProtocolError
 
 #: Bumped when the endpoint or descriptor layout changes.

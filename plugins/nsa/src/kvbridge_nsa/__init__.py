@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from kvbridge.plugin import StateTypeSpec, hookimpl
-
 from kvbridge_nsa.geometry import nsa_component
 from kvbridge_nsa.pages import PageRange, indexer_pages
 from kvbridge_nsa.state import NSAState

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from kvbridge.plugin import Component, RequestShape, StateModel, pattern
 
+from kvbridge.plugin import Component, RequestShape, StateModel, pattern
 from kvbridge_nsa.geometry import nsa_component
 
 __all__ = ["TAG_NSA", "NSAModel"]

@@ -19,10 +19,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-from kvbridge.plugin import (
-    Component, ComponentSlice, GeometryError, IncompatiblePeer, IndexKind, Rank, StateType,
-)
 
+from kvbridge.plugin import (
+    Component,
+    ComponentSlice,
+    GeometryError,
+    IncompatiblePeer,
+    IndexKind,
+    Rank,
+    StateType,
+)
 from kvbridge_nsa.pages import PageRange, indexer_pages
 
 _AGREED = ("page_size", "bytes_per_token")

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from kvbridge.plugin import StateTypeSpec, hookimpl
-
 from kvbridge_swa.geometry import swa_component
 from kvbridge_swa.state import SWAState
 from kvbridge_swa.window import PageRange, align_by_position, max_window_pages, window_pages

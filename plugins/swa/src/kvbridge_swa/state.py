@@ -24,10 +24,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-from kvbridge.plugin import (
-    Component, ComponentSlice, GeometryError, IncompatiblePeer, IndexKind, Rank, StateType,
-)
 
+from kvbridge.plugin import (
+    Component,
+    ComponentSlice,
+    GeometryError,
+    IncompatiblePeer,
+    IndexKind,
+    Rank,
+    StateType,
+)
 from kvbridge_swa.window import PageRange, align_by_position, max_window_pages, window_pages
 
 _AGREED = ("window", "page_size")

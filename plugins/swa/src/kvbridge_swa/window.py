@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
 from kvbridge.plugin import GeometryError
 
 
