@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers
-from kvbridge.backends.loopback import LoopbackBackend, copy_descriptors
+from kvbridge.backends.copying import copy_descriptors
+from kvbridge.backends.loopback import LoopbackBackend
 from kvbridge.errors import RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion, region_of
 from kvbridge.planner import TransferPlan

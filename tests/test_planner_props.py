@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _kvcase import KVModel, count_writes, mergeable_pairs, page_runs, plan_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _kvcase import KVModel, count_writes, mergeable_pairs, page_runs, plan_pair
-from kvbridge.backends.loopback import copy_descriptors
+from kvbridge.backends.copying import copy_descriptors
 from kvbridge.geometry import DType, Rank, region_of
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.slicing import Segments, target_ranks

@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvbridge._markers import hookimpl
 from kvbridge.backends.base import (
     ComponentTransfer,
     PeerInfo,
@@ -53,9 +54,9 @@ from kvbridge.backends.base import (
     RemoteBuffers,
     check_within,
 )
+from kvbridge.backends.copying import copy_descriptors
 from kvbridge.errors import GeometryError, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
-from kvbridge.plugin import hookimpl
 from kvbridge.shmnames import MAX_SEGMENT_NAME, is_segment_name
 from kvbridge.specs import BackendSpec, Capability
 
@@ -65,8 +66,6 @@ _LOCAL: dict[bytes, tuple[bytes, weakref.ref[LoopbackBackend]]] = {}   # proof -
 _PROOF_BYTES = 16
 _MAX_ENDPOINT_NAME = 256
 SHM_DIR = "/dev/shm"
-_SMALL_GROUP = 8  # below this many same-length descriptors, memmove each directly
-_LARGE_DESCRIPTOR = 16384  # and from this size on too: the per-call cost is lost in the copy itself
 
 
 class PeerDataError(ProtocolError, RegionError):
@@ -173,37 +172,6 @@ def _overlaps(spans: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     return None
 
 
-def _bytes_at(addr: int, nbytes: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-
-
-def copy_descriptors(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
-    """Copy ``lens[i]`` bytes from address ``src[i]`` to ``dst[i]`` for all i, vectorized per length.
-
-    Callers bounds-check first. Same-length descriptors are copied with one gather and one scatter over
-    sliding-window views of the spanned memory; a handful go through memmove directly.
-    """
-    if lens.size == 0:
-        return
-    if lens.size < _SMALL_GROUP:          # a handful: no grouping work at all
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            ctypes.memmove(d, s, n)
-        return
-    for length in np.unique(lens):
-        sel = np.flatnonzero(lens == length)
-        n = int(length)
-        if sel.size < _SMALL_GROUP or n >= _LARGE_DESCRIPTOR:
-            for i in sel:
-                ctypes.memmove(int(dst[i]), int(src[i]), n)
-            continue
-        s, d = src[sel], dst[sel]
-        s_lo, d_lo = int(s.min()), int(d.min())
-        s_view = np.lib.stride_tricks.sliding_window_view(_bytes_at(s_lo, int(s.max()) - s_lo + n), n)
-        d_view = np.lib.stride_tricks.sliding_window_view(_bytes_at(d_lo, int(d.max()) - d_lo + n), n,
-                                                          writeable=True)
-        d_view[(d - np.uint64(d_lo)).astype(np.int64)] = s_view[(s - np.uint64(s_lo)).astype(np.int64)]
-
-
 class LoopbackBackend:
     """In-process / same-host shared-memory copy engine. ``name`` must be unique per endpoint."""
 
@@ -301,7 +269,8 @@ class LoopbackBackend:
         return the registration generation checked."""
         with self._lock:
             generation = self._generation
-            held = {c: {(r.addr, r.nbytes) for reg in regs for r in reg.regions} for c, regs in self._registered.items()}
+            held = {c: {(r.addr, r.nbytes) for reg in regs for r in reg.regions}
+                    for c, regs in self._registered.items()}
         for buffers in claimed:
             mine = held.get(buffers.component, set())
             for i, region in enumerate(buffers.regions):
