@@ -46,7 +46,7 @@ def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_di
     rows = []
     for layout in ("token-major", "head-major"):
         for label, (pt, dt) in (("equal", (4, 4)), ("4->2", (4, 2))):
-            def geom(tp: int) -> BufferGeometry:
+            def geom(tp: int, layout: str = layout) -> BufferGeometry:
                 local = heads // tp
                 shape = (page, local, head_dim) if layout == "token-major" else (local, page, head_dim)
                 return BufferGeometry("k", pool_pages, shape, DType.BFLOAT16,
@@ -58,7 +58,7 @@ def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_di
             pairs = [BufferPair(base_s + b * src_g.nbytes, src_g.item_nbytes, pool_pages,
                                 base_d + b * dst_g.nbytes, dst_g.item_nbytes, pool_pages, seg)
                      for b in range(2 * layers)]
-            ms, plan = _best_ms(lambda: plan_transfer(pairs, src_pages, dst_pages), repeat=3)
+            ms, plan = _best_ms(lambda pairs=pairs: plan_transfer(pairs, src_pages, dst_pages), repeat=3)
             sg_ms, sg_desc = SGLANG_ANCHOR[label]
             rows.append({"layout": layout, "tp": label, "plan_ms": ms, "descriptors": len(plan),  # type: ignore[arg-type]
                          "sglang_ms": sg_ms, "sglang_descriptors": sg_desc, "speedup": sg_ms / ms})
@@ -85,7 +85,8 @@ def _staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) 
     flat_src, flat_dst = staged.copy(), np.empty_like(staged)
     copy_ms, _ = _best_ms(lambda: np.copyto(flat_dst, flat_src))
     return {"layout": "token-major", "tp": "4->2 staged", "plan_ms": 0.0, "descriptors": 1,
-            "sglang_ms": SGLANG_ANCHOR["4->2"][0], "sglang_descriptors": SGLANG_ANCHOR["4->2"][1], "speedup": float("nan"),
+            "sglang_ms": SGLANG_ANCHOR["4->2"][0], "sglang_descriptors": SGLANG_ANCHOR["4->2"][1],
+            "speedup": float("nan"),
             "gather_gbps": staged.nbytes / gather_ms / 1e6, "scatter_gbps": staged.nbytes / scatter_ms / 1e6,
             "memcpy_gbps": staged.nbytes / copy_ms / 1e6}
 
@@ -96,8 +97,8 @@ _PAGE, _LAYERS, _HEADS, _HEAD_DIM = 16, 4, 8, 128
 def _control_layout() -> object:
     from kvbridge.geometry import Component, PoolLayout
 
-    bufs = tuple(BufferGeometry(f"{t}.{l}", 64, (_PAGE, _HEADS, _HEAD_DIM), DType.BFLOAT16, ShardAxis(1, _HEADS))
-                 for t in "kv" for l in range(_LAYERS))
+    bufs = tuple(BufferGeometry(f"{t}.{i}", 64, (_PAGE, _HEADS, _HEAD_DIM), DType.BFLOAT16, ShardAxis(1, _HEADS))
+                 for t in "kv" for i in range(_LAYERS))
     return PoolLayout((Component("kv", "kv", bufs),), 1, 0, _PAGE, "bench")
 
 
@@ -139,7 +140,8 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
     layout = _control_layout()
     geoms = layout.components[0].buffers  # type: ignore[attr-defined]
     server = BootstrapServer().start()
-    child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages), daemon=True)
+    child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages),
+                                            daemon=True)
     child.start()
     pool = HostPool(layout, shared=True)      # loopback reaches another process's memory through /dev/shm
     dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,  # type: ignore[arg-type]
@@ -204,7 +206,8 @@ def _zmq_rtt_ms(zmq: object, rounds: int = 200) -> float:
 
 def main_planner() -> int:
     print("planner: 32k tokens, 64 layers (K+V), 8 KV heads x 128 bf16, 16-token pages scattered (one prefill rank)")
-    print(f"{'layout':<12} {'TP':<6} {'plan ms':>9} {'descriptors':>12} {'SGLang ms':>10} {'SGLang desc':>12} {'speedup':>8}")
+    print(f"{'layout':<12} {'TP':<6} {'plan ms':>9} {'descriptors':>12} {'SGLang ms':>10} {'SGLang desc':>12} "
+          f"{'speedup':>8}")
     for r in bench_planner():
         if "gather_gbps" in r:
             print(f"{r['layout']:<12} {r['tp']:<6}: 1 descriptor per chunk; host gather {r['gather_gbps']:.1f} GB/s, "

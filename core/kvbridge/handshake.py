@@ -30,7 +30,8 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
         if pc.state_type != dc.state_type:
             raise IncompatiblePeer(f"{where}: state type {pc.state_type!r} on prefill, {dc.state_type!r} on decode")
         if pc.index_kind != dc.index_kind:
-            raise IncompatiblePeer(f"{where}: indexed by {pc.index_kind.value} on prefill, {dc.index_kind.value} on decode")
+            raise IncompatiblePeer(f"{where}: indexed by {pc.index_kind.value} on prefill, "
+                                   f"{dc.index_kind.value} on decode")
         if pc.options != dc.options:
             raise IncompatiblePeer(f"{where}: options {pc.options} on prefill, {dc.options} on decode")
         if len(pc.buffers) != len(dc.buffers):

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "HEAD_MAJOR", "LAYOUTS", "MLA", "TOKEN_MAJOR", "KVSpec", "ReferenceTopologyError", "background", "byte_view", "expected_buffer",
-    "expected_pages", "fill_source", "heads_held", "logical_pages", "pattern", "shard_axis",
+    "HEAD_MAJOR", "LAYOUTS", "MLA", "TOKEN_MAJOR", "KVSpec", "ReferenceTopologyError", "background", "byte_view",
+    "expected_buffer", "expected_pages", "fill_source", "heads_held", "logical_pages", "pattern", "shard_axis",
     "shard_pages", "source_buffer", "units_held",
 ]
 

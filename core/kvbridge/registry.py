@@ -312,7 +312,8 @@ def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _So
         try:
             result: Availability = probe()
         except Exception as exc:  # noqa: BLE001
-            status, reason, hint = PluginStatus.ERROR, f"probe raised {type(exc).__name__}: {exc}", traceback.format_exc()
+            status, reason = PluginStatus.ERROR, f"probe raised {type(exc).__name__}: {exc}"
+            hint = traceback.format_exc()
         else:
             if not result.available:
                 status, reason, hint = PluginStatus.UNAVAILABLE, result.reason, result.hint

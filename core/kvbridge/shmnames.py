@@ -22,7 +22,7 @@ RUN_ENV = "KVBRIDGE_SHM_RUN"
 MAX_SEGMENT_NAME = 200
 _TAG = re.compile(r"[a-z0-9]{4,16}")
 #: one path component under /dev/shm: no "/", no leading dot (so neither "." nor ".."), bounded
-_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,%d}" % (MAX_SEGMENT_NAME - 1))
+_SEGMENT_NAME = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_SEGMENT_NAME - 1}}}")
 
 
 def is_segment_name(name: object) -> bool:

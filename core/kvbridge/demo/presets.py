@@ -55,7 +55,8 @@ class KVModel:
             try:
                 heads = len(ref.units_held(self.total_heads, tp_size, 0))
             except ValueError as exc:
-                raise GeometryError(f"{self.total_heads} KV heads cannot be sharded over TP {tp_size} ({exc})") from None
+                raise GeometryError(f"{self.total_heads} KV heads cannot be sharded over TP {tp_size} "
+                                    f"({exc})") from None
             if self.layout == ref.TOKEN_MAJOR:
                 shape, shard = (self.page_size, heads, self.head_dim), ShardAxis(axis=1, total=self.total_heads)
             else:
@@ -74,7 +75,8 @@ class KVModel:
     def expected(self, tp_size: int, rank: int, request: RequestShape) -> list[np.ndarray]:
         """What ``rank`` holds of the request's pages, per buffer (wire order): uint8 ``[pages, page bytes]``."""
         spec, shape = self.spec(), (len(request.positions), self.spec().local_page_nbytes(tp_size))
-        return [ref.expected_pages(spec, request.seed, *self._coords(b), tp_size, rank, request.positions).reshape(shape)
+        return [ref.expected_pages(spec, request.seed, *self._coords(b), tp_size, rank,
+                                   request.positions).reshape(shape)
                 for b in range(self.tensors * self.layers)]
 
     def _coords(self, index: int) -> tuple[int, int]:

@@ -92,7 +92,8 @@ def allocate_items(cfg: WorkerConfig, request: RequestShape, model: ComponentMod
     if count > size:
         raise ValueError(f"request {request.index} needs {count} items of {getattr(model, 'name', 'kv')}, a region "
                          f"holds {size}")
-    rng = np.random.default_rng([cfg.seed, request.index, 1 if cfg.role is Role.PREFILL else 2, *([which] if which else [])])
+    rng = np.random.default_rng([cfg.seed, request.index, 1 if cfg.role is Role.PREFILL else 2,
+                                 *([which] if which else [])])
     start = 1 + (request.index % cfg.window) * size
     return start + rng.permutation(size)[:count].astype(np.int64)
 
@@ -111,7 +112,8 @@ def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.nda
 def run_worker(cfg: WorkerConfig, results: Any) -> None:
     """Process entry point; every outcome (also a crash) is reported on ``results``."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
-    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"), format=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
+    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"),
+                        format=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
     pool = agent = None
     try:
         preset = get_preset(cfg.preset)

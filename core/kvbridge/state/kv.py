@@ -26,7 +26,8 @@ class KVState(StateType):
 
     def check_component(self, component: Component, tp: Rank) -> None:
         if component.index_kind is not IndexKind.PAGE:
-            raise GeometryError(f"component {component.name!r}: kv is indexed by page, not {component.index_kind.value}")
+            raise GeometryError(f"component {component.name!r}: kv is indexed by page, "
+                                f"not {component.index_kind.value}")
         for buf in component.buffers:
             if buf.shard is not None and buf.shard.groups:
                 raise GeometryError(f"buffer {buf.name!r}: kv heads have no shard groups")

@@ -641,7 +641,8 @@ class BasicBackendTests(_BackendKit):
                 pass                # refused here, or the room already failed through another rank
         room.wait_failed(self.room_timeout_s)
         for side in room.senders + room.receivers:
-            assert reason in side.failure_reason, f"the failure reason {side.failure_reason!r} lost the cause {reason!r}"
+            assert reason in side.failure_reason, \
+                f"the failure reason {side.failure_reason!r} lost the cause {reason!r}"
         room.settle(self.room_timeout_s)
 
     def test_late_completion_is_still_exact(self, kv_world: World, faults: FaultInjector,

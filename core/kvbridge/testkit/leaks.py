@@ -10,7 +10,8 @@ names each new descriptor: its number and, for a socket, its protocol and addres
 them (``fd 17: tcp 127.0.0.1:40112 -> 127.0.0.1:5555 ESTABLISHED``, ``unix /tmp/engine.sock``); child
 processes from /proc/self/task/*/children; /dev/shm segments this process maps, or named
 ``kvbridge-<kit|demo>-<run tag>-<pid>-...`` by this run (:mod:`kvbridge.shmnames`) after this process or a child the
-kit started; another run's segments on the host are never counted. Linux only: elsewhere the /proc parts compare as empty.
+kit started; another run's segments on the host are never counted. Linux only: elsewhere the /proc parts compare as
+empty.
 """
 
 from __future__ import annotations

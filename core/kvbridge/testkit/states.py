@@ -275,8 +275,9 @@ class StateTypeTests(KitTests):
         sl = state.slice(src, dst, p, d)
         assert isinstance(sl, ComponentSlice), f"slice returned {type(sl).__name__}, not ComponentSlice"
         assert len(sl.buffers) == len(dst.buffers), \
-            f"slice of rank {p.rank}/{p.size} -> {d.rank}/{d.size} has {len(sl.buffers)} buffers, the component {len(dst.buffers)}"
-        for b, (seg, sg, dg) in enumerate(zip(sl.buffers, src.buffers, dst.buffers)):
+            f"slice of rank {p.rank}/{p.size} -> {d.rank}/{d.size} has {len(sl.buffers)} buffers, " \
+            f"the component {len(dst.buffers)}"
+        for seg, sg, dg in zip(sl.buffers, src.buffers, dst.buffers):
             if len(seg) == 0:
                 continue
             bad = (seg.nbytes <= 0) | (seg.src_off < 0) | (seg.dst_off < 0) | \
@@ -338,7 +339,7 @@ class StateTypeTests(KitTests):
             _, counts, _ = self._assemble(state, model, self._logical(model, np.random.default_rng(0)), pt, dt)
             dst_comp = model.build(dt, self.num_items)
             for d in range(dt):
-                for b, (c, g) in enumerate(zip(counts[d], dst_comp.buffers)):
+                for c, g in zip(counts[d], dst_comp.buffers):
                     wrong = np.flatnonzero(c != 1)
                     if wrong.size:
                         start = int(wrong[0])
@@ -367,7 +368,7 @@ class StateTypeTests(KitTests):
             got, _, expected = self._assemble(state, model, self._logical(model, np.random.default_rng(seed)), pt, dt)
             dst_comp = model.build(dt, self.num_items)
             for d in range(dt):
-                for b, (g, e, geom) in enumerate(zip(got[d], expected[d], dst_comp.buffers)):
+                for g, e, geom in zip(got[d], expected[d], dst_comp.buffers):
                     diff = np.flatnonzero((g != e).any(axis=0))
                     assert not diff.size, (f"Pt {pt} -> Dt {dt}, decode rank {d}, buffer {geom.name!r}: "
                                            f"{diff.size} of {e.shape[1]} bytes per item differ from the reference "
@@ -612,8 +613,8 @@ class StateTypeTests(KitTests):
             src_items, dst_items = request.expected_pairs()
             for rank, noise in zip(world.decode[dt], before):
                 r = rank.pool.layout.tp_rank
-                for b, (buf, n, target, geom) in enumerate(zip(rank.pool.buffers, noise, targets[r],
-                                                               rank.pool.component.buffers)):
+                for buf, n, target, geom in zip(rank.pool.buffers, noise, targets[r],
+                                                rank.pool.component.buffers):
                     want = n.reshape(geom.num_items, geom.item_nbytes).copy()
                     want[dst_items] = target[src_items]
                     got = buf.read().reshape(want.shape)

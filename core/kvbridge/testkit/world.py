@@ -39,7 +39,8 @@ class Pool(Protocol):
     def close(self) -> None: ...
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: Callable[[], str], poll_s: float = 0.001) -> float:
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: Callable[[], str],
+               poll_s: float = 0.001) -> float:
     """Wait for ``predicate``; raise AssertionError with ``what()`` after ``timeout_s``. Returns the time taken."""
     started = time.monotonic()
     while not predicate():

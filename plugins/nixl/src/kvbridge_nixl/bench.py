@@ -80,7 +80,8 @@ class _Pool:
         host.fill(fill)                     # written once: pages are touched before registration
         if stamp:                           # (buffer, page) in the first 8 bytes of every page
             ids = host[:, :, :8].view(np.uint64)
-            ids[:, :, 0] = (np.arange(nbuf, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(pool, dtype=np.uint64)
+            ids[:, :, 0] = ((np.arange(nbuf, dtype=np.uint64)[:, None] << np.uint64(32))
+                            | np.arange(pool, dtype=np.uint64))
         self.device = device
         if device == "cpu":
             self.data: Any = host
