@@ -21,7 +21,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -393,7 +393,8 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line; with ``argv`` None (as ``kvbridge bench --backend nixl`` calls it) the defaults."""
     parser = argparse.ArgumentParser(prog="python -m kvbridge_nixl.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--pages", type=int, default=256)
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--two-process", action="store_true", help="run the decode side in another process")
     parser.add_argument("--ucx-tls", default="", help="pin UCX transports (e.g. tcp)")
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_args([] if argv is None else argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")   # NIXL logs INFO lines on stdout otherwise
     result = run_bench(layers=args.layers, pages=args.pages, page_kib=args.page_kib, pool_pages=args.pool_pages,
                        repeats=args.repeats, device=args.device, dst_device=args.dst_device,
@@ -416,4 +417,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
