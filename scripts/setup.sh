@@ -20,4 +20,4 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid
 plugins=()
 for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
-"${PIP[@]}" -e ".[test]" "${plugins[@]}"
+"${PIP[@]}" -e ".[test,lint]" "${plugins[@]}"
