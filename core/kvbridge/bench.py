@@ -12,24 +12,28 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from kvbridge.geometry import BufferGeometry, DType, Rank, ShardAxis
+from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, Rank, ShardAxis
 from kvbridge.planner import BufferPair, plan_transfer
 from kvbridge.registry import Registry
 from kvbridge.slicing import buffer_segments, target_ranks
 from kvbridge.specs import BackendSpec, PluginKind, resolve
 
+_T = TypeVar("_T")
 SGLANG_ANCHOR = {"equal": (107.0, 262_016), "4->2": (143.0, 4_194_304)}
 
 
-def _best_ms(fn: Callable[[], object], repeat: int = 5) -> tuple[float, object]:
-    best, out = float("inf"), None
+def _best_ms(fn: Callable[[], _T], repeat: int = 5) -> tuple[float, _T]:
+    """Best of ``repeat`` (at least one) timed calls of ``fn``, in ms, and its last result."""
+    best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()
@@ -38,12 +42,12 @@ def _best_ms(fn: Callable[[], object], repeat: int = 5) -> tuple[float, object]:
 
 
 def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_dim: int = 128, page: int = 16,
-                  pool_pages: int = 40960, seed: int = 0) -> list[dict[str, object]]:
+                  pool_pages: int = 40960, seed: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     n_pages = tokens // page
     src_pages = rng.choice(np.arange(1, pool_pages), n_pages, replace=False)
     dst_pages = rng.choice(np.arange(1, pool_pages), n_pages, replace=False)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for layout in ("token-major", "head-major"):
         for label, (pt, dt) in (("equal", (4, 4)), ("4->2", (4, 2))):
             def geom(tp: int, layout: str = layout) -> BufferGeometry:
@@ -58,9 +62,9 @@ def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_di
             pairs = [BufferPair(base_s + b * src_g.nbytes, src_g.item_nbytes, pool_pages,
                                 base_d + b * dst_g.nbytes, dst_g.item_nbytes, pool_pages, seg)
                      for b in range(2 * layers)]
-            ms, plan = _best_ms(lambda pairs=pairs: plan_transfer(pairs, src_pages, dst_pages), repeat=3)
+            ms, plan = _best_ms(functools.partial(plan_transfer, pairs, src_pages, dst_pages), repeat=3)
             sg_ms, sg_desc = SGLANG_ANCHOR[label]
-            rows.append({"layout": layout, "tp": label, "plan_ms": ms, "descriptors": len(plan),  # type: ignore[arg-type]
+            rows.append({"layout": layout, "tp": label, "plan_ms": ms, "descriptors": len(plan),
                          "sglang_ms": sg_ms, "sglang_descriptors": sg_desc, "speedup": sg_ms / ms})
     rows.append(_staged_row(heads, head_dim, page, rng))
     return rows
@@ -94,9 +98,7 @@ def _staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) 
 _PAGE, _LAYERS, _HEADS, _HEAD_DIM = 16, 4, 8, 128
 
 
-def _control_layout() -> object:
-    from kvbridge.geometry import Component, PoolLayout
-
+def _control_layout() -> PoolLayout:
     bufs = tuple(BufferGeometry(f"{t}.{i}", 64, (_PAGE, _HEADS, _HEAD_DIM), DType.BFLOAT16, ShardAxis(1, _HEADS))
                  for t in "kv" for i in range(_LAYERS))
     return PoolLayout((Component("kv", "kv", bufs),), 1, 0, _PAGE, "bench")
@@ -109,10 +111,10 @@ def _serve_prefill(bootstrap: str, requests: int, n_pages: int) -> None:
     from kvbridge.zmq_link import ZmqLink
 
     layout = _control_layout()
-    geoms = layout.components[0].buffers  # type: ignore[attr-defined]
+    geoms = layout.components[0].buffers
     arrays = [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in geoms]
     pages = np.arange(1, 1 + n_pages)
-    with TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL,  # type: ignore[arg-type]
+    with TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL,
                        link=ZmqLink(bootstrap=bootstrap), instance="bench") as pre:
         for room in range(1, requests + 1):
             sender = pre.sender(room)
@@ -138,13 +140,13 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
 
     n_pages = tokens // _PAGE
     layout = _control_layout()
-    geoms = layout.components[0].buffers  # type: ignore[attr-defined]
+    geoms = layout.components[0].buffers
     server = BootstrapServer().start()
     child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages),
                                             daemon=True)
     child.start()
     pool = HostPool(layout, shared=True)      # loopback reaches another process's memory through /dev/shm
-    dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,  # type: ignore[arg-type]
+    dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,
                         link=ZmqLink(bootstrap=server.address))
     pages = np.arange(1, 1 + n_pages)
     latencies = []

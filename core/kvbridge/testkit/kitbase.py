@@ -48,7 +48,7 @@ def override_problems(cls: type) -> list[str]:
     """Kit tests that ``cls`` deleted or overrode without a strict xfail, and malformed known_failures."""
     problems = []
     tests = kit_tests(cls)
-    for name, (kit_class, func) in sorted(tests.items()):
+    for name, (kit_class, _func) in sorted(tests.items()):
         owner = next(k for k in cls.__mro__ if name in k.__dict__)
         if owner is kit_class or _is_kit_class(owner):
             continue

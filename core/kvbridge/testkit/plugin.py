@@ -18,8 +18,12 @@ Options:
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from hypothesis import Phase, settings
 
 MARKERS = (
     "multiprocess: starts peer processes (real sockets on the loopback interface)",
@@ -62,7 +66,7 @@ def shrinking() -> bool:
     return not (_NO_SHRINK_OPTION or env not in ("", "0", "false", "no"))
 
 
-def hypothesis_phases() -> tuple[object, ...] | None:
+def hypothesis_phases() -> tuple[Phase, ...] | None:
     """The ``phases`` for the kit's hypothesis settings: None (hypothesis's own, from the active profile)
     while shrinking is on, else every phase of the active profile but shrinking (and explaining, which
     needs it)."""
@@ -71,6 +75,14 @@ def hypothesis_phases() -> tuple[object, ...] | None:
     from hypothesis import Phase, settings
 
     return tuple(p for p in settings().phases if p not in (Phase.shrink, Phase.explain))
+
+
+def kit_settings(**kwargs: Any) -> settings:
+    """``hypothesis.settings(**kwargs)`` for the kit's property tests, with :func:`hypothesis_phases`."""
+    from hypothesis import settings
+
+    phases = hypothesis_phases()
+    return settings(**kwargs) if phases is None else settings(**kwargs, phases=phases)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -216,11 +216,10 @@ class BackendMachine(RuleBasedStateMachine):
 def run_backend_machine(make_backend: Callable[[str], Any], notifications: bool, *, examples: int, bound_s: float,
                         steps: int = 20) -> None:
     """Run the machine; shrinking is off with ``--kvbridge-no-shrink`` or ``KVBRIDGE_KIT_NO_SHRINK=1``."""
-    from kvbridge.testkit.plugin import hypothesis_phases
+    from kvbridge.testkit.plugin import kit_settings
 
-    phases = hypothesis_phases()
     run_state_machine_as_test(
-        lambda: BackendMachine(make_backend, notifications, bound_s),
-        settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-                          **({"phases": phases} if phases is not None else {})))
+        # hypothesis only calls it (its stub asks for the class; a factory carries the arguments)
+        lambda: BackendMachine(make_backend, notifications, bound_s),  # type: ignore[arg-type]
+        settings=kit_settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

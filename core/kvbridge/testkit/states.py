@@ -214,16 +214,14 @@ class StateTypeTests(KitTests):
 
     # ---------------------------------------------------------------- hypothesis plumbing
     def _examples(self, check: Callable[[Any], None], examples: int | None = None) -> None:
-        from hypothesis import HealthCheck, given, settings
+        from hypothesis import HealthCheck, given
         from hypothesis import strategies as st
 
-        from kvbridge.testkit.plugin import hypothesis_phases
+        from kvbridge.testkit.plugin import kit_settings
 
-        phases = hypothesis_phases()
-        @settings(max_examples=examples or self.max_examples, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                         HealthCheck.data_too_large],
-                  **({"phases": phases} if phases is not None else {}))
+        @kit_settings(max_examples=examples or self.max_examples, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                             HealthCheck.data_too_large])
         @given(st.data())
         def run(data: Any) -> None:
             check(data)

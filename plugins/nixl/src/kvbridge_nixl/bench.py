@@ -66,7 +66,7 @@ def _clocked(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
     return call
 
 
-def _timed(fn: Callable[[], float | None], runs: list[float]) -> None:
+def _timed(fn: Callable[[], object], runs: list[float]) -> None:
     start = time.perf_counter()
     fn()
     runs.append(time.perf_counter() - start)
