@@ -131,23 +131,40 @@ def test_empty_last_chunk_completes_a_full_prefix_hit(make_pair: Callable[..., P
     wait(lambda: all(r.poll() == KVPoll.Success for r in receivers))
 
 
-def test_duplicate_and_late_notices_are_dropped(make_pair: Callable[..., Pair]) -> None:
+def _as_peer(sender: TransferAgent, recipient: TransferAgent, message: object) -> bytes:
+    """A frame exactly as ``sender`` would encode it for ``recipient`` (a participant's own words)."""
+    return sender.context.codec.encode(message, to=recipient.link.address,  # type: ignore[arg-type]
+                                       to_incarnation=recipient.incarnation)
+
+
+def test_duplicate_late_and_short_notices_never_make_success(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(1, 1)
     senders, receivers = start_room(pair, 9, np.array([1, 2]))
-    codec = Codec()
-    dec = pair.decode[0]
-    # a forged "last" notice for chunk 1 must not complete the room while chunk 0 is missing
-    dec.handle_frame(codec.encode(Notice(9, 0, "kv", 1, True)))
+    pre, dec = pair.prefill[0], pair.decode[0]
+    # a "last" notice for chunk 1 that names no items must not complete the room: chunk 0 is missing
+    dec.handle_frame(_as_peer(pre, dec, Notice(room=9, sender=0, component="kv", chunk=1, last=True)))
     assert receivers[0].poll() == KVPoll.Transferring
     senders[0].send(np.array([3]))
-    wait(lambda: receivers[0].poll() == KVPoll.Success)
-    senders[0].send(np.array([4]), last=True)   # the real chunk 1: a duplicate for the receiver
-    wait(lambda: senders[0].poll() == KVPoll.Success)
-    assert receivers[0].poll() == KVPoll.Success
+    # every chunk 0..last arrived, but item 1 was never named: coverage, not counting, decides
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    assert "prefill rank 0 sent 1 of 2 kv items" in receivers[0].failure_reason
     receivers[0].clear()
-    dec.handle_frame(codec.encode(Notice(9, 0, "kv", 0, True)))   # late: room cleared
+    dec.handle_frame(_as_peer(pre, dec, Notice(room=9, sender=0, component="kv", chunk=0, last=True)))  # late
     with pytest.raises(KVBridgeError, match="cleared"):
         receivers[0].poll()
+
+
+def test_a_duplicate_notice_is_counted_once(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1)
+    senders, receivers = start_room(pair, 8, np.array([1, 2]))
+    pre, dec = pair.prefill[0], pair.decode[0]
+    senders[0].send(np.array([3]))
+    wait(lambda: receivers[0].poll() == KVPoll.Transferring)
+    again = Notice(room=8, sender=0, component="kv", chunk=0, last=False, first=0, count=1)
+    dec.handle_frame(_as_peer(pre, dec, again))
+    assert receivers[0].poll() == KVPoll.Transferring
+    senders[0].send(np.array([4]), last=True)
+    wait(lambda: receivers[0].poll() == KVPoll.Success)
 
 
 def test_decode_abort_waits_for_sender_quiescence(make_pair: Callable[..., Pair]) -> None:
@@ -191,8 +208,9 @@ def test_out_of_range_destination_from_peer_is_refused_before_any_write(make_pai
     pair = make_pair(1, 1)
     pre, dec = pair.prefill[0], pair.decode[0]
     sender = pre.sender(21)
-    forged = TransferRequest(21, dec.name, 0, 1, {"kv": PackedIndices.pack(np.array([1, NUM_PAGES + 5]))})
-    pre.handle_frame(Codec().encode(forged))
+    forged = TransferRequest(room=21, agent=dec.name, dst_rank=0, dst_size=1,
+                             indices={"kv": PackedIndices.pack(np.array([1, NUM_PAGES + 5]))})
+    pre.handle_frame(_as_peer(dec, pre, forged))
     assert sender.poll() == KVPoll.Failed            # the bad request fails the room, with the reason
     assert "outside [0, 16)" in sender.failure_reason
     with pytest.raises(TransferError):
@@ -207,7 +225,7 @@ def test_bad_source_indices_raise_and_fail_the_room(make_pair: Callable[..., Pai
         senders[0].send(np.array([1, NUM_PAGES]), last=True)
     assert senders[0].poll() == KVPoll.Failed
     wait(lambda: receivers[0].poll() == KVPoll.Failed)
-    with pytest.raises(GeometryError, match="prefill sends pages up to 3"):
+    with pytest.raises(GeometryError, match="prefill sends items up to 3"):
         pair2 = make_pair(1, 1)
         s2, _ = start_room(pair2, 23, np.array([1, 2]))
         s2[0].send(np.array([1, 2, 3]), last=True)
@@ -244,8 +262,9 @@ def test_hmac_rejects_unauthenticated_frames(make_pair: Callable[..., Pair]) -> 
     senders, receivers = start_room(pair, 40, np.array([1]))
     dec = pair.decode[0]
     before = dec.rejected_frames
-    dec.handle_frame(Codec().encode(Notice(40, 0, "kv", 0, True)))     # no MAC
-    dec.handle_frame(Codec(b"wrong").encode(Notice(40, 0, "kv", 0, True)))
+    notice = Notice(room=40, sender=0, component="kv", chunk=0, last=True, count=1)
+    dec.handle_frame(Codec().encode(notice, to=dec.link.address, to_incarnation=dec.incarnation))     # no MAC
+    dec.handle_frame(Codec(b"wrong").encode(notice, to=dec.link.address, to_incarnation=dec.incarnation))
     assert dec.rejected_frames == before + 2
     assert receivers[0].poll() == KVPoll.WaitingForInput
     senders[0].send(np.array([2]), last=True)
@@ -288,7 +307,12 @@ def test_silent_peer_fails_its_rooms_within_the_bound(make_pair: Callable[..., P
     wait(lambda: receivers[0].poll() == KVPoll.Failed, timeout_s=3)
     assert time.monotonic() - started < 1.5
     assert "no message" in receivers[0].failure_reason
-    assert receivers[0].safe_to_reuse               # a dead sender writes nothing more
+    # silence proves nothing (a stopped process resumes and writes): not reusable until the writer is gone
+    for _ in range(20):
+        assert not receivers[0].safe_to_reuse
+        time.sleep(0.01)
+    pair.prefill[0].backend.close()                 # now the engine can prove it: no writer is left
+    wait(lambda: receivers[0].safe_to_reuse, timeout_s=3)
 
 
 def test_status_order_supports_min_reduction() -> None:
@@ -303,9 +327,8 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
 
     pair = make_pair(1, 1, connect=False)
     dec = pair.decode[0]
-    hello = wire.Hello(wire.PROTOCOL_VERSION, dec.name, dec.link.address, Role.DECODE, dec.layout, "loopback",
-                       dec.backend.endpoint, dec.buffers.remote())
-    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(wire.Envelope(wire.PROTOCOL_VERSION, hello)))
+    hello = dec.peers.hello()
+    raw = msgspec.msgpack.decode(dec.context.codec.encode(hello, to=""))
     raw[0] = wire.PROTOCOL_VERSION + 1                     # a newer decode speaks version 2
     future_hello = msgspec.msgpack.encode(raw)
     info = dec.link.lookup("inst")

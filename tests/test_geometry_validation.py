@@ -73,8 +73,9 @@ def test_the_good_layout_is_accepted_and_numpy_integers_become_ints() -> None:
 
 # ------------------------------------------------------------------------------- from a peer
 def _hello_raw() -> list[Any]:
-    hello = Hello(PROTOCOL_VERSION, "d0", "tcp://127.0.0.1:1", Role.DECODE, _layout(), "loopback", b"", ())
-    return msgspec.msgpack.decode(Codec().encode(hello))
+    hello = Hello(version=PROTOCOL_VERSION, agent="d0", address="tcp://127.0.0.1:1", role=Role.DECODE, layout=_layout(),
+                  backend="loopback", endpoint=b"", buffers=())
+    return msgspec.msgpack.decode(Codec(sender="d0").encode(hello))
 
 
 _PATHS = {   # wire field -> how to reach it in the decoded envelope
@@ -94,7 +95,7 @@ _PATHS = {   # wire field -> how to reach it in the decoded envelope
 
 def _tampered(field: str, value: object) -> bytes:
     raw = _hello_raw()
-    _PATHS[field](raw[1])[field] = value
+    _PATHS[field](raw[-1])[field] = value
     return msgspec.msgpack.encode(raw)
 
 

@@ -302,13 +302,14 @@ def test_a_peer_segment_in_dev_shm_is_written_exactly_and_only_there(prefill: Pr
 # ------------------------------------------------------------------------------ through the codec
 def _hello(buffers: tuple[RemoteBuffers, ...]) -> Hello:
     comp = Component("kv", "kv", (BufferGeometry("k.0", 1, (SIZE,), DType.UINT8),))
-    return Hello(PROTOCOL_VERSION, "evil", "tcp://127.0.0.1:1", Role.DECODE, PoolLayout((comp,), 1, 0, 16),
-                 "loopback", _endpoint("evil", b"\0" * 16), buffers)
+    return Hello(version=PROTOCOL_VERSION, agent="evil", address="tcp://127.0.0.1:1", role=Role.DECODE,
+                 layout=PoolLayout((comp,), 1, 0, 16), backend="loopback", endpoint=_endpoint("evil", b"\0" * 16),
+                 buffers=buffers)
 
 
 def test_a_forged_hello_with_a_traversal_name_decodes_and_is_refused_by_the_backend(
         prefill: Prefill, victim: Path, opened: list[str]) -> None:
-    frame = Codec().encode(_hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),),
+    frame = Codec(sender="evil").encode(_hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),),
                                                  _descriptor((os.path.relpath(victim, "/dev/shm"), 0))),)))
     hello = Codec().decode(frame)
     assert isinstance(hello, Hello)
@@ -318,7 +319,7 @@ def test_a_forged_hello_with_a_traversal_name_decodes_and_is_refused_by_the_back
 
 
 def test_a_forged_hello_with_a_negative_region_is_a_protocol_error() -> None:
-    raw = msgspec.msgpack.decode(Codec().encode(_hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),)),))))
-    raw[1]["buffers"][0]["regions"][0][1] = -SIZE
+    raw = msgspec.msgpack.decode(Codec(sender="evil").encode(_hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),)),))))
+    raw[-1]["buffers"][0]["regions"][0][1] = -SIZE
     with pytest.raises(ProtocolError, match=r"Hello from 'evil': buffers of 'kv' region 0: .*non-positive length"):
         Codec().decode(msgspec.msgpack.encode(raw))

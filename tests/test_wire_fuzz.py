@@ -13,6 +13,11 @@ from kvbridge.errors import ProtocolError
 from kvbridge.links import LocalHub
 from kvbridge.wire import PROTOCOL_VERSION, Codec, KVPoll, Notice, Role
 
+
+def _envelope(body: object) -> list[object]:
+    """A protocol-2 envelope around a raw body: version, sender, address, incarnations, sequence."""
+    return [PROTOCOL_VERSION, "fuzz", "fuzz-address", 1, 0, 1, body]
+
 from test_agent import kv_buffers, kv_layout
 
 msgpack_values = st.recursive(
@@ -38,7 +43,7 @@ frames = st.one_of(
         "room": st.integers(-2**64, 2**64), "agent": st.text(max_size=8), "sender": st.integers(-5, 5),
         "chunk": st.integers(-5, 5), "component": st.text(max_size=4), "last": st.booleans(),
         "dst_rank": st.integers(-3, 3), "dst_size": st.integers(-3, 3), "indices": msgpack_values,
-    }).map(lambda body: _encode([PROTOCOL_VERSION, body])),
+    }).map(lambda body: _encode(_envelope(body))),
 )
 
 
@@ -93,11 +98,11 @@ def test_oversize_frame_is_rejected_before_decoding() -> None:
     with pytest.raises(ProtocolError, match="exceeds the 1024-byte limit"):
         codec.decode(b"\x00" * 2000)
     with pytest.raises(ProtocolError, match="exceeds"):
-        codec.encode(Notice(1, 0, "x" * 5000, 0, True))
+        codec.encode(Notice(room=1, sender=0, component="x" * 5000, chunk=0, last=True))
 
 
 def test_room_outside_63_bits_is_rejected() -> None:
-    frame = _encode([PROTOCOL_VERSION, {"type": "notice", "room": 2**63, "sender": 0, "component": "kv", "chunk": 0,
-                                        "last": True}])
+    frame = _encode(_envelope({"type": "notice", "room": 2**63, "sender": 0, "component": "kv", "chunk": 0,
+                                        "last": True}))
     with pytest.raises(ProtocolError, match="63-bit"):
         Codec().decode(frame)

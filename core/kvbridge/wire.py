@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import threading
 
 import msgspec
 import numpy as np
@@ -17,8 +18,8 @@ from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 << 20        # a frame larger than this is rejected before decoding
+PROTOCOL_VERSION = 2
+MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
 
@@ -54,7 +55,7 @@ class PackedIndices(msgspec.Struct, frozen=True, array_like=True):
         return np.frombuffer(self.data, dtype="<i8").astype(np.int64)
 
 
-class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", forbid_unknown_fields=True):
     """Decode rank -> prefill rank, once per pair: my layout, my endpoint, my registered buffers."""
 
     version: int
@@ -67,7 +68,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True
     buffers: tuple[RemoteBuffers, ...]
 
 
-class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
+class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
     """Prefill rank -> decode rank: accepted (with my layout) or refused with the reason."""
 
     version: int
@@ -81,7 +82,7 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
     buffers: tuple[RemoteBuffers, ...] = ()
 
 
-class TransferRequest(msgspec.Struct, frozen=True, tag="request", forbid_unknown_fields=True):
+class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", forbid_unknown_fields=True):
     """Decode rank -> prefill rank, once per request: where each component goes."""
 
     room: int
@@ -94,7 +95,7 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="request", forbid_unknown
     staging: dict[str, dict[int, int]] = {}
 
 
-class Notice(msgspec.Struct, frozen=True, tag="notice", forbid_unknown_fields=True):
+class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
     """A component chunk landed (sent by the backend with the data, or by the control plane after it)."""
 
     room: int
@@ -108,7 +109,7 @@ class Notice(msgspec.Struct, frozen=True, tag="notice", forbid_unknown_fields=Tr
     staged: bool = False    # the bytes sit in the receiver's staging area: scatter before counting
 
 
-class StatusPush(msgspec.Struct, frozen=True, tag="status", forbid_unknown_fields=True):
+class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid_unknown_fields=True):
     """Prefill -> decode: the room failed on the sender (with its reason)."""
 
     room: int
@@ -117,7 +118,7 @@ class StatusPush(msgspec.Struct, frozen=True, tag="status", forbid_unknown_field
     reason: str = ""
 
 
-class Abort(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
+class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
     """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight."""
 
     room: int
@@ -126,21 +127,30 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True
     quiesced: bool = False
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", forbid_unknown_fields=True):
     agent: str
     address: str
     seq: int
 
 
-class Goodbye(msgspec.Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):
+class Goodbye(msgspec.Struct, frozen=True, kw_only=True, tag="goodbye", forbid_unknown_fields=True):
     agent: str
 
 
 Message = Hello | Welcome | TransferRequest | Notice | StatusPush | Abort | Heartbeat | Goodbye
 
 
-class Envelope(msgspec.Struct, frozen=True, array_like=True):
+class Envelope(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
+    """What travels around every message: who sent it (name, reply address, incarnation), which
+    incarnation of the recipient it is for (0 only in a Hello, before the sender knows it), and the
+    sender's sequence number towards that recipient. With a secret all of it is under the MAC."""
+
     version: int
+    sender: str
+    address: str
+    incarnation: int
+    to_incarnation: int
+    seq: int
     body: Message
 
 
@@ -148,28 +158,83 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Envelope)
 
 
-class Codec:
-    """Encode/decode control frames; with a secret, every frame carries an HMAC-SHA256 tag."""
+class ReplayWindow:
+    """Sequence numbers seen from one sender incarnation: the highest and a bitmap of the 1,024 below it.
 
-    def __init__(self, secret: bytes | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    Frames may arrive out of order (the engine's notification channel and the control link race), so a
+    window, not a strict counter; anything older than the window or seen before is a replay.
+    """
+
+    SIZE = 1024
+
+    def __init__(self) -> None:
+        self._top = 0
+        self._seen = 0        # bit i: top - i was seen
+
+    def accept(self, seq: int) -> bool:
+        if seq <= 0:
+            return False
+        if seq > self._top:
+            shift = seq - self._top
+            self._seen = ((self._seen << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
+            self._top = seq
+            return True
+        offset = self._top - seq
+        if offset >= self.SIZE or self._seen >> offset & 1:
+            return False
+        self._seen |= 1 << offset
+        return True
+
+
+class Codec:
+    """Encode/decode control frames for one agent; with a secret, every frame carries an HMAC-SHA256 tag
+    over the recipient's address and the whole envelope (sender, incarnations, sequence, message).
+
+        codec = Codec(b"secret", sender="decode-0", address="tcp://10.0.0.2:5000", incarnation=7)
+        frame = codec.encode(hello, to="tcp://10.0.0.1:5000")
+        envelope = peer_codec.open(frame)           # raises ProtocolError unless authentic and well-formed
+    """
+
+    def __init__(self, secret: bytes | None = None, max_bytes: int = MAX_MESSAGE_BYTES, *, sender: str = "",
+                 address: str = "", incarnation: int = 0) -> None:
         self._secret = secret
         self.max_bytes = max_bytes
+        self.sender, self.address, self.incarnation = sender, address, incarnation
+        self._seq: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
 
-    def encode(self, message: Message) -> bytes:
-        body = _ENCODER.encode(Envelope(PROTOCOL_VERSION, message))
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
+
+    def encode(self, message: Message, *, to: str = "", to_incarnation: int = 0) -> bytes:
+        """One frame for the agent listening at ``to`` (its incarnation if known)."""
+        with self._seq_lock:
+            seq = self._seq[to] = self._seq.get(to, 0) + 1
+        body = _ENCODER.encode(Envelope(version=PROTOCOL_VERSION, sender=self.sender, address=self.address,
+                                        incarnation=self.incarnation, to_incarnation=to_incarnation, seq=seq,
+                                        body=message))
         if len(body) > self.max_bytes:
             raise ProtocolError(f"{type(message).__name__} of {len(body)} bytes exceeds the {self.max_bytes}-byte limit")
         if self._secret is None:
             return body
-        return hmac.new(self._secret, body, hashlib.sha256).digest() + body
+        return self._tag(to, body) + body
 
-    def decode(self, frame: bytes) -> Message:
+    def _tag(self, recipient: str, body: bytes) -> bytes:
+        assert self._secret is not None
+        mac = hmac.new(self._secret, recipient.encode() + b"\0", hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
+
+    def open(self, frame: bytes) -> Envelope:
+        """Check size, MAC (bound to our address), version and field ranges; the whole envelope."""
         if len(frame) > self.max_bytes + (_MAC_BYTES if self._secret else 0):
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {self.max_bytes}-byte limit")
         if self._secret is not None:
             tag, frame = frame[:_MAC_BYTES], frame[_MAC_BYTES:]
-            if not hmac.compare_digest(tag, hmac.new(self._secret, frame, hashlib.sha256).digest()):
-                raise ProtocolError("frame rejected: bad or missing HMAC (is the shared secret the same?)")
+            if not hmac.compare_digest(tag, self._tag(self.address, frame)):
+                raise ProtocolError("frame rejected: bad or missing HMAC (is the shared secret the same, and "
+                                    "was the frame meant for this agent?)")
         version = _peek_version(frame)
         if version is not None and version != PROTOCOL_VERSION:
             raise VersionMismatch(version, msgspec.msgpack.decode(frame))
@@ -180,7 +245,15 @@ class Codec:
         except KVBridgeError as exc:   # a received layout that fails validation (GeometryError names the field)
             raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
         _check_ranges(envelope.body)
-        return envelope.body
+        agent = getattr(envelope.body, "agent", None)
+        if agent is not None and agent != envelope.sender:
+            raise ProtocolError(f"{type(envelope.body).__name__} names agent {agent!r} but comes from "
+                                f"{envelope.sender!r}")
+        return envelope
+
+    def decode(self, frame: bytes) -> Message:
+        """The message of a frame (see ``open`` for the checks)."""
+        return self.open(frame).body
 
 
 class VersionMismatch(ProtocolError):
@@ -192,7 +265,7 @@ class VersionMismatch(ProtocolError):
         super().__init__(f"unknown protocol version {peer_version} (this side speaks {PROTOCOL_VERSION})")
 
     def field(self, name: str) -> object:
-        body = self.raw[1] if isinstance(self.raw, list) and len(self.raw) > 1 else None
+        body = self.raw[-1] if isinstance(self.raw, list) and len(self.raw) > 1 else None
         return body.get(name) if isinstance(body, dict) else None
 
 

@@ -38,14 +38,17 @@ class AgentContext:
     codec: Codec
     buffers: LocalBuffers
     lock: threading.RLock
+    incarnation: int                      # random per agent start; frames for another one are dropped
 
     @property
     def rank(self) -> Rank:
         return Rank(self.layout.tp_rank, self.layout.tp_size)
 
-    def post(self, address: str, message: Message) -> None:
-        """Encode and send one control frame; a dead peer is logged, never raised (liveness handles it)."""
-        self.send_frame(address, self.codec.encode(message), type(message).__name__)
+    def post(self, address: str, message: Message, *, incarnation: int = 0) -> None:
+        """Encode and queue one control frame for the agent at ``address`` (its ``incarnation`` when known);
+        the link never blocks, and a dead peer is logged, never raised (liveness handles it)."""
+        self.send_frame(address, self.codec.encode(message, to=address, to_incarnation=incarnation),
+                        type(message).__name__)
 
     def send_frame(self, address: str, frame: bytes, what: str = "frame") -> None:
         try:

@@ -1,7 +1,9 @@
-"""Peers: the handshake (Hello/Welcome), liveness (heartbeats, silence, goodbye) and peer death.
+"""Peers: admission of control frames, the handshake (Hello/Welcome), incarnations, liveness, departure.
 
-The prefill side accepts Hellos; the decode side sends them from ``connect()`` and reads the Welcomes.
-Each ``connect()`` call owns one :class:`Handshake` record, so concurrent calls never share state.
+Every frame passes :meth:`PeerTable.admit` first: it must be for this incarnation of us, not a replay,
+and from the current incarnation of a known peer (a Hello or Welcome may introduce a new one). A peer
+that restarts under the same name is a new incarnation: the old one's rooms fail before anything else.
+The decode side sends Hellos from ``connect()``; each call owns one :class:`Handshake` record.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,22 +23,36 @@ from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
 from kvbridge.slicing import target_ranks
-from kvbridge.wire import PROTOCOL_VERSION, Goodbye, Heartbeat, Hello, Role, VersionMismatch, Welcome
+from kvbridge.wire import (
+    PROTOCOL_VERSION, Envelope, Goodbye, Heartbeat, Hello, Message, Notice, ReplayWindow, Role, VersionMismatch,
+    Welcome,
+)
 
 log = logging.getLogger("kvbridge.agent")
+
+_WINDOWS = 4096              # replay windows remembered (sender incarnation x channel), oldest forgotten
+_NEW_PEERS_PER_S = 50.0      # Hellos that would admit a new peer (or incarnation), per second ...
+_NEW_PEERS_BURST = 200.0     # ... with this burst
+
+
+class Dropped(ProtocolError):
+    """A well-formed frame that must not act: stale incarnation, replay, non-participant."""
 
 
 @dataclass(slots=True, kw_only=True)
 class Peer:
-    """An agent we shook hands with."""
+    """An agent we shook hands with, in one incarnation."""
 
     agent: str
     address: str
+    incarnation: int
     layout: PoolLayout
+    endpoint: bytes                        # its backend endpoint (a backend may confirm it is gone)
     info: PeerInfo | None                  # set on the prefill side (where we write to)
     last_seen: float
     alive: bool = True
     goodbye_at: float | None = None        # notices on the engine's own channel may still be in flight
+    died_at: float | None = None
 
 
 class HandshakeState(enum.Enum):
@@ -61,6 +78,7 @@ class Handshake:
 
     instance: str
     targets: dict[str, HandshakeTarget] = field(default_factory=dict)
+    next_hello: float = 0.0
 
     @property
     def refused(self) -> HandshakeTarget | None:
@@ -68,7 +86,7 @@ class Handshake:
 
     @property
     def done(self) -> bool:
-        return all(t.state is HandshakeState.ACCEPTED for t in self.targets.values())
+        return bool(self.targets) and all(t.state is HandshakeState.ACCEPTED for t in self.targets.values())
 
     @property
     def silent(self) -> list[str]:
@@ -76,10 +94,11 @@ class Handshake:
 
 
 PeerDied = Callable[[Peer, str], None]
+InUse = Callable[[str], bool]
 
 
 class PeerTable:
-    """Every peer of one agent; handshakes, heartbeats and the silence check."""
+    """Every peer of one agent; frame admission, handshakes, heartbeats, silence, departure."""
 
     def __init__(self, ctx: AgentContext, plans: PlanCache) -> None:
         self._ctx = ctx
@@ -87,14 +106,23 @@ class PeerTable:
         self.peers: dict[str, Peer] = {}
         self.handshakes: list[Handshake] = []
         self.instances: dict[str, dict[int, str]] = {}        # prefill instance -> rank -> agent
-        self.beat_targets: dict[str, str] = {}                 # agent -> address of live peers (beat thread)
+        self.beat_targets: dict[str, tuple[str, int]] = {}     # agent -> (address, incarnation), beat thread
+        self._windows: OrderedDict[tuple[str, int, bool], ReplayWindow] = OrderedDict()
         self._on_death: list[PeerDied] = []
+        self._in_use: list[InUse] = []
         self._last_beat = 0.0
         self._beat_seq = 0
+        self._hello_tokens = _NEW_PEERS_BURST
+        self._hello_refill = time.monotonic()
         self.beats_threaded = False
+        self.dropped_frames = 0
 
     def on_death(self, callback: PeerDied) -> None:
         self._on_death.append(callback)
+
+    def on_in_use(self, callback: InUse) -> None:
+        """``callback(agent)`` says whether rooms still refer to a peer (it is kept until they do not)."""
+        self._in_use.append(callback)
 
     def get(self, agent: str) -> Peer | None:
         return self.peers.get(agent)
@@ -102,16 +130,83 @@ class PeerTable:
     def __getitem__(self, agent: str) -> Peer:
         return self.peers[agent]
 
-    def touch(self, agent: str) -> None:
-        peer = self.peers.get(agent)
-        if peer is not None:
-            peer.last_seen = time.monotonic()
+    def post(self, peer: Peer, message: Message) -> None:
+        self._ctx.post(peer.address, message, incarnation=peer.incarnation)
+
+    # ---------------------------------------------------------------- admission of every frame
+    def admit(self, env: Envelope) -> Peer | None:
+        """Check a decoded frame against incarnations and replays; the sender's peer record if known.
+
+        Raises :class:`Dropped` for a frame that must not act (it is logged and counted by the caller).
+        """
+        body, ctx = env.body, self._ctx
+        introduces = isinstance(body, Hello) or (isinstance(body, Welcome) and not body.accepted)
+        if env.to_incarnation != ctx.incarnation and not (introduces and env.to_incarnation == 0):
+            raise Dropped(f"{type(body).__name__} from {env.sender!r} is for incarnation {env.to_incarnation:#x}, "
+                          f"this agent is {ctx.incarnation:#x} (a predecessor's frame)")
+        key = (env.sender, env.incarnation, isinstance(body, Notice))
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = ReplayWindow()
+            while len(self._windows) > _WINDOWS:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        if not window.accept(env.seq):
+            raise Dropped(f"replayed {type(body).__name__} from {env.sender!r} (sequence {env.seq})")
+        peer = self.peers.get(env.sender)
+        if peer is None:
+            return None
+        if peer.incarnation != env.incarnation:
+            if isinstance(body, (Hello, Welcome)):
+                return None            # a new incarnation introduces itself: the handlers replace the peer
+            raise Dropped(f"{type(body).__name__} from incarnation {env.incarnation:#x} of {env.sender!r}, "
+                          f"which is known as {peer.incarnation:#x}")
+        peer.last_seen = time.monotonic()
+        if not peer.alive and peer.goodbye_at is None and not isinstance(body, Goodbye):
+            self._revive(peer)
+        return peer
+
+    def _revive(self, peer: Peer) -> None:
+        """A peer judged dead by silence spoke again in the same incarnation: it is a peer again (its
+        failed rooms stay failed)."""
+        log.warning("%s: peer %s is back after being judged dead; re-admitted", self._ctx.name, peer.agent)
+        peer.alive, peer.died_at = True, None
+        self.beat_targets[peer.agent] = (peer.address, peer.incarnation)
+
+    def _retire(self, old: Peer, why: str) -> None:
+        """End an old record of a peer that comes back changed: its rooms fail, its resources go."""
+        if old.alive:
+            self._died(old, why)
+        self._drop(old)
+
+    def _insert(self, new: Peer) -> None:
+        self.peers[new.agent] = new
+        self.beat_targets[new.agent] = (new.address, new.incarnation)
+
+    def _drop(self, peer: Peer) -> None:
+        """Release everything held for a peer record (backend peer, caches, link socket)."""
+        ctx = self._ctx
+        self._plans.forget(peer.agent)
+        if peer.info is not None:
+            try:
+                ctx.backend.remove_peer(peer.agent)
+            except Exception:  # noqa: BLE001 - a backend error must not stop the agent
+                log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
+        if self.peers.get(peer.agent) is peer:
+            del self.peers[peer.agent]
+            self.beat_targets.pop(peer.agent, None)
+        if not any(p.address == peer.address for p in self.peers.values()):
+            forget = getattr(ctx.link, "forget", None)
+            if forget is not None:
+                forget(peer.address)
 
     # ---------------------------------------------------------------- decode side: connect()
     def hello(self) -> Hello:
         ctx = self._ctx
-        return Hello(PROTOCOL_VERSION, ctx.name, ctx.link.address, ctx.role, ctx.layout, ctx.backend_name,
-                     ctx.backend.endpoint, ctx.buffers.remote())
+        return Hello(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, role=ctx.role,
+                     layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint,
+                     buffers=ctx.buffers.remote())
 
     def begin(self, instance: str, addresses: dict[int, str], ranks: list[int]) -> Handshake:
         """Start a handshake with ``ranks`` of ``instance`` (decode side; call under the lock)."""
@@ -121,6 +216,11 @@ class PeerTable:
         self.handshakes.append(shake)
         return shake
 
+    def fill(self, shake: Handshake, addresses: dict[int, str], ranks: list[int]) -> None:
+        """Give a handshake started before its instance was looked up its targets (call under the lock)."""
+        shake.targets = {addresses[r]: HandshakeTarget(rank=r, address=addresses[r]) for r in ranks}
+        shake.next_hello = 0.0
+
     def finish(self, shake: Handshake) -> None:
         """Record the instance's rank -> agent map of a completed handshake (call under the lock)."""
         if shake in self.handshakes:
@@ -128,16 +228,28 @@ class PeerTable:
         if shake.done:
             self.instances[shake.instance] = {t.rank: t.agent for t in shake.targets.values()}
 
+    def _send_hellos(self, now: float, resend_s: float) -> None:
+        """(Re)send our Hello to every handshake target that has not answered: a link may drop a frame
+        while its connection is still being set up."""
+        due = [s for s in self.handshakes if now >= s.next_hello and s.silent]
+        if not due:
+            return
+        hello = self.hello()
+        for shake in due:
+            shake.next_hello = now + resend_s
+            for address in shake.silent:
+                self._ctx.post(address, hello)
+
     def _targets_at(self, address: object) -> list[HandshakeTarget]:
         return [s.targets[address] for s in self.handshakes if isinstance(address, str) and address in s.targets]
 
-    def on_welcome(self, welcome: Welcome) -> None:
-        targets = self._targets_at(welcome.address)
+    def on_welcome(self, welcome: Welcome, env: Envelope) -> None:
+        targets = self._targets_at(env.address)
         known = self.peers.get(welcome.agent)
-        if not targets and known is not None and known.address == welcome.address:
+        if not targets and known is not None and known.address == env.address:
             return       # the answer to a Hello repeated while the first answer was on its way
         if not targets:
-            raise ProtocolError(f"unexpected Welcome from {welcome.agent} at {welcome.address}")
+            raise Dropped(f"unexpected Welcome from {welcome.agent} at {env.address}")
         reason = ""
         if not welcome.accepted or welcome.layout is None:
             reason = f"prefill {welcome.agent} refused the handshake: {welcome.reason}"
@@ -151,38 +263,62 @@ class PeerTable:
                 target.state, target.reason = HandshakeState.REFUSED, reason
             else:
                 target.state, target.agent = HandshakeState.ACCEPTED, welcome.agent
-        if reason or welcome.layout is None:
-            return
-        self.peers[welcome.agent] = Peer(agent=welcome.agent, address=welcome.address, layout=welcome.layout,
-                                         info=None, last_seen=time.monotonic())
-        self.beat_targets[welcome.agent] = welcome.address
+        if not reason and welcome.layout is not None:
+            if known is not None and known.incarnation == env.incarnation:
+                if not known.alive:
+                    self._revive(known)
+            else:
+                if known is not None:
+                    self._retire(known, f"restarted as incarnation {env.incarnation:#x}")
+                self._insert(Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
+                                  layout=welcome.layout, endpoint=welcome.endpoint, info=None,
+                                  last_seen=time.monotonic()))
+        for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
+            self.finish(shake)
 
     # ---------------------------------------------------------------- prefill side: Hellos
-    def on_hello(self, hello: Hello) -> None:
+    def on_hello(self, hello: Hello, env: Envelope) -> None:
         ctx = self._ctx
         if ctx.role is not Role.PREFILL:
             raise ProtocolError(f"{ctx.name} is a decode rank and got a Hello from {hello.agent}")
+        if hello.address != env.address:
+            raise ProtocolError(f"Hello from {hello.agent} names address {hello.address}, its frame {env.address}")
+        old = self.peers.get(hello.agent)
+        info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
+        same = (old is not None and old.incarnation == env.incarnation and old.info == info
+                and old.layout == hello.layout)
+        if not same and not self._hello_budget():
+            raise Dropped(f"Hello from {hello.agent}: more than {_NEW_PEERS_PER_S:.0f} new peers per second")
         reason = self._refusal(hello)
         if reason:
             log.error("%s: refused %s: %s", ctx.name, hello.agent, reason)
-            ctx.post(hello.address, Welcome(PROTOCOL_VERSION, ctx.name, ctx.link.address, False, reason))
+            ctx.post(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
+                                          accepted=False, reason=reason), incarnation=env.incarnation)
             return
-        info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
         _check_remote_buffers(hello.layout, info)
-        old = self.peers.get(hello.agent)
-        welcome = Welcome(PROTOCOL_VERSION, ctx.name, ctx.link.address, True, "", ctx.layout, ctx.backend_name,
-                          ctx.backend.endpoint, ())
-        if old is not None and old.alive and old.info == info and old.layout == hello.layout:
-            ctx.post(hello.address, welcome)     # a repeated Hello: answer again, keep the peer as it is
+        welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
+                          reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint)
+        if same and old is not None:
+            if not old.alive:
+                self._revive(old)
+            ctx.post(env.address, welcome, incarnation=env.incarnation)   # a repeated Hello: answer again
             return
         if old is not None:
-            self._plans.forget(hello.agent)
-            ctx.backend.remove_peer(hello.agent)
+            self._retire(old, "handshook again with other buffers" if old.incarnation == env.incarnation
+                         else f"restarted as incarnation {env.incarnation:#x}")
         ctx.backend.add_peer(info)
-        self.peers[hello.agent] = Peer(agent=hello.agent, address=hello.address, layout=hello.layout, info=info,
-                                       last_seen=time.monotonic())
-        self.beat_targets[hello.agent] = hello.address
-        ctx.post(hello.address, welcome)
+        self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
+                           endpoint=hello.endpoint, info=info, last_seen=time.monotonic()))
+        ctx.post(env.address, welcome, incarnation=env.incarnation)
+
+    def _hello_budget(self) -> bool:
+        now = time.monotonic()
+        self._hello_tokens = min(_NEW_PEERS_BURST, self._hello_tokens + (now - self._hello_refill) * _NEW_PEERS_PER_S)
+        self._hello_refill = now
+        if self._hello_tokens < 1.0:
+            return False
+        self._hello_tokens -= 1.0
+        return True
 
     def _refusal(self, hello: Hello) -> str:
         ctx = self._ctx
@@ -203,8 +339,11 @@ class PeerTable:
         ctx = self._ctx
         tag, address = exc.field("type"), exc.field("address")
         if tag == "hello" and isinstance(address, str) and ctx.role is Role.PREFILL:
+            if not self._hello_budget():
+                return
             reason = f"protocol version differs: prefill speaks {PROTOCOL_VERSION}, decode {exc.peer_version}"
-            ctx.post(address, Welcome(PROTOCOL_VERSION, ctx.name, ctx.link.address, False, reason))
+            ctx.post(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
+                                      accepted=False, reason=reason))
         elif tag == "welcome":
             theirs = exc.field("reason") or (f"peer speaks protocol version {exc.peer_version}, we speak "
                                              f"{PROTOCOL_VERSION}")
@@ -212,26 +351,27 @@ class PeerTable:
                 target.state, target.reason = HandshakeState.REFUSED, str(theirs)
 
     # ---------------------------------------------------------------- liveness
-    def on_goodbye(self, goodbye: Goodbye) -> None:
-        peer = self.peers.get(goodbye.agent)
-        if peer is not None:
+    def on_goodbye(self, peer: Peer | None) -> None:
+        if peer is not None and peer.goodbye_at is None:
             peer.goodbye_at = time.monotonic()
             self.beat_targets.pop(peer.agent, None)
 
-    def on_heartbeat(self, beat: Heartbeat) -> None:
-        if beat.agent not in self.peers:
+    def on_heartbeat(self, beat: Heartbeat, peer: Peer | None) -> None:
+        if peer is None:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
 
-    def tick(self, now: float) -> None:
-        """Heartbeats (unless a thread sends them) and the silence/goodbye check (call under the lock)."""
+    def tick(self, now: float, hello_resend_s: float) -> None:
+        """Hellos, heartbeats (unless a thread sends them), the silence/goodbye check and the release of
+        departed peers (call under the lock)."""
         ctx = self._ctx
+        self._send_hellos(now, hello_resend_s)
         if not self.beats_threaded and now - self._last_beat >= ctx.config.heartbeat_interval_s:
             self._last_beat = now
             self._beat_seq += 1
-            beat = Heartbeat(ctx.name, ctx.link.address, self._beat_seq)
+            beat = Heartbeat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq)
             for peer in self.peers.values():
                 if peer.alive and peer.goodbye_at is None:
-                    ctx.post(peer.address, beat)
+                    self.post(peer, beat)
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
         for peer in list(self.peers.values()):
             if not peer.alive:
@@ -240,20 +380,41 @@ class PeerTable:
                 self._died(peer, "said goodbye")
             elif peer.goodbye_at is None and now - peer.last_seen > ctx.config.peer_timeout_s:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s")
+        self._reap(now)
+
+    def _reap(self, now: float) -> None:
+        """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""
+        linger = max(2 * self._ctx.config.peer_timeout_s, 1.0)
+        for peer in list(self.peers.values()):
+            if (not peer.alive and peer.died_at is not None and now - peer.died_at > linger
+                    and not any(in_use(peer.agent) for in_use in self._in_use)):
+                self._drop(peer)
 
     def _died(self, peer: Peer, why: str) -> None:
-        peer.alive = False
+        peer.alive, peer.died_at = False, time.monotonic()
         self.beat_targets.pop(peer.agent, None)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
         log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self._ctx.name, reason)
         for callback in self._on_death:
             callback(peer, reason)
 
+    def writer_gone(self, peer: Peer) -> bool:
+        """Can the backend prove that ``peer`` can no longer write into our memory (optional backend
+        method ``writer_gone(endpoint) -> bool``)? Silence alone never proves it."""
+        probe = getattr(self._ctx.backend, "writer_gone", None)
+        if probe is None:
+            return False
+        try:
+            return bool(probe(peer.endpoint))
+        except Exception:  # noqa: BLE001 - an engine error proves nothing
+            log.exception("%s: writer_gone(%s) failed", self._ctx.name, peer.agent)
+            return False
+
     def say_goodbye(self) -> None:
         ctx = self._ctx
         for peer in self.peers.values():
             if peer.alive:   # best effort: a peer that already left cannot hear it
-                ctx.post(peer.address, Goodbye(ctx.name))
+                self.post(peer, Goodbye(agent=ctx.name))
 
 
 def _check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:

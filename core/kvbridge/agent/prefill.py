@@ -11,16 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.agent.config import TOMBSTONES
+from kvbridge.agent.config import EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, Tombstones
-from kvbridge.agent.peers import Peer, PeerTable
+from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.backends.base import ComponentTransfer, HandleState
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, RegionError, TransferError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.slicing import ComponentSlice, served_ranks
 from kvbridge.staging import STAGING, gather, page_layout, synchronize
-from kvbridge.wire import Abort, KVPoll, Notice, StatusPush, TransferRequest
+from kvbridge.wire import Abort, Envelope, KVPoll, Notice, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -50,9 +50,23 @@ class SendRoom:
     cursor: int = 0
     last_sent: bool = False
     inflight: list[InFlight] = field(default_factory=list)
-    must_confirm: set[str] = field(default_factory=set)   # decode agents owed an Abort(quiesced)
+    must_confirm: dict[str, tuple[str, int]] = field(default_factory=dict)   # owed an Abort(quiesced): agent ->
+    #                                                                          (address, incarnation)
     nbytes: int = 0
     descriptors: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class _Write:
+    """One component of one chunk towards one decode rank, validated and paired, not yet posted."""
+
+    peer: Peer
+    comp_index: int
+    segs: ComponentSlice
+    src: np.ndarray
+    dst: np.ndarray
+    first: int | None
+    staged_at: int | None
 
 
 def _position_in(dst_all: np.ndarray, d_idx: np.ndarray) -> int | None:
@@ -73,11 +87,14 @@ class PrefillSide:
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
         self.rooms: dict[int, SendRoom] = {}
-        self._early: dict[int, list[TransferRequest]] = {}
+        self._early: OrderedDict[int, tuple[float, list[TransferRequest]]] = OrderedDict()   # before sender()
         self._early_aborts: OrderedDict[int, str] = OrderedDict()
+        self._active: set[int] = set()          # rooms with writes in flight or an acknowledgement owed
+        self._next_timeouts = 0.0
         self._tombstones = Tombstones()
         self._no_staging: set[str] = set()
         peers.on_death(self._peer_died)
+        peers.on_in_use(self._refers_to)
 
     # ---------------------------------------------------------------- engine-facing (Sender)
     def open(self, room: int) -> None:
@@ -86,7 +103,7 @@ class PrefillSide:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
             state = self.rooms[room] = SendRoom(room=room, created=time.monotonic())
-            for req in self._early.pop(room, []):
+            for req in self._early.pop(room, (0.0, []))[1]:
                 self._accept_request(state, req)
             early_abort = self._early_aborts.pop(room, None)
             if early_abort is not None:
@@ -152,45 +169,67 @@ class PrefillSide:
                 raise KVBridgeError(f"room {room}: {len(state.inflight)} writes still in flight; wait for "
                                     "safe_to_reuse before clear()")
             self.rooms.pop(room, None)
+            self._active.discard(room)
             self._tombstones.bury(room)
 
     # ---------------------------------------------------------------- control frames (lock held)
-    def on_request(self, req: TransferRequest) -> None:
+    def on_request(self, req: TransferRequest, peer: Peer | None) -> None:
+        ctx = self._ctx
         if req.room in self._tombstones:
             return
-        peer = self._peers.get(req.agent)
         if peer is None:
-            raise ProtocolError(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
+            raise Dropped(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
+        room = self.rooms.get(req.room)
         try:
             _validate_request(peer, req)
         except (GeometryError, ProtocolError) as exc:
-            log.error("%s: refused request for room %d from %s: %s", self._ctx.name, req.room, req.agent, exc)
-            self._ctx.post(peer.address, StatusPush(req.room, self._ctx.name, KVPoll.Failed, f"bad request: {exc}"))
-            room = self.rooms.get(req.room)
+            log.error("%s: refused request for room %d from %s: %s", ctx.name, req.room, req.agent, exc)
+            self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
+                                              reason=f"bad request: {exc}"))
+            why = f"decode {req.agent} sent a bad request: {exc}"
             if room is not None:
-                self._fail(room, f"decode {req.agent} sent a bad request: {exc}")
+                self._fail(room, why)
+            else:       # remembered: the sender() that comes later fails at once with this reason
+                self._remember_abort(req.room, why)
             return
-        room = self.rooms.get(req.room)
-        if room is None:
-            self._early.setdefault(req.room, []).append(req)
-        else:
+        if room is not None:
             self._accept_request(room, req)
+            return
+        created, queued = self._early.get(req.room, (time.monotonic(), []))
+        if not any(q.agent == req.agent for q in queued):
+            queued.append(req)
+        self._early[req.room] = (created, queued)
+        while len(self._early) > EARLY_ROOMS:      # bounded: the oldest early room is forgotten
+            dropped, _ = self._early.popitem(last=False)
+            log.warning("%s: more than %d rooms requested before their sender(); forgot room %d", ctx.name,
+                        EARLY_ROOMS, dropped)
 
-    def on_abort(self, abort: Abort) -> None:
+    def _remember_abort(self, room: int, reason: str) -> None:
+        self._early.pop(room, None)
+        if room not in self._tombstones:
+            self._early_aborts[room] = reason
+            while len(self._early_aborts) > TOMBSTONES:
+                self._early_aborts.popitem(last=False)
+
+    def on_abort(self, abort: Abort, env: Envelope) -> None:
         ctx = self._ctx
         room = self.rooms.get(abort.room)
+        ack = Abort(room=abort.room, agent=ctx.name, reason=abort.reason, quiesced=True)
         if room is None:   # nothing was written for it: confirm now, fail the sender if it comes later
-            self._early.pop(abort.room, None)
+            if abort.room not in self._tombstones and self._peers.get(abort.agent) is None:
+                raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a peer")
             if abort.room not in self._tombstones:
-                self._early_aborts[abort.room] = f"aborted by decode {abort.agent}: {abort.reason}"
-                while len(self._early_aborts) > TOMBSTONES:
-                    self._early_aborts.popitem(last=False)
-            peer = self._peers.get(abort.agent)
-            if peer is not None:
-                ctx.post(peer.address, Abort(abort.room, ctx.name, abort.reason, quiesced=True))
+                queued = self._early.get(abort.room, (0.0, []))[1]
+                if queued and all(q.agent != abort.agent for q in queued):
+                    raise Dropped(f"abort of room {abort.room} from {abort.agent}, which did not request it")
+                self._remember_abort(abort.room, f"aborted by decode {abort.agent}: {abort.reason}")
+            ctx.post(env.address, ack, incarnation=env.incarnation)
             return
+        if abort.agent not in room.requests:
+            raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a participant")
         self._fail(room, f"aborted by decode {abort.agent}: {abort.reason}")
-        room.must_confirm.add(abort.agent)
+        room.must_confirm[abort.agent] = (env.address, env.incarnation)
+        self._active.add(room.room)
 
     def _accept_request(self, room: SendRoom, req: TransferRequest) -> None:
         if room.status is KVPoll.Failed:
@@ -205,63 +244,81 @@ class PrefillSide:
 
     # ---------------------------------------------------------------- posting (lock held)
     def _send_chunk(self, room: SendRoom, pages: np.ndarray, last: bool, state: StateIndices) -> None:
-        ctx = self._ctx
+        """Validate and pair every component of the chunk for every decode rank, then post: a bad index
+        anywhere refuses the whole chunk before any byte moves."""
+        writes = [w for comp_index in range(len(self._ctx.layout.components))
+                  for w in self._prepare(room, comp_index, pages, last, state)]
         chunk = room.chunks
-        for comp_index, (comp, st) in enumerate(zip(ctx.layout.components, ctx.state_types)):
-            if not st.chunked and not last:
-                continue
-            if st.chunked:
-                src = check_indices(pages, comp.num_items, f"room {room.room} {comp.name} source")
-                src_first = 0
-            else:
-                if comp.name not in state:
-                    raise GeometryError(f"room {room.room}: the last chunk must carry indices for {comp.name!r}")
-                src_raw, src_first = state[comp.name]
-                src = check_indices(src_raw, comp.num_items, f"room {room.room} {comp.name} source")
-            for agent, req in room.requests.items():
-                self._send_component(room, self._peers[agent], req, comp_index, src, src_first, chunk, last)
+        for write in writes:
+            self._post(room, write, chunk, last)
         room.chunks += 1
         room.cursor += len(pages)
         room.status = KVPoll.Transferring
+        self._active.add(room.room)
         if last:
             room.last_sent = True
 
-    def _send_component(self, room: SendRoom, peer: Peer, req: TransferRequest, comp_index: int,
-                        src: np.ndarray, src_first: int, chunk: int, last: bool) -> None:
+    def _prepare(self, room: SendRoom, comp_index: int, pages: np.ndarray, last: bool,
+                 state: StateIndices) -> list[_Write]:
         ctx = self._ctx
         comp, st = ctx.layout.components[comp_index], ctx.state_types[comp_index]
-        segs = self._plans.slice_for(peer, comp_index)
-        if segs.is_empty:
-            return
-        packed = req.indices[comp.name]
-        dst_all = packed.unpack()
-        first: int | None
+        if not st.chunked and not last:
+            return []
         if st.chunked:
-            if room.cursor + len(src) > len(dst_all):
-                raise GeometryError(f"room {room.room} {comp.name}: prefill sends pages up to "
-                                    f"{room.cursor + len(src)}, decode {peer.agent} gave {len(dst_all)}")
-            s_idx, d_idx, first = src, dst_all[room.cursor: room.cursor + len(src)], room.cursor
+            src, src_first = check_indices(pages, comp.num_items, f"room {room.room} {comp.name} source"), 0
         else:
-            s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
-            first = _position_in(dst_all, d_idx)
-        staged_at = req.staging.get(comp.name, {}).get(ctx.layout.tp_rank)
-        if staged_at is not None and first is not None and len(s_idx) and self._send_staged(
-                room, peer, comp_index, segs, s_idx, staged_at, first, chunk, last):
+            if comp.name not in state:
+                raise GeometryError(f"room {room.room}: the last chunk must carry indices for {comp.name!r}")
+            src_raw, src_first = state[comp.name]
+            src = check_indices(src_raw, comp.num_items, f"room {room.room} {comp.name} source")
+        writes = []
+        for agent, req in room.requests.items():
+            peer = self._peers[agent]
+            segs = self._plans.slice_for(peer, comp_index)
+            if segs.is_empty:
+                continue
+            packed = req.indices[comp.name]
+            dst_all = packed.unpack()
+            first: int | None
+            if st.chunked:
+                end = room.cursor + len(src)
+                if end > len(dst_all):
+                    raise GeometryError(f"room {room.room} {comp.name}: prefill sends items up to {end}, decode "
+                                        f"{agent} asked for {len(dst_all)}")
+                if last and end < len(dst_all):
+                    raise GeometryError(f"room {room.room}: prefill sent {end} of {len(dst_all)} {comp.name} items "
+                                        f"to decode {agent} with its last chunk")
+                s_idx, d_idx, first = src, dst_all[room.cursor: end], room.cursor
+            else:
+                s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
+                first = _coverage_start(dst_all, d_idx, f"room {room.room} {comp.name}")
+            writes.append(_Write(peer=peer, comp_index=comp_index, segs=segs, src=s_idx, dst=d_idx, first=first,
+                                 staged_at=req.staging.get(comp.name, {}).get(ctx.layout.tp_rank)))
+        return writes
+
+    def _post(self, room: SendRoom, write: _Write, chunk: int, last: bool) -> None:
+        ctx, peer = self._ctx, write.peer
+        comp = ctx.layout.components[write.comp_index]
+        s_idx, d_idx, first = write.src, write.dst, write.first
+        if write.staged_at is not None and first is not None and len(s_idx) and self._send_staged(
+                room, peer, write.comp_index, write.segs, s_idx, write.staged_at, first, chunk, last):
             return
         if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
             order = np.argsort(s_idx, kind="stable")
             s_idx, d_idx = s_idx[order], d_idx[order]
-        plan = plan_transfer(self._plans.pairs_for(peer, comp_index, segs), s_idx, d_idx)
-        notice = Notice(room.room, ctx.layout.tp_rank, comp.name, chunk, last, plan.total_nbytes, first or 0,
-                        len(s_idx))
-        frame = ctx.codec.encode(notice)
+        plan = plan_transfer(self._plans.pairs_for(peer, write.comp_index, write.segs), s_idx, d_idx)
+        notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=chunk, last=last,
+                        nbytes=plan.total_nbytes, first=first or 0, count=len(s_idx))
+        frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
         if len(plan) == 0:
             self._notify(peer, frame)
             return
         if peer.info is None:
             raise AssertionError(f"peer {peer.agent} has no registered buffers")
-        transfer = ComponentTransfer(room.room, comp.name, peer.agent, chunk, last, ctx.buffers.registered[comp.name],
-                                     peer.info.component(comp.name), plan, frame, s_idx, d_idx, segs.buffers)
+        transfer = ComponentTransfer(room=room.room, component=comp.name, peer=peer.agent, chunk=chunk, last=last,
+                                     src=ctx.buffers.registered[comp.name], dst=peer.info.component(comp.name),
+                                     plan=plan, notice=frame, src_items=s_idx, dst_items=d_idx,
+                                     segments=write.segs.buffers)
         handle = ctx.registry.send_component(ctx.backend, transfer)
         room.inflight.append(InFlight(handle=handle, peer=peer.agent, notice=notice, frame=frame))
         room.nbytes += plan.total_nbytes
@@ -293,9 +350,11 @@ class PrefillSide:
         u64 = np.uint64
         plan = TransferPlan(np.array([staging.region.addr + local], u64), np.array([dst], u64),
                             np.array([nbytes], u64), np.zeros(1, np.int32))
-        notice = Notice(room.room, ctx.layout.tp_rank, comp.name, chunk, last, nbytes, first, len(items), True)
-        frame = ctx.codec.encode(notice)
-        transfer = ComponentTransfer(room.room, STAGING, peer.agent, chunk, last, staging_reg, remote, plan, frame)
+        notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=chunk, last=last,
+                        nbytes=nbytes, first=first, count=len(items), staged=True)
+        frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
+        transfer = ComponentTransfer(room=room.room, component=STAGING, peer=peer.agent, chunk=chunk, last=last,
+                                     src=staging_reg, dst=remote, plan=plan, notice=frame)
         try:
             handle = ctx.registry.send_component(ctx.backend, transfer)
         except RegionError as exc:     # the engine cannot reach the peer's staging area: descriptors from now on
@@ -321,18 +380,23 @@ class PrefillSide:
 
     # ---------------------------------------------------------------- completion (lock held)
     def poll_inflight(self) -> None:
-        for room in list(self.rooms.values()):
+        """Poll the writes of rooms that have any (cost: the active rooms, not all of them)."""
+        for room_id in list(self._active):
+            room = self.rooms.get(room_id)
+            if room is None:
+                self._active.discard(room_id)
+                continue
             if room.inflight:
                 room.inflight = [item for item in room.inflight if not self._finished(room, item)]
-            if not room.inflight:
-                if room.status is KVPoll.Transferring and room.last_sent:
-                    room.status = KVPoll.Success
-                if room.must_confirm:
-                    for agent in room.must_confirm:
-                        peer = self._peers.get(agent)
-                        if peer is not None:
-                            self._ctx.post(peer.address, Abort(room.room, self._ctx.name, room.reason, quiesced=True))
-                    room.must_confirm.clear()
+            if room.inflight:
+                continue
+            if room.status is KVPoll.Transferring and room.last_sent:
+                room.status = KVPoll.Success
+            for agent, (address, incarnation) in room.must_confirm.items():
+                self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
+                                              quiesced=True), incarnation=incarnation)
+            room.must_confirm.clear()
+            self._active.discard(room_id)
 
     def _finished(self, room: SendRoom, item: InFlight) -> bool:
         """Poll one write; when it ended, release it, free its staging and notify or fail the room."""
@@ -351,9 +415,10 @@ class PrefillSide:
             log.exception("%s: releasing a transfer handle failed", ctx.name)
         if item.staging is not None and ctx.buffers.staging is not None:
             ctx.buffers.staging.free(*item.staging)
+        peer = self._peers.get(item.peer)
         if result is not None and result.state is HandleState.DONE:
-            if room.status is not KVPoll.Failed:
-                self._notify(self._peers[item.peer], item.frame)
+            if room.status is not KVPoll.Failed and peer is not None:
+                self._notify(peer, item.frame)
         else:
             self._fail(room, f"{ctx.backend_name} write of {item.notice.component} chunk {item.notice.chunk} to "
                              f"{item.peer} failed: {reason}")
@@ -366,21 +431,52 @@ class PrefillSide:
         for agent in room.requests:
             peer = self._peers.get(agent)
             if peer is not None and peer.alive:
-                self._ctx.post(peer.address, StatusPush(room.room, self._ctx.name, KVPoll.Failed, reason))
-                room.must_confirm.add(agent)   # Abort(quiesced) follows once our writes drained
+                self._peers.post(peer, StatusPush(room=room.room, agent=self._ctx.name, status=KVPoll.Failed,
+                                                  reason=reason))
+                room.must_confirm[agent] = (peer.address, peer.incarnation)   # Abort(quiesced) once drained
+        self._active.add(room.room)
 
     def tick(self, now: float) -> None:
+        if now < self._next_timeouts:
+            return
+        self._next_timeouts = now + TICK_S
         timeout = self._ctx.config.bootstrap_timeout_s
         for room in self.rooms.values():
             if room.status is KVPoll.Bootstrapping and now - room.created > timeout:
                 self._fail(room, f"bootstrap timeout: {len(room.requests)} of {room.expected_requests or '?'} "
                                  f"decode requests after {timeout} s")
+        while self._early:                     # requests whose sender() never came
+            room_id, (created, _) = next(iter(self._early.items()))
+            if now - created <= timeout:
+                break
+            del self._early[room_id]
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         for room in self.rooms.values():
             if peer.agent in room.requests:
                 self._fail(room, reason)
-                room.must_confirm.discard(peer.agent)
+                room.must_confirm.pop(peer.agent, None)
+        for room_id, (created, queued) in list(self._early.items()):
+            kept = [q for q in queued if q.agent != peer.agent]
+            if kept:
+                self._early[room_id] = (created, kept)
+            else:
+                del self._early[room_id]
+
+    def _refers_to(self, agent: str) -> bool:
+        return any(agent in room.requests for room in self.rooms.values())
+
+
+def _coverage_start(dst_all: np.ndarray, d_idx: np.ndarray, where: str) -> int | None:
+    """Where the paired destination items sit in the request (a contiguous run), for the notice's coverage.
+
+    None when they are all of it in another order (the notice then covers the whole list)."""
+    first = _position_in(dst_all, d_idx)
+    if first is not None:
+        return first
+    if len(d_idx) == len(dst_all) and np.array_equal(np.sort(d_idx), np.sort(dst_all)):
+        return None
+    raise GeometryError(f"{where}: the state type paired destination items that are not one run of the request")
 
 
 def _validate_request(peer: Peer, req: TransferRequest) -> None:

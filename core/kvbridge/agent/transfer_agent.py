@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ from kvbridge.agent.config import HELLO_RESEND_S, AgentConfig
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.decode import DecodeSide
 from kvbridge.agent.handles import Receiver, Sender
-from kvbridge.agent.peers import PeerTable
+from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
 from kvbridge.backends.base import RegisteredBuffers, TransferBackend
@@ -27,7 +28,7 @@ from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.staging import StagingArea
 from kvbridge.wire import (
-    Abort, Codec, Goodbye, Heartbeat, Hello, Message, Notice, Role, StatusPush, TransferRequest, VersionMismatch,
+    Abort, Codec, Envelope, Goodbye, Heartbeat, Hello, Notice, Role, StatusPush, TransferRequest, VersionMismatch,
     Welcome,
 )
 
@@ -49,17 +50,21 @@ class TransferAgent:
         registry = registry or Registry.build()
         self.name = name or f"{role.value}-{layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.instance = instance
+        self.incarnation = secrets.randbits(64) | 1      # this start of the agent; never 0
         engine: TransferBackend = registry.create_backend(backend, name=self.name,
                                                           options=dict(config.backend_options))
         self.buffers = LocalBuffers(layout=layout, registry=registry, backend=engine)
         self.context = AgentContext(name=self.name, role=role, layout=layout, config=config, registry=registry,
                                     state_types=registry.compose(layout), backend=engine, backend_name=backend,
-                                    link=link, codec=Codec(config.secret), buffers=self.buffers,
-                                    lock=threading.RLock())
+                                    link=link, buffers=self.buffers, lock=threading.RLock(),
+                                    codec=Codec(config.secret, sender=self.name, address=link.address,
+                                                incarnation=self.incarnation),
+                                    incarnation=self.incarnation)
         plans = PlanCache(self.context)
         self.peers = PeerTable(self.context, plans)
         self.prefill = PrefillSide(self.context, self.peers, plans) if role is Role.PREFILL else None
-        self.decode = DecodeSide(self.context, self.peers, plans) if role is Role.DECODE else None
+        self.decode = DecodeSide(self.context, self.peers, plans, self._reconnect) if role is Role.DECODE else None
+        self._reconnecting: dict[str, threading.Thread] = {}
         self.rejected_frames = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -122,46 +127,63 @@ class TransferAgent:
     def connect(self, instance: str, timeout_s: float | None = None) -> None:
         """Handshake with the prefill ranks of ``instance`` that our TP rank reads from (decode only).
 
-        Blocks until every target accepted, refused (IncompatiblePeer with the reason) or timed out.
+        Blocks until every target accepted, refused (IncompatiblePeer with the reason) or timed out. A
+        prefill rank that dies later is reconnected without a call (rooms opened meanwhile wait).
         """
         if self.role is not Role.DECODE:
             raise KVBridgeError("connect() is for decode ranks; prefill ranks wait for their decode peers")
         ctx = self.context
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else ctx.config.bootstrap_timeout_s)
-        info = ctx.link.lookup(instance)
-        while info is None or not info.complete:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefill instance {instance!r} did not publish all its ranks in time "
-                                   f"(have {sorted(info.addresses) if info else []})")
-            time.sleep(0.01)
-            info = ctx.link.lookup(instance)
-        ranks = target_ranks(info.tp_size, ctx.layout.tp_size, ctx.layout.tp_rank)
-        hello = self.peers.hello()
-        with ctx.lock:
-            shake = self.peers.begin(instance, dict(info.addresses), list(ranks))
-        try:
-            next_hello = 0.0
-            while True:
-                now = time.monotonic()
-                if now >= next_hello:   # (again) to every target that has not answered: a link may drop a
-                    with ctx.lock:      # frame while its connection is still being set up
-                        silent = shake.silent
-                    for address in silent:
-                        ctx.post(address, hello)
-                    next_hello = now + HELLO_RESEND_S
-                self.progress()
-                with ctx.lock:
-                    refused, done = shake.refused, shake.done
-                if refused is not None:
-                    raise IncompatiblePeer(refused.reason)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"prefill instance {instance!r} did not answer the handshake in time")
-                self.link_wait(0.005)
-        finally:
+        shake = self.connect_async(instance, deadline - time.monotonic())
+        while True:
+            self._progress_or_wait(0.005)
             with ctx.lock:
-                self.peers.finish(shake)
+                refused, done = shake.refused, shake.done
+            if refused is not None:
+                raise IncompatiblePeer(refused.reason)
+            if done:
+                return
+            if time.monotonic() > deadline:
+                what = "publish all its ranks" if not shake.targets else "answer the handshake"
+                raise TimeoutError(f"prefill instance {instance!r} did not {what} in time")
+
+    def connect_async(self, instance: str, timeout_s: float | None = None) -> Handshake:
+        """Start a handshake and return its record at once; the progress loop completes it."""
+        if self.role is not Role.DECODE:
+            raise KVBridgeError("connect() is for decode ranks; prefill ranks wait for their decode peers")
+        ctx = self.context
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else ctx.config.bootstrap_timeout_s)
+        with ctx.lock:
+            shake = self.peers.begin(instance, {}, [])
+        def look_up() -> None:
+            info = ctx.link.lookup(instance)
+            while (info is None or not info.complete) and time.monotonic() < deadline and not self._stop.is_set():
+                time.sleep(0.01)
+                info = ctx.link.lookup(instance)
+            if info is None or not info.complete:
+                log.warning("%s: prefill instance %r did not publish all its ranks in time (have %s)", self.name,
+                            instance, sorted(info.addresses) if info else [])
+                with ctx.lock:
+                    self.peers.finish(shake)
+                return
+            ranks = target_ranks(info.tp_size, ctx.layout.tp_size, ctx.layout.tp_rank)
+            with ctx.lock:
+                self.peers.fill(shake, dict(info.addresses), list(ranks))
+        threading.Thread(target=look_up, name=f"kvbridge-lookup-{self.name}", daemon=True).start()
+        return shake
+
+    def _reconnect(self, instance: str) -> None:
+        """A room found a prefill rank of ``instance`` gone: look it up and shake hands again (once at a time)."""
+        if any(s.instance == instance for s in self.peers.handshakes):
+            return
+        self.connect_async(instance)
+
+    def _progress_or_wait(self, timeout_s: float) -> None:
+        if self._thread is None:
+            self.progress()
+            self.link_wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
 
     def link_wait(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for control frames and handle them."""
@@ -176,13 +198,19 @@ class TransferAgent:
         if self.prefill is None:
             raise KVBridgeError("sender() is for prefill ranks")
         self.prefill.open(room)
-        return Sender(self.prefill, self.progress, room)
+        return Sender(self.prefill, self.poll_progress, room)
 
     def receiver(self, room: int, instance: str) -> Receiver:
         if self.decode is None:
             raise KVBridgeError("receiver() is for decode ranks")
         self.decode.open(room, instance)
-        return Receiver(self.decode, self.progress, self.layout, room)
+        return Receiver(self.decode, self.poll_progress, self.layout, room)
+
+    def poll_progress(self) -> None:
+        """What a handle's poll() runs first: nothing when the progress thread keeps room state current
+        (so polling N rooms costs N dictionary reads), else one progress step."""
+        if self._thread is None:
+            self.progress()
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> None:
@@ -205,7 +233,7 @@ class TransferAgent:
             now = time.monotonic()
             if self.prefill is not None:
                 self.prefill.poll_inflight()
-            self.peers.tick(now)
+            self.peers.tick(now, HELLO_RESEND_S)
             if self.prefill is not None:
                 self.prefill.tick(now)
             if self.decode is not None:
@@ -223,13 +251,19 @@ class TransferAgent:
             return []
 
     def handle_frame(self, frame: bytes) -> None:
-        """Decode, validate and act on one control frame (call with the agent lock held); never raises."""
+        """Authenticate, decode, admit and act on one control frame (call with the agent lock held);
+        never raises: a bad frame is logged and counted."""
         try:
-            self._dispatch(self.context.codec.decode(frame))
+            env = self.context.codec.open(frame)
+            peer = self.peers.admit(env)
+            self._dispatch(env, peer)
         except VersionMismatch as exc:
             self.rejected_frames += 1
             log.error("%s: rejected control frame: %s", self.name, exc)
             self.peers.refuse_other_version(exc)
+        except Dropped as exc:
+            self.rejected_frames += 1
+            log.warning("%s: dropped control frame: %s", self.name, exc)
         except ProtocolError as exc:
             self.rejected_frames += 1
             log.error("%s: rejected control frame: %s", self.name, exc)
@@ -237,31 +271,33 @@ class TransferAgent:
             self.rejected_frames += 1
             log.exception("%s: error while handling a control frame", self.name)
 
-    def _dispatch(self, message: Message) -> None:
-        self.peers.touch(getattr(message, "agent", ""))
+    def _dispatch(self, env: Envelope, peer: Peer | None) -> None:
+        message = env.body
         if isinstance(message, Hello):
-            self.peers.on_hello(message)
+            self.peers.on_hello(message, env)
         elif isinstance(message, Welcome):
-            self.peers.on_welcome(message)
+            self.peers.on_welcome(message, env)
+        elif peer is None:
+            raise Dropped(f"{type(message).__name__} from {env.sender!r}, which is not a peer")
         elif isinstance(message, Heartbeat):
-            self.peers.on_heartbeat(message)
+            self.peers.on_heartbeat(message, peer)
         elif isinstance(message, Goodbye):
-            self.peers.on_goodbye(message)
+            self.peers.on_goodbye(peer)
         elif isinstance(message, TransferRequest):
             if self.prefill is None:
                 raise ProtocolError(f"{self.name} is a decode rank and got a transfer request from {message.agent}")
-            self.prefill.on_request(message)
+            self.prefill.on_request(message, peer)
         elif isinstance(message, Abort):
             if self.prefill is not None:
-                self.prefill.on_abort(message)
+                self.prefill.on_abort(message, env)
             elif self.decode is not None:
-                self.decode.on_abort(message)
+                self.decode.on_abort(message, env)
         elif isinstance(message, Notice):
             if self.decode is not None:
-                self.decode.on_notice(message)
+                self.decode.on_notice(message, env)
         elif isinstance(message, StatusPush):
             if self.decode is not None:
-                self.decode.on_status(message)
+                self.decode.on_status(message, env)
 
     # ------------------------------------------------------------------ lifecycle
     def _beat_forever(self) -> None:
@@ -271,8 +307,9 @@ class TransferAgent:
         seq = 0
         while not self._stop.wait(ctx.config.heartbeat_interval_s):
             seq += 1
-            beat = ctx.codec.encode(Heartbeat(self.name, ctx.link.address, seq))
-            for address in list(self.peers.beat_targets.values()):
+            for address, incarnation in list(self.peers.beat_targets.values()):
+                beat = ctx.codec.encode(Heartbeat(agent=self.name, address=ctx.link.address, seq=seq), to=address,
+                                        to_incarnation=incarnation)
                 try:
                     ctx.link.send(address, beat)
                 except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business

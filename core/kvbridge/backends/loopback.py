@@ -33,7 +33,9 @@ import hashlib
 import hmac
 import mmap
 import os
+import re
 import secrets
+import socket
 import stat
 import threading
 import weakref
@@ -75,6 +77,18 @@ class PeerDataError(ProtocolError, RegionError):
 class _Endpoint(msgspec.Struct, frozen=True, array_like=True):
     name: str
     proof: bytes       # HMAC(token, name)[:16] of a backend whose token never leaves its process
+    alive: str = ""    # abstract unix socket name bound while the backend lives (see writer_gone)
+
+
+_ALIVE = re.compile(r"kvbridge-alive-[0-9a-f]{32}")
+
+
+def _bind_alive() -> tuple[socket.socket, str]:
+    """Bind a fresh abstract unix socket name; the kernel releases it when this process dies."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    name = f"kvbridge-alive-{secrets.token_hex(16)}"
+    sock.bind("\0" + name)
+    return sock, name
 
 
 class _Backing(msgspec.Struct, frozen=True, array_like=True):
@@ -180,7 +194,8 @@ class LoopbackBackend:
         self.endpoint_name = name
         token = secrets.token_bytes(16)              # never leaves this process
         self._proof = _proof(token, name)
-        self.endpoint = msgspec.msgpack.encode(_Endpoint(name, self._proof))
+        self._alive, alive = _bind_alive()
+        self.endpoint = msgspec.msgpack.encode(_Endpoint(name, self._proof, alive))
         self._registered: dict[str, list[RegisteredBuffers]] = {}
         self._generation = 0                         # bumped on every (de)registration
         self._peers: dict[str, _Peer] = {}
@@ -402,8 +417,33 @@ class LoopbackBackend:
             box.clear()
         return out
 
+    @staticmethod
+    def writer_gone(endpoint: bytes) -> bool:
+        """True only when the kernel confirms that the backend which advertised ``endpoint`` is closed or
+        its process is gone: its abstract socket name is free again. A stopped (SIGSTOP) process still
+        holds it, so silence alone never makes this True.
+
+        The name comes from the peer; a writer that lies about it can only make its own rooms look fenced,
+        and such a writer could write into them anyway.
+        """
+        try:
+            alive = msgspec.msgpack.decode(endpoint, type=_Endpoint).alive
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        if not _ALIVE.fullmatch(alive):
+            return False
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.bind("\0" + alive)
+        except OSError:
+            return False            # still bound: the writer lives (perhaps stopped)
+        finally:
+            probe.close()
+        return True
+
     def close(self) -> None:
         self._closed = True
+        self._alive.close()
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             self._registered.clear()
