@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from typing import TypeGuard
 
 __all__ = ["MAX_SEGMENT_NAME", "RUN_ENV", "RUN_TAG", "is_segment_name", "segment_prefix"]
 
@@ -25,7 +26,7 @@ _TAG = re.compile(r"[a-z0-9]{4,16}")
 _SEGMENT_NAME = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_SEGMENT_NAME - 1}}}")
 
 
-def is_segment_name(name: object) -> bool:
+def is_segment_name(name: object) -> TypeGuard[str]:
     """True for a plain segment name: ``[A-Za-z0-9._-]``, not starting with a dot, 1 to MAX_SEGMENT_NAME long."""
     return isinstance(name, str) and _SEGMENT_NAME.fullmatch(name) is not None
 

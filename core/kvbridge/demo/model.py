@@ -52,8 +52,10 @@ class RequestShape:
 
 
 class ComponentModel(Protocol):
-    name: str
-    chunked: bool               # True: sent chunk by chunk (KV pages); False: once, with the last chunk
+    @property
+    def name(self) -> str: ...
+    @property
+    def chunked(self) -> bool: ...  # True: sent chunk by chunk (KV pages); False: once, with the last chunk
 
     def component(self, tp_size: int, num_items: int) -> Component: ...
     def region_items(self, region_pages: int) -> int: ...

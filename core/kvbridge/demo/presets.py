@@ -50,7 +50,8 @@ class KVModel:
 
     def component(self, tp_size: int, num_items: int) -> Component:
         if self.layout == ref.MLA:
-            shape, shard = (self.page_size, self.head_dim), None
+            shape: tuple[int, ...] = (self.page_size, self.head_dim)
+            shard: ShardAxis | None = None
         else:
             try:
                 heads = len(ref.units_held(self.total_heads, tp_size, 0))

@@ -330,7 +330,8 @@ class BasicBackendTests(_BackendKit):
                 "item": item_nbytes, "before": [x.read() for x in dst], "src_before": [x.read() for x in src]}
 
     @staticmethod
-    def _whole_items(s: dict[str, Any], src_items: Sequence[int], dst_items: Sequence[int], notice: bytes = b""
+    def _whole_items(s: dict[str, Any], src_items: Sequence[int] | np.ndarray, dst_items: Sequence[int] | np.ndarray,
+                     notice: bytes = b""
                      ) -> tuple[ComponentTransfer, np.ndarray, np.ndarray]:
         order = np.argsort(np.asarray(src_items), kind="stable")
         si, di = np.asarray(src_items, np.int64)[order], np.asarray(dst_items, np.int64)[order]
@@ -505,8 +506,12 @@ class BasicBackendTests(_BackendKit):
         assert delivered is True, (f"'{name}' declares notifications, but notify_completion returned {delivered!r} "
                                    "for a peer in this process")
         got: list[bytes] = []
-        wait_until(lambda: got.extend(m for _, m in s["b"].drain_notifications()) or notice in got,
-                   self.room_timeout_s, lambda: f"notify_completion returned True but the peer drained "
+
+        def drained() -> bool:
+            got.extend(m for _, m in s["b"].drain_notifications())
+            return notice in got
+
+        wait_until(drained, self.room_timeout_s, lambda: f"notify_completion returned True but the peer drained "
                                                 f"{got or 'nothing'}, not the notice")
         settle = time.monotonic() + 0.3
         while time.monotonic() < settle:

@@ -248,7 +248,8 @@ class CheckedBackend:
         return f"CheckedBackend({self.label}, {self._inner!r})"
 
 
-def _checked_factory(factory: Callable[..., Any], tracker: Tracker, spec_name: str, **kwargs: Any) -> CheckedBackend:
+def _checked_factory(factory: str | Callable[..., Any], tracker: Tracker, spec_name: str,
+                     **kwargs: Any) -> CheckedBackend:
     inner = resolve(factory)(**kwargs)
     backend = CheckedBackend(inner, f"{spec_name} backend {kwargs.get('name', '?')!r}", tracker)
     tracker.add(backend)

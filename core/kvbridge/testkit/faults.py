@@ -211,8 +211,8 @@ class FaultInjector:
         with self._lock:
             lose = key in self._lost
             double = key in self._doubled
-            self._lost.discard(key)                 # type: ignore[arg-type]
-            self._doubled.discard(key)              # type: ignore[arg-type]
+            self._lost.discard(key)
+            self._doubled.discard(key)
         if lose and isinstance(backend, CheckedBackend):
             backend.suppress_notices += 1
             try:

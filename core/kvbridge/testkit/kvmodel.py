@@ -52,7 +52,8 @@ class KVKind:
 
     def component(self, tp: int, num_pages: int = NUM_PAGES) -> Component:
         if self.layout == ref.MLA:
-            shape, shard = (PAGE_SIZE, self.head_dim), None
+            shape: tuple[int, ...] = (PAGE_SIZE, self.head_dim)
+            shard: ShardAxis | None = None
         else:
             heads = self.spec().local_heads(tp)
             if self.layout == ref.TOKEN_MAJOR:

@@ -87,8 +87,8 @@ class Outcome:
                 if not np.array_equal(g, e):
                     bad = np.argwhere(g != e)[:3].tolist()
                     raise AssertionError(f"decode rank {d} buffer {b}: bytes differ at (item, byte) {bad}")
-        for d, (w, e) in enumerate(zip(self.writes, self.expected_writes)):
-            for b, (wb, eb) in enumerate(zip(w, e)):
+        for d, (w, ew) in enumerate(zip(self.writes, self.expected_writes)):
+            for b, (wb, eb) in enumerate(zip(w, ew)):
                 wrong = wb != eb
                 if wrong.any():
                     bad = np.flatnonzero(wrong)[:3].tolist()

@@ -64,8 +64,8 @@ def make_rank(model: Model, tp: int, rank: int, num_pages: int, backend: Any,
               fill: list[np.ndarray] | None) -> Rig:
     heads = reference_heads(model.heads, tp, rank)
     shape = (num_pages, model.page, heads.size, model.head_dim)
-    arrays = [np.ascontiguousarray(f[:, :, heads, :]) if f is not None else np.zeros(shape, np.uint16)
-              for f in (fill or [None] * model.buffers)]
+    sources: list[np.ndarray | None] = [*fill] if fill else [None] * model.buffers
+    arrays = [np.ascontiguousarray(f[:, :, heads, :]) if f is not None else np.zeros(shape, np.uint16) for f in sources]
     geometry = [BufferGeometry(f"{'kv'[b % 2]}.{b // 2}", num_pages, shape[1:], DType.FLOAT16,
                                ShardAxis(axis=1, total=model.heads)) for b in range(model.buffers)]
     registered = backend.register_buffers(COMPONENT, [region_of(a) for a in arrays])

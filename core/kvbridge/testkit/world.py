@@ -126,7 +126,8 @@ class Room:
         if self.cleared:
             return
         self.cleared = True
-        for side in [*self.senders, *self.receivers]:
+        sides: list[Sender | Receiver] = [*self.senders, *self.receivers]
+        for side in sides:
             try:
                 side.clear()
             except Exception:  # noqa: BLE001 - a room with writes in flight stays; the leak check reports it

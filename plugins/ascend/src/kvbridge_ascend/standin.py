@@ -128,6 +128,9 @@ def _inside(addr: np.ndarray, lens: np.ndarray, regions: dict[int, int]) -> bool
     return bool(np.all((pos >= 0) & (addr + lens <= ends[np.clip(pos, 0, None)]) & (lens > 0)))
 
 
+_OpType = TransDataOpType  # the enum, for annotations inside TransferEngine (whose attribute shares its name)
+
+
 class TransferEngine:
     """One memfabric transfer engine; one session id in one config store once initialised."""
 
@@ -143,7 +146,7 @@ class TransferEngine:
 
     # -- lifecycle
     def initialize(self, store_url: str, session_id: str, role: str, device_id: int,
-                   data_op_type: TransDataOpType = TransDataOpType.SDMA, store_server_role: str = "Decode",
+                   data_op_type: _OpType = TransDataOpType.SDMA, store_server_role: str = "Decode",
                    nic: str = "") -> int:
         if not isinstance(data_op_type, TransDataOpType) or not isinstance(device_id, int):
             raise TypeError("initialize(): incompatible function arguments")

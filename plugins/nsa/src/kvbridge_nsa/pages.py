@@ -19,7 +19,7 @@ class PageRange(NamedTuple):
     """``count`` pages starting at absolute page position ``first``."""
 
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, which it shadows
 
     @property
     def stop(self) -> int:
