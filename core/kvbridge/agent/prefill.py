@@ -88,6 +88,7 @@ class PrefillSide:
         self._ctx, self._peers, self._plans = ctx, peers, plans
         self.rooms: dict[int, SendRoom] = {}
         self._early: OrderedDict[int, tuple[float, list[TransferRequest]]] = OrderedDict()   # before sender()
+        self._early_by_agent: dict[str, OrderedDict[int, None]] = {}   # agent -> its early rooms, oldest first
         self._early_aborts: OrderedDict[int, str] = OrderedDict()
         self._active: set[int] = set()          # rooms with writes in flight or an acknowledgement owed
         self._next_timeouts = 0.0
@@ -103,7 +104,7 @@ class PrefillSide:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
             state = self.rooms[room] = SendRoom(room=room, created=time.monotonic())
-            for req in self._early.pop(room, (0.0, []))[1]:
+            for req in self._unqueue(room):
                 self._accept_request(state, req)
             early_abort = self._early_aborts.pop(room, None)
             if early_abort is not None:
@@ -196,16 +197,42 @@ class PrefillSide:
             self._accept_request(room, req)
             return
         created, queued = self._early.get(req.room, (time.monotonic(), []))
-        if not any(q.agent == req.agent for q in queued):
-            queued.append(req)
+        if any(q.agent == req.agent for q in queued):
+            return
+        queued.append(req)
         self._early[req.room] = (created, queued)
-        while len(self._early) > EARLY_ROOMS:      # bounded: the oldest early room is forgotten
-            dropped, _ = self._early.popitem(last=False)
-            log.warning("%s: more than %d rooms requested before their sender(); forgot room %d", ctx.name,
-                        EARLY_ROOMS, dropped)
+        self._early_by_agent.setdefault(req.agent, OrderedDict())[req.room] = None
+        # bounded, and fair: the peer with the most queued requests loses its oldest one (a flooding peer
+        # evicts its own requests, never those a quieter decode queued before it)
+        while len(self._early) > EARLY_ROOMS:
+            heaviest = max(self._early_by_agent, key=lambda agent: len(self._early_by_agent[agent]))
+            dropped = next(iter(self._early_by_agent[heaviest]))
+            self._unqueue(dropped, heaviest)
+            log.warning("%s: more than %d rooms requested before their sender(); forgot %s's request for room %d",
+                        ctx.name, EARLY_ROOMS, heaviest, dropped)
+
+    def _unqueue(self, room: int, agent: str | None = None) -> list[TransferRequest]:
+        """Take the early requests for ``room`` (only ``agent``'s when given) out of the queue."""
+        entry = self._early.get(room)
+        if entry is None:
+            return []
+        created, queued = entry
+        taken = [q for q in queued if agent is None or q.agent == agent]
+        kept = [q for q in queued if agent is not None and q.agent != agent]
+        for q in taken:
+            rooms = self._early_by_agent.get(q.agent)
+            if rooms is not None:
+                rooms.pop(room, None)
+                if not rooms:
+                    del self._early_by_agent[q.agent]
+        if kept:
+            self._early[room] = (created, kept)
+        else:
+            del self._early[room]
+        return taken
 
     def _remember_abort(self, room: int, reason: str) -> None:
-        self._early.pop(room, None)
+        self._unqueue(room)
         if room not in self._tombstones:
             self._early_aborts[room] = reason
             while len(self._early_aborts) > TOMBSTONES:
@@ -449,19 +476,15 @@ class PrefillSide:
             room_id, (created, _) = next(iter(self._early.items()))
             if now - created <= timeout:
                 break
-            del self._early[room_id]
+            self._unqueue(room_id)
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         for room in self.rooms.values():
             if peer.agent in room.requests:
                 self._fail(room, reason)
                 room.must_confirm.pop(peer.agent, None)
-        for room_id, (created, queued) in list(self._early.items()):
-            kept = [q for q in queued if q.agent != peer.agent]
-            if kept:
-                self._early[room_id] = (created, kept)
-            else:
-                del self._early[room_id]
+        for room_id in list(self._early_by_agent.get(peer.agent, ())):
+            self._unqueue(room_id, peer.agent)
 
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.requests for room in self.rooms.values())
