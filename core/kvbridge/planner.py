@@ -119,6 +119,6 @@ def plan_transfer(pairs: Sequence[BufferPair], src_idx: np.ndarray, dst_idx: np.
         out_len.append(np.broadcast_to(rl.astype(_U64)[None, :], (len(members), rl.size)).ravel())
         out_buf.append(np.repeat(np.array(members, dtype=np.int32), rl.size))
     buf = np.concatenate(out_buf)
-    order = np.argsort(buf, kind="stable") if len(groups) > 1 else slice(None)
-    return TransferPlan(np.concatenate(out_src)[order], np.concatenate(out_dst)[order],
-                        np.concatenate(out_len)[order], buf[order])
+    final: np.ndarray | slice = np.argsort(buf, kind="stable") if len(groups) > 1 else slice(None)
+    return TransferPlan(np.concatenate(out_src)[final], np.concatenate(out_dst)[final],
+                        np.concatenate(out_len)[final], buf[final])

@@ -215,7 +215,8 @@ class Codec:
                                         incarnation=self.incarnation, to_incarnation=to_incarnation, seq=seq,
                                         body=message))
         if len(body) > self.max_bytes:
-            raise ProtocolError(f"{type(message).__name__} of {len(body)} bytes exceeds the {self.max_bytes}-byte limit")
+            raise ProtocolError(f"{type(message).__name__} of {len(body)} bytes exceeds the "
+                                f"{self.max_bytes}-byte limit")
         if self._secret is None:
             return body
         return self._tag(to, body) + body
@@ -285,7 +286,8 @@ def _check_ranges(message: Message) -> None:
         raise ProtocolError(f"room {room} is outside the 63-bit range")
     if isinstance(message, TransferRequest):
         if message.dst_size <= 0 or not 0 <= message.dst_rank < message.dst_size:
-            raise ProtocolError(f"request for room {message.room}: rank {message.dst_rank} outside TP {message.dst_size}")
+            raise ProtocolError(f"request for room {message.room}: rank {message.dst_rank} outside TP "
+                                f"{message.dst_size}")
         if message.prefix_len < 0:
             raise ProtocolError(f"request for room {message.room}: negative prefix length {message.prefix_len}")
     if isinstance(message, Notice) and min(message.chunk, message.sender, message.nbytes, message.first,

@@ -90,6 +90,6 @@ class LocalBuffers:
         for reg in self.registered.values():
             try:
                 self._backend.deregister_buffers(reg)
-            except Exception:  # noqa: BLE001 - closing goes on
+            except Exception:
                 log.exception("%s: deregistering %s failed", agent_name, reg.component)
         self.registered.clear()

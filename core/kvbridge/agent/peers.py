@@ -24,7 +24,16 @@ from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
 from kvbridge.slicing import target_ranks
 from kvbridge.wire import (
-    PROTOCOL_VERSION, Envelope, Goodbye, Heartbeat, Hello, Message, Notice, ReplayWindow, Role, VersionMismatch,
+    PROTOCOL_VERSION,
+    Envelope,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    Notice,
+    ReplayWindow,
+    Role,
+    VersionMismatch,
     Welcome,
 )
 
@@ -191,7 +200,7 @@ class PeerTable:
         if peer.info is not None:
             try:
                 ctx.backend.remove_peer(peer.agent)
-            except Exception:  # noqa: BLE001 - a backend error must not stop the agent
+            except Exception:
                 log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
@@ -406,7 +415,7 @@ class PeerTable:
             return False
         try:
             return bool(probe(peer.endpoint))
-        except Exception:  # noqa: BLE001 - an engine error proves nothing
+        except Exception:
             log.exception("%s: writer_gone(%s) failed", self._ctx.name, peer.agent)
             return False
 

@@ -15,7 +15,7 @@ from kvbridge.agent.config import EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
-from kvbridge.backends.base import ComponentTransfer, HandleState
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, RegionError, TransferError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.slicing import ComponentSlice, served_ranks
@@ -419,7 +419,7 @@ class PrefillSide:
                 continue
             if room.status is KVPoll.Transferring and room.last_sent:
                 room.status = KVPoll.Success
-            for agent, (address, incarnation) in room.must_confirm.items():
+            for address, incarnation in room.must_confirm.values():
                 self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
                                               quiesced=True), incarnation=incarnation)
             room.must_confirm.clear()
@@ -428,6 +428,7 @@ class PrefillSide:
     def _finished(self, room: SendRoom, item: InFlight) -> bool:
         """Poll one write; when it ended, release it, free its staging and notify or fail the room."""
         ctx = self._ctx
+        result: Poll | None
         try:
             result = ctx.backend.poll(item.handle)
         except Exception as exc:  # noqa: BLE001 - engine errors become Failed with their text
@@ -438,7 +439,7 @@ class PrefillSide:
             return False
         try:
             ctx.backend.release(item.handle)
-        except Exception:  # noqa: BLE001 - a faulty release must not stop progress
+        except Exception:
             log.exception("%s: releasing a transfer handle failed", ctx.name)
         if item.staging is not None and ctx.buffers.staging is not None:
             ctx.buffers.staging.free(*item.staging)

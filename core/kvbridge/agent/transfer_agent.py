@@ -28,7 +28,17 @@ from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.staging import StagingArea
 from kvbridge.wire import (
-    Abort, Codec, Envelope, Goodbye, Heartbeat, Hello, Notice, Role, StatusPush, TransferRequest, VersionMismatch,
+    Abort,
+    Codec,
+    Envelope,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Notice,
+    Role,
+    StatusPush,
+    TransferRequest,
+    VersionMismatch,
     Welcome,
 )
 
@@ -246,7 +256,7 @@ class TransferAgent:
             return []
         try:
             return [(item.peer, item.notice) for item in drain()]
-        except Exception:  # noqa: BLE001 - a faulty engine hook must not stop progress
+        except Exception:
             log.exception("%s: drain_notify_failures failed", self.name)
             return []
 
@@ -267,7 +277,7 @@ class TransferAgent:
         except ProtocolError as exc:
             self.rejected_frames += 1
             log.error("%s: rejected control frame: %s", self.name, exc)
-        except Exception:  # noqa: BLE001 - never let a bad frame kill the progress thread
+        except Exception:
             self.rejected_frames += 1
             log.exception("%s: error while handling a control frame", self.name)
 
@@ -328,7 +338,7 @@ class TransferAgent:
                 try:
                     self.progress()
                     self.link_wait(interval_s)
-                except Exception:  # noqa: BLE001 - keep the progress thread alive
+                except Exception:
                     log.exception("%s: progress failed", self.name)
                     time.sleep(interval_s)
 

@@ -212,6 +212,7 @@ def check_within_buffers(plan_addr: np.ndarray, plan_len: np.ndarray, plan_buffe
     ok = inside & (plan_len > 0) & (plan_len <= size) & (np.where(inside, plan_addr - lo, size) <= size - plan_len)
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
-        raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside the region of "
-                          f"its buffer {int(plan_buffer[i])} ({int((~ok).sum())} of {ok.size} descriptors out of bounds)")
+        raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside the "
+                          f"region of its buffer {int(plan_buffer[i])} ({int((~ok).sum())} of {ok.size} descriptors "
+                          "out of bounds)")
 

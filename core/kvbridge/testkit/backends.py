@@ -636,12 +636,12 @@ class BasicBackendTests(_BackendKit):
         Troubleshooting: a failed write must poll FAILED with a non-empty reason (never stay PENDING), and a
         refusal must raise a kvbridge error such as TransferError or RegionError.
         """
-        room, *_ = self._fault_room(kv_world, request)
+        room, _, src, *_ = self._fault_room(kv_world, request)
         reason = f"kvbridge-testkit {fault.value} #{room.room}"
         faults.arm(fault, room=room.room, reason=reason)
         for sender in room.senders:
             try:
-                sender.send(np.arange(2, dtype=np.int64), last=True)
+                sender.send(np.asarray(src, dtype=np.int64), last=True)
             except TransferError:
                 pass                # refused here, or the room already failed through another rank
         room.wait_failed(self.room_timeout_s)
