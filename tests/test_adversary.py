@@ -641,3 +641,366 @@ def test_a_flood_of_requests_from_a_real_peer_stays_bounded(world: Callable[...,
         "waits for it until the bootstrap timeout")
     w.finish(91, sender, receiver, da, p1, granted)
     w.room(92)
+
+
+@SECRETS
+def test_hellos_from_unknown_agents_are_rate_limited(world: Callable[..., World], secret: bytes | None) -> None:
+    """300 Hellos from 300 unknown agents (a backend p1 refuses, reply addresses nobody listens on): no peer
+    is admitted, and p1 answers at most the burst plus the refill rate (with a secret an outsider's Hellos
+    fail the MAC and get no answer at all); a healthy room completes meanwhile."""
+    from kvbridge.agent import peers as peers_module
+
+    w = world(secret)
+    p1 = w.p1
+    answered: list[str] = []
+    real_send = p1.link.send
+
+    def spy(address: str, frame: bytes) -> None:
+        if address.startswith("ghost"):
+            answered.append(address)
+        real_send(address, frame)
+
+    p1.link.send = spy  # type: ignore[method-assign]
+    w.room(100)
+    peers_before, before = set(p1.peers.peers), w.rejected()
+    started = time.monotonic()
+    hellos = []
+    for i in range(300):
+        body = Hello(version=PROTOCOL_VERSION, agent=f"ghost{i}", address=f"ghost{i}", role=Role.DECODE,
+                     layout=kv_layout(), backend="nope", endpoint=b"", buffers=())
+        hellos.append(forge(body, sender=f"ghost{i}", address=f"ghost{i}", incarnation=i + 1, to=p1.link.address,
+                            to_incarnation=0, seq=1, key=None))
+    w.inject(p1, *hellos)
+    latency = w.room(101)
+    wait(lambda: not p1.link._inbox, 10, "hellos handled")     # type: ignore[attr-defined]
+    elapsed = time.monotonic() - started
+    assert set(p1.peers.peers) == peers_before
+    if secret:
+        w.expect_rejected(before, p1=300)
+        assert answered == []
+    else:
+        limit = peers_module._NEW_PEERS_BURST + peers_module._NEW_PEERS_PER_S * elapsed + 1
+        assert len(answered) <= limit, f"{len(answered)} refusals sent in {elapsed:.2f} s"
+        assert p1.rejected_frames - before["p1"] == 300 - len(answered)     # the rest dropped and counted
+    assert latency < 2.0, f"a healthy room took {latency:.2f} s during the Hello flood"
+
+
+# ------------------------------------------------------------------------------------------ over real ZMQ links
+import zmq  # noqa: E402
+
+from kvbridge.zmq_link import BootstrapServer, ZmqLink  # noqa: E402
+
+
+class ZWorld:
+    """p1 (instance ``inst``) and da in this process, each on its own ZmqLink (real TCP sockets); an attacker
+    is a raw PUSH socket."""
+
+    def __init__(self, secret: bytes | None, **config: Any) -> None:
+        self.secret = secret
+        config.setdefault("peer_timeout_s", 3.0)
+        config.setdefault("heartbeat_interval_s", 0.05)
+        self.config = AgentConfig(secret=secret, staging_bytes=1 << 20, **config)
+        self.server = BootstrapServer(secret=secret).start()
+        self.bufs: dict[str, list[np.ndarray]] = {}
+        self.agents: list[TransferAgent] = []
+        self.sockets: list[zmq.Socket] = []
+        self.p1 = self.agent("p1", Role.PREFILL, "inst")
+        self.da = self.agent("da", Role.DECODE)
+        self._seeds = iter(range(5000, 10**6))
+
+    def agent(self, name: str, role: Role, instance: str = "") -> TransferAgent:
+        layout = kv_layout()
+        bufs = canary_buffers(layout)
+        link = ZmqLink(bootstrap=self.server.address, secret=self.secret)
+        agent = TransferAgent(layout=layout, buffers={"kv": bufs}, role=role, link=link, instance=instance,
+                              name=name, config=self.config)
+        self.bufs[name] = bufs
+        self.agents.append(agent)
+        return agent
+
+    def start(self) -> None:
+        for agent in self.agents:
+            agent.start(0.001)
+        self.da.connect("inst", timeout_s=20)
+
+    def attacker(self, to: TransferAgent) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)
+        sock.connect(to.link.address)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(0)
+        for agent in self.agents:
+            agent.close()
+        self.server.close()
+
+    rejected = World.rejected
+    expect_rejected = World.expect_rejected
+    open = World.open
+    finish = World.finish
+    room = World.room
+    verify = World.verify
+
+
+@pytest.fixture
+def zworld() -> Iterator[Callable[..., ZWorld]]:
+    made: list[ZWorld] = []
+
+    def make(secret: bytes | None, **config: Any) -> ZWorld:
+        w = ZWorld(secret, **config)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def record_sends(agent: TransferAgent) -> list[tuple[str, bytes]]:
+    """Every frame ``agent``'s link is asked to send from now on: (address, frame)."""
+    sent: list[tuple[str, bytes]] = []
+    real = agent.link.send
+
+    def spy(address: str, frame: bytes) -> None:
+        sent.append((address, bytes(frame)))
+        real(address, frame)
+
+    agent.link.send = spy  # type: ignore[method-assign]
+    return sent
+
+
+@SECRETS
+def test_zmq_replayed_heartbeats_do_not_keep_a_dead_prefill_alive(zworld: Callable[..., ZWorld],
+                                                                  secret: bytes | None) -> None:
+    timeout = 0.6
+    w = zworld(secret, peer_timeout_s=timeout)
+    sent = record_sends(w.p1)
+    w.start()
+    _, receiver = w.open(1, w.da, w.p1, np.array([1, 2, 3]))
+    time.sleep(0.3)
+    beats = [f for a, f in sent if a == w.da.link.address and isinstance(peek(f, secret).body, Heartbeat)]
+    assert len(beats) >= 3
+    sock = w.attacker(w.da)
+    before = w.rejected()
+    kill(w.p1)
+    killed = time.monotonic()
+    replayed = 0
+    while time.monotonic() - killed < 3 * timeout:
+        for beat in beats:
+            sock.send(beat)
+        replayed += len(beats)
+        time.sleep(0.02)
+    wait(lambda: receiver.poll() == KVPoll.Failed, 2, "room failed")
+    died = w.da.peers["p1"].died_at
+    assert died is not None and died - killed < timeout + 0.6, f"declared dead after {died - killed:.2f} s"
+    assert "no message" in receiver.failure_reason
+    w.expect_rejected(before, da=replayed)
+
+
+@SECRETS
+def test_zmq_replayed_hellos_do_not_slow_a_healthy_decode(zworld: Callable[..., ZWorld], secret: bytes | None) -> None:
+    w = zworld(secret)
+    sent = record_sends(w.da)
+    w.start()
+    hellos = [f for a, f in sent if a == w.p1.link.address and isinstance(peek(f, secret).body, Hello)]
+    assert hellos
+    w.room(1)
+    base = min(w.room(2 + i) for i in range(3))
+    sock = w.attacker(w.p1)
+    before = w.rejected()
+    sender, receiver = w.open(10, w.da, w.p1, np.array([1, 2, 3, 4]))
+    started = time.monotonic()
+    for i in range(200):
+        sock.send(hellos[i % len(hellos)])
+    w.finish(10, sender, receiver, w.da, w.p1, np.array([1, 2, 3, 4]))
+    loaded = time.monotonic() - started
+    w.expect_rejected(before, p1=200)
+    assert loaded < max(5 * base, base + 0.5), f"{loaded:.3f} s under 200 replayed Hellos, {base:.3f} s without"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@SECRETS
+def test_zmq_hellos_with_unreachable_reply_addresses_cost_nothing_lasting(zmq_ghosts: int, zworld: Callable[..., ZWorld],
+                                                                         secret: bytes | None) -> None:
+    """``zmq_ghosts`` Hellos from unknown agents whose reply address nobody listens on: a healthy room's latency
+    stays within its baseline, and p1's process keeps no socket, fd or send queue for them afterwards."""
+    w = zworld(secret)
+    w.start()
+    w.room(1)
+    base = min(w.room(2 + i) for i in range(3))
+    time.sleep(0.2)
+    fds0 = fds()
+    sock = w.attacker(w.p1)
+    before = w.rejected()
+    for i in range(zmq_ghosts):
+        address = f"tcp://127.0.0.1:{_closed_port()}"
+        body = Hello(version=PROTOCOL_VERSION, agent=f"ghost{i}", address=address, role=Role.DECODE,
+                     layout=kv_layout(), backend="nope", endpoint=b"", buffers=())
+        sock.send(forge(body, sender=f"ghost{i}", address=address, incarnation=i + 1, to=w.p1.link.address,
+                        to_incarnation=0, seq=1, key=None))
+    loaded = w.room(20)
+    assert loaded < base + 1.0, f"a healthy room took {loaded:.2f} s under {zmq_ghosts} unreachable Hellos ({base:.3f} s)"
+    if secret:
+        w.expect_rejected(before, p1=zmq_ghosts)
+    time.sleep(1.0)
+    queued = w.p1.link.queued  # type: ignore[attr-defined]
+    grown = fds() - fds0
+    assert not queued, f"p1's link still queues frames for {len(queued)} unreachable addresses"
+    assert grown <= 4, f"{grown} more fds after {zmq_ghosts} unreachable Hellos"
+
+
+@pytest.fixture
+def zmq_ghosts() -> int:
+    return 50
+
+
+@SECRETS
+def test_zmq_oversized_frames_are_refused_before_they_are_read(zworld: Callable[..., ZWorld], secret: bytes | None
+                                                              ) -> None:
+    """Frames over wire.MAX_MESSAGE_BYTES (20 MiB and 70 MiB) from a raw socket: none reaches the agent's
+    handler (refused by the link before it is read), memory stays flat, the agents keep transferring."""
+    w = zworld(secret)
+    w.start()
+    w.room(1)
+    largest = [0]
+    real_recv = w.da.link.recv
+
+    def spy(timeout_s: float = 0.0) -> list[bytes]:
+        frames = real_recv(timeout_s)
+        for f in frames:
+            largest[0] = max(largest[0], len(f))
+        return frames
+
+    w.da.link.recv = spy  # type: ignore[method-assign]
+    gc.collect()
+    rss0 = rss_mb()
+    sock = w.attacker(w.da)
+    for size in (20 << 20, 20 << 20, 70 << 20, 20 << 20):
+        try:
+            sock.send(b"\x00" * size)
+        except zmq.Again:
+            pass                            # the link refused the connection: that is the point
+    time.sleep(0.5)
+    w.room(2)
+    gc.collect()
+    assert largest[0] <= wire.MAX_MESSAGE_BYTES + 32, f"a frame of {largest[0]} bytes was read"
+    assert rss_mb() - rss0 < 100, f"RSS grew {rss_mb() - rss0:.0f} MB"
+    # a well-formed but oversized envelope signed with the right key is refused the same way
+    huge = forge(StatusPush(room=3, agent="p1", status=KVPoll.Failed, reason="x" * (wire.MAX_MESSAGE_BYTES + 1)),
+                 sender="p1", address=w.p1.link.address, incarnation=w.p1.incarnation, to=w.da.link.address,
+                 to_incarnation=w.da.incarnation, seq=10**6, key=secret)
+    try:
+        w.attacker(w.da).send(huge)
+    except zmq.Again:
+        pass
+    sender, receiver = w.open(3, w.da, w.p1, np.array([5, 6]))
+    time.sleep(0.3)
+    assert receiver.poll() == KVPoll.WaitingForInput
+    w.finish(3, sender, receiver, w.da, w.p1, np.array([5, 6]))
+
+
+@SECRETS
+def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_process(secret: bytes | None) -> None:
+    """A prefill rank in its own process (the demo worker) and a decode here, over ZMQ; a raw socket sends the
+    prefill 1,000 garbage frames, two 20 MiB frames, and Abort/Goodbye/TransferRequest frames claiming to be
+    the decode (with a secret: without the key; without one: from an unknown name). Every request then
+    completes byte-exact (the demo's independent verifier), no page outside the granted ones changes, and the
+    prefill process finishes cleanly."""
+    import multiprocessing as mp
+
+    from kvbridge.demo.presets import get_preset
+    from kvbridge.demo.worker import INSTANCE, WorkerConfig, allocate_items, make_requests, reap_segments, run_worker
+    from kvbridge.hostpool import HostPool
+
+    # the demo worker builds its ZmqLink without the secret (demo/worker.py), so its bootstrap stays open here;
+    # the control frames between the two processes are authenticated with the secret all the same
+    server = BootstrapServer().start()
+    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=3, seed=11,
+                       window=1, region_pages=4, timeout_s=60, secret=secret)
+    dcfg = WorkerConfig(Role.DECODE, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=3, seed=11,
+                        window=1, region_pages=4, timeout_s=60, secret=secret)
+    requests = make_requests(cfg.seed, cfg.requests, 16, cfg.region_pages)
+    preset = get_preset("dense-gqa")
+    model = preset.components[0]
+    layout = PoolLayout((model.component(1, 1 + cfg.region_pages),), 1, 0, preset.page_size, preset.model)
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    child = spawn.Process(target=run_worker, args=(cfg, results), daemon=True)
+    child.start()
+    pool = HostPool(layout, shared=True)
+    link = ZmqLink(bootstrap=server.address)
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link,
+                          config=AgentConfig(secret=secret))
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)
+    try:
+        for buf in pool.buffers["kv"]:
+            buf[1:] = CANARY                             # item 0 is the padding no request owns: it stays 0
+        wait(lambda: (info := link.lookup(INSTANCE)) is not None and info.complete, 30, "prefill published")
+        info = link.lookup(INSTANCE)
+        assert info is not None
+        target = info.addresses[0]
+        sock.connect(target)
+        rng = np.random.default_rng(5)
+        for _ in range(1000):
+            sock.send(rng.bytes(int(rng.integers(0, 512))))
+        for _ in range(2):
+            try:
+                sock.send(b"\x01" * (20 << 20))
+            except zmq.Again:
+                pass
+        agent.start(0.001)
+        agent.connect(INSTANCE, timeout_s=30)
+        prefill_name = agent.peers.instances[INSTANCE][0]
+        prefill_inc = agent.peers[prefill_name].incarnation
+        who, key = (agent.name, b"not the secret") if secret else ("mallory", None)
+        inc = agent.incarnation if secret else 5
+        for i, body in enumerate([Abort(room=requests[0].room, agent=who, reason="forged"), Goodbye(agent=who),
+                                  TransferRequest(room=requests[0].room, agent=who, dst_rank=0, dst_size=1,
+                                                  indices={"kv": PackedIndices.pack(np.array([0, 1]))})]):
+            sock.send(forge(body, sender=who, address=link.address, incarnation=inc, to=target,
+                            to_incarnation=prefill_inc, seq=10**6 + i, key=key))
+        granted: set[int] = set()
+        for request in requests:
+            items = allocate_items(dcfg, request)
+            for buf in pool.buffers["kv"]:
+                buf[items] = CANARY                      # scrub: stale bytes must not pass
+            receiver = agent.receiver(request.room, INSTANCE)
+            receiver.send_metadata({"kv": items}, prefix_len=request.prefix_pages * preset.page_size)
+            wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 30, f"request {request.index}")
+            assert receiver.poll() == KVPoll.Success, receiver.failure_reason
+            assert model.verify(pool.buffers["kv"], 1, 0, request, items) == 0
+            granted |= {int(i) for i in items}
+            receiver.clear()
+        untouched = np.setdiff1d(np.arange(1, 1 + cfg.region_pages), sorted(granted))
+        for buf in pool.buffers["kv"]:
+            assert np.all(np.asarray(buf)[untouched] == CANARY), "a page that was never granted changed"
+        child.join(timeout=30)
+        assert child.exitcode == 0
+        outcomes = []
+        while not results.empty():
+            outcomes.append(results.get())
+        assert not [o for o in outcomes if o[0] == "crashed"], outcomes
+        assert sum(1 for o in outcomes if o[0] == "sent" and o[3]) == len(requests), outcomes
+    finally:
+        sock.close(0)
+        agent.close()
+        if child.is_alive():
+            child.kill()
+        child.join(timeout=10)
+        if child.pid is not None:
+            reap_segments(child.pid)
+        pool.close()
+        server.close()
