@@ -42,6 +42,8 @@ log = logging.getLogger("kvbridge.agent")
 _WINDOWS = 4096              # replay windows remembered (sender incarnation x channel), oldest forgotten
 _NEW_PEERS_PER_S = 50.0      # Hellos that would admit a new peer (or incarnation), per second ...
 _NEW_PEERS_BURST = 200.0     # ... with this burst
+_REFUSED_GRACE_S = 2.0       # a refusal sent where we hold no peer gets this long to leave, then the link forgets
+_REFUSED_KEPT = 256          # ... the address (its queue and socket); at most this many wait at once
 
 
 class Dropped(ProtocolError):
@@ -125,6 +127,7 @@ class PeerTable:
         self._hello_refill = time.monotonic()
         self.beats_threaded = False
         self.dropped_frames = 0
+        self._refused: OrderedDict[str, float] = OrderedDict()   # addresses answered with a refusal, when
 
     def on_death(self, callback: PeerDied) -> None:
         self._on_death.append(callback)
@@ -205,10 +208,34 @@ class PeerTable:
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
             self.beat_targets.pop(peer.agent, None)
-        if not any(p.address == peer.address for p in self.peers.values()):
-            forget = getattr(ctx.link, "forget", None)
+        self._forget_address(peer.address)
+
+    def _forget_address(self, address: str) -> None:
+        """Let the link release what it holds for an address no peer of ours listens at (optional link
+        method ``forget``: queue and socket)."""
+        if not any(p.address == address for p in self.peers.values()):
+            forget = getattr(self._ctx.link, "forget", None)
             if forget is not None:
-                forget(peer.address)
+                forget(address)
+
+    def _refuse(self, address: str, welcome: Welcome, incarnation: int = 0) -> None:
+        """Send a refusal; the link forgets the address a little later unless a peer listens there (a Hello
+        may name any reply address: unanswered ones must not keep a queue and a socket each for good)."""
+        self._ctx.post(address, welcome, incarnation=incarnation)
+        if any(p.address == address for p in self.peers.values()):
+            return
+        self._refused[address] = time.monotonic()
+        self._refused.move_to_end(address)
+        while len(self._refused) > _REFUSED_KEPT:
+            self._forget_address(self._refused.popitem(last=False)[0])
+
+    def _forget_refused(self, now: float) -> None:
+        while self._refused:
+            address, at = next(iter(self._refused.items()))
+            if now - at < _REFUSED_GRACE_S:
+                return
+            del self._refused[address]
+            self._forget_address(address)
 
     # ---------------------------------------------------------------- decode side: connect()
     def hello(self) -> Hello:
@@ -301,8 +328,8 @@ class PeerTable:
         reason = self._refusal(hello)
         if reason:
             log.error("%s: refused %s: %s", ctx.name, hello.agent, reason)
-            ctx.post(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
-                                          accepted=False, reason=reason), incarnation=env.incarnation)
+            self._refuse(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
+                                              accepted=False, reason=reason), env.incarnation)
             return
         _check_remote_buffers(hello.layout, info)
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
@@ -351,8 +378,8 @@ class PeerTable:
             if not self._hello_budget():
                 return
             reason = f"protocol version differs: prefill speaks {PROTOCOL_VERSION}, decode {exc.peer_version}"
-            ctx.post(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
-                                      accepted=False, reason=reason))
+            self._refuse(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
+                                          accepted=False, reason=reason))
         elif tag == "welcome":
             theirs = exc.field("reason") or (f"peer speaks protocol version {exc.peer_version}, we speak "
                                              f"{PROTOCOL_VERSION}")
@@ -390,6 +417,7 @@ class PeerTable:
             elif peer.goodbye_at is None and now - peer.last_seen > ctx.config.peer_timeout_s:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s")
         self._reap(now)
+        self._forget_refused(now)
 
     def _reap(self, now: float) -> None:
         """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""
