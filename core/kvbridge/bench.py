@@ -178,6 +178,44 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
             "zmq_rtt_ms": rtt_ms, "memcpy_ms": copy_ms, "bytes": float(nbytes)}
 
 
+def bench_poll(rooms: int = 1600, rounds: int = 5) -> dict[str, float]:
+    """Cost of polling ``rooms`` in-flight decode rooms once each, as an engine's scheduler step does:
+    with the progress thread running (poll reads kept state) and without it (poll runs one progress step)."""
+    from kvbridge.agent import TransferAgent
+    from kvbridge.links import LocalHub
+    from kvbridge.wire import Role
+
+    layout = _control_layout()
+    geoms = layout.components[0].buffers
+    arrays = [[np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in geoms] for _ in range(2)]
+    hub = LocalHub()
+    result: dict[str, float] = {"rooms": float(rooms)}
+    with TransferAgent(layout=layout, buffers={"kv": arrays[0]}, role=Role.PREFILL, link=hub.link("p"),
+                       instance="bench") as pre, \
+         TransferAgent(layout=layout, buffers={"kv": arrays[1]}, role=Role.DECODE, link=hub.link("d")) as dec:
+        pre.start(0.001)
+        dec.connect("bench", timeout_s=10)
+        receivers = []
+        for room in range(1, rooms + 1):
+            receiver = dec.receiver(room, "bench")
+            receiver.send_metadata({"kv": np.array([1 + room % 8])})
+            receivers.append(receiver)
+        for mode in ("no_thread", "thread"):
+            if mode == "thread":
+                dec.start(0.001)
+            best = min(_timed(lambda: [r.poll() for r in receivers]) for _ in range(rounds))
+            result[f"poll_all_ms_{mode}"] = best
+        for receiver in receivers:
+            receiver.abort("benchmark over")
+    return result
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
 def _zmq_rtt_ms(zmq: object, rounds: int = 200) -> float:
     """Median PUSH/PULL ping-pong between two threads of this process (64-byte frames)."""
     ctx = zmq.Context.instance()  # type: ignore[attr-defined]
@@ -228,6 +266,10 @@ def main_control() -> int:
     print(f"  kvbridge request p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms")
     print(f"  baselines: ZMQ round trip {r['zmq_rtt_ms']:.3f} ms, memcpy of the bytes {r['memcpy_ms']:.3f} ms")
     print(f"  p50 / (ZMQ RTT + memcpy) = {r['p50_ms'] / (r['zmq_rtt_ms'] + r['memcpy_ms']):.2f}x")
+    p = bench_poll()
+    print(f"polling {p['rooms']:.0f} in-flight decode rooms once each: {p['poll_all_ms_thread']:.2f} ms with the "
+          f"progress thread (poll reads kept state), {p['poll_all_ms_no_thread']:.2f} ms without it (each poll "
+          "runs one progress step)")
     return 0
 
 

@@ -182,6 +182,7 @@ class ZmqLink:
         self._timeout_ms = int(timeout_s * 1000)
         self._queue_frames = queue_frames
         self._queues: dict[str, deque[bytes]] = {}
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
         self._forgotten: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -198,7 +199,9 @@ class ZmqLink:
 
     # ---------------------------------------------------------------- sending (never blocks)
     def send(self, address: str, frame: bytes) -> None:
-        """Queue ``frame`` for ``address``; returns at once. A full queue drops its oldest frame."""
+        """Queue ``frame`` for ``address``; returns at once (a non-blocking hand-off to ZMQ when the peer's
+        queue is empty and its socket can take it, else the sender thread retries). A full queue drops
+        its oldest frame."""
         if self._stop.is_set():
             raise ConnectionError("link is closed")
         with self._lock:
@@ -206,6 +209,13 @@ class ZmqLink:
             if queue is None:
                 queue = self._queues[address] = deque()
                 self._forgotten.discard(address)
+            sock = self._sockets.get(address)
+            if not queue and sock is not None:
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
             if len(queue) >= self._queue_frames:
                 queue.popleft()
                 self.dropped_frames += 1
@@ -225,26 +235,27 @@ class ZmqLink:
             return {a: len(q) for a, q in self._queues.items() if q}
 
     def _send_loop(self) -> None:
-        sockets: dict[str, zmq.Socket] = {}
         try:
             while not self._stop.is_set():
                 self._wake.wait(0.005 if self._pending() else 0.5)
                 self._wake.clear()
                 with self._lock:
-                    forgotten, self._forgotten = self._forgotten, set()
-                    addresses = [a for a, q in self._queues.items() if q]
-                for address in forgotten:
-                    sock = sockets.pop(address, None)
-                    if sock is not None:
-                        sock.close(0)
-                for address in addresses:
-                    sock = sockets.get(address)
-                    if sock is None:
-                        sock = sockets[address] = self._push(address)
-                    self._drain(address, sock)
+                    for address in self._forgotten:
+                        sock = self._sockets.pop(address, None)
+                        if sock is not None:
+                            sock.close(0)
+                    self._forgotten = set()
+                    for address, queue in self._queues.items():
+                        if queue:
+                            sock = self._sockets.get(address)
+                            if sock is None:
+                                sock = self._sockets[address] = self._push(address)
+                            self._drain(queue, sock)
         finally:
-            for sock in sockets.values():
-                sock.close(0)
+            with self._lock:
+                for sock in self._sockets.values():
+                    sock.close(0)
+                self._sockets.clear()
 
     def _pending(self) -> bool:
         with self._lock:
@@ -258,23 +269,17 @@ class ZmqLink:
         sock.connect(address)
         return sock
 
-    def _drain(self, address: str, sock: zmq.Socket) -> None:
-        while True:
-            with self._lock:
-                queue = self._queues.get(address)
-                if not queue:
-                    return
-                frame = queue[0]
+    @staticmethod
+    def _drain(queue: deque[bytes], sock: zmq.Socket) -> None:
+        """Hand queued frames to ZMQ until the socket would block (call with the link lock held)."""
+        while queue:
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(queue[0], zmq.NOBLOCK)
             except zmq.Again:
                 return                               # this peer is slow or gone: the others go on
             except zmq.ZMQError as exc:
-                log.warning("link: frame to %s dropped: %s", address, exc)
-            with self._lock:
-                queue = self._queues.get(address)
-                if queue and queue[0] is frame:
-                    queue.popleft()
+                log.warning("link: a frame was dropped: %s", exc)
+            queue.popleft()
 
     # ---------------------------------------------------------------- receiving
     def recv(self, timeout_s: float = 0.0) -> list[bytes]:
