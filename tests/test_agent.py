@@ -430,3 +430,15 @@ def test_notices_the_engine_could_not_deliver_go_over_the_link() -> None:
         wait(lambda: sender.poll() >= KVPoll.WaitingForInput)
         sender.send(np.array([3, 4]), last=True)
         wait(lambda: receiver.poll() == KVPoll.Success)
+
+
+def test_declare_gone_fences_a_silent_writer_the_backend_cannot_prove_dead(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(1, 1, config=AgentConfig(peer_timeout_s=0.3, heartbeat_interval_s=0.05))
+    senders, receivers = start_room(pair, 71, np.array([1, 2]))
+    pre, dec = pair.prefill[0], pair.decode[0]
+    pre._stop.set()                                 # silent, but its backend (and process) still exist
+    pre.link.close()
+    wait(lambda: receivers[0].poll() == KVPoll.Failed, timeout_s=3)
+    assert not receivers[0].safe_to_reuse
+    dec.declare_gone(pre.name)                      # the orchestrator's word: that pod is gone
+    wait(lambda: receivers[0].safe_to_reuse, timeout_s=3)

@@ -127,6 +127,7 @@ class PeerTable:
         self._hello_refill = time.monotonic()
         self.beats_threaded = False
         self.dropped_frames = 0
+        self._declared_gone: set[tuple[str, int]] = set()
         self._refused: OrderedDict[str, float] = OrderedDict()   # addresses answered with a refusal, when
 
     def on_death(self, callback: PeerDied) -> None:
@@ -435,9 +436,23 @@ class PeerTable:
         for callback in self._on_death:
             callback(peer, reason)
 
+    def declare_gone(self, agent: str) -> None:
+        """The engine asserts that ``agent`` (its current incarnation) is gone for good (call under the lock)."""
+        peer = self.peers.get(agent)
+        if peer is None:
+            return
+        self._declared_gone.add((peer.agent, peer.incarnation))
+        if peer.alive:
+            self._died(peer, "declared gone by the engine")
+        else:
+            for callback in self._on_death:
+                callback(peer, f"peer {peer.agent} declared gone by the engine")
+
     def writer_gone(self, peer: Peer) -> bool:
-        """Can the backend prove that ``peer`` can no longer write into our memory (optional backend
-        method ``writer_gone(endpoint) -> bool``)? Silence alone never proves it."""
+        """Can ``peer`` no longer write into our memory? The engine declared it gone, or the backend proves
+        it (optional backend method ``writer_gone(endpoint) -> bool``). Silence alone never proves it."""
+        if (peer.agent, peer.incarnation) in self._declared_gone:
+            return True
         probe = getattr(self._ctx.backend, "writer_gone", None)
         if probe is None:
             return False

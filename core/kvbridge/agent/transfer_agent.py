@@ -195,6 +195,15 @@ class TransferAgent:
         else:
             time.sleep(timeout_s)
 
+    def declare_gone(self, agent: str) -> None:
+        """Tell the agent that peer ``agent`` no longer exists (its process or pod is gone for good), for
+        backends that cannot prove it themselves: rooms it was writing into become safe to reuse.
+
+        Only an engine that knows it (an orchestrator's word) should call this; silence is not proof.
+        """
+        with self.context.lock:
+            self.peers.declare_gone(agent)
+
     def link_wait(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for control frames and handle them."""
         frames = self.context.link.recv(timeout_s)
