@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from kvbridge import wire
 from kvbridge.agent import AgentConfig, TransferAgent
@@ -40,9 +41,20 @@ from kvbridge.links import LocalHub
 from kvbridge.shmnames import RUN_TAG
 from kvbridge.testkit import reference as ref
 from kvbridge.wire import (
-    PROTOCOL_VERSION, Abort, Envelope, Goodbye, Heartbeat, Hello, KVPoll, Notice, PackedIndices, Role, StatusPush,
+    PROTOCOL_VERSION,
+    Abort,
+    Envelope,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    KVPoll,
+    Notice,
+    PackedIndices,
+    Role,
+    StatusPush,
     TransferRequest,
 )
+from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 H, D, P, LAYERS, NUM_PAGES = 4, 8, 4, 2, 32
 SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
@@ -54,8 +66,8 @@ SECRETS = pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "s
 # ------------------------------------------------------------------------------------------ helpers
 def kv_layout(tp: int = 1, rank: int = 0) -> PoolLayout:
     local = len(ref.units_held(H, tp, rank))
-    bufs = tuple(BufferGeometry(f"{t}.{l}", NUM_PAGES, (P, local, D), DType.BFLOAT16, ShardAxis(1, H))
-                 for t in "kv" for l in range(LAYERS))
+    bufs = tuple(BufferGeometry(f"{t}.{layer}", NUM_PAGES, (P, local, D), DType.BFLOAT16, ShardAxis(1, H))
+                 for t in "kv" for layer in range(LAYERS))
     return PoolLayout((Component("kv", "kv", bufs),), tp, rank, P, "m")
 
 
@@ -148,45 +160,14 @@ def no_shm_leftovers() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------ the world
-class World:
-    """Two prefill instances, two decodes and an attacker's link on one hub; see the module docstring."""
+class _Rooms:
+    """Rooms between the agents of a world, checked byte by byte; what World and ZWorld share."""
 
-    def __init__(self, secret: bytes | None, **config: Any) -> None:
-        self.secret = secret
-        config.setdefault("peer_timeout_s", 3.0)
-        config.setdefault("heartbeat_interval_s", 0.05)
-        self.config = AgentConfig(secret=secret, staging_bytes=1 << 20, **config)
-        self.hub = LocalHub()
-        self.agents: list[TransferAgent] = []
-        self.bufs: dict[str, list[np.ndarray]] = {}
-        self.p1 = self.agent("p1", Role.PREFILL, "inst")
-        self.p2 = self.agent("p2", Role.PREFILL, "inst2")
-        self.da = self.agent("da", Role.DECODE)
-        self.db = self.agent("db", Role.DECODE)
-        self.da.connect("inst", timeout_s=10)
-        self.da.connect("inst2", timeout_s=10)
-        self.db.connect("inst", timeout_s=10)
-        self.mallory = self.hub.link("mallory")
-        self._seeds = iter(range(1000, 10**6))
-
-    def agent(self, name: str, role: Role, instance: str = "") -> TransferAgent:
-        layout = kv_layout()
-        bufs = canary_buffers(layout)
-        agent = TransferAgent(layout=layout, buffers={"kv": bufs}, role=role, link=self.hub.link(name),
-                              instance=instance, name=name, config=self.config)
-        agent.start(0.001)
-        self.bufs[name] = bufs
-        self.agents.append(agent)
-        return agent
-
-    def close(self) -> None:
-        for agent in self.agents:
-            agent.close()
-
-    # ------------------------------------------------------------ frames
-    def inject(self, to: TransferAgent, *frames: bytes) -> None:
-        for frame in frames:
-            self.mallory.send(to.link.address, frame)
+    agents: list[TransferAgent]
+    bufs: dict[str, list[np.ndarray]]
+    p1: TransferAgent
+    da: TransferAgent
+    _seeds: Iterator[int]
 
     def rejected(self) -> dict[str, int]:
         return {a.name: a.rejected_frames for a in self.agents}
@@ -257,6 +238,46 @@ class World:
         views = [buf.reshape(NUM_PAGES, -1) for buf in self.bufs[dec.name]]
         return sum(int(np.all(v[p] == CANARY)) for v in views for p in granted)
 
+
+class World(_Rooms):
+    """Two prefill instances, two decodes and an attacker's link on one hub; see the module docstring."""
+
+    def __init__(self, secret: bytes | None, **config: Any) -> None:
+        self.secret = secret
+        config.setdefault("peer_timeout_s", 3.0)
+        config.setdefault("heartbeat_interval_s", 0.05)
+        self.config = AgentConfig(secret=secret, staging_bytes=1 << 20, **config)
+        self.hub = LocalHub()
+        self.agents: list[TransferAgent] = []
+        self.bufs: dict[str, list[np.ndarray]] = {}
+        self.p1 = self.agent("p1", Role.PREFILL, "inst")
+        self.p2 = self.agent("p2", Role.PREFILL, "inst2")
+        self.da = self.agent("da", Role.DECODE)
+        self.db = self.agent("db", Role.DECODE)
+        self.da.connect("inst", timeout_s=10)
+        self.da.connect("inst2", timeout_s=10)
+        self.db.connect("inst", timeout_s=10)
+        self.mallory = self.hub.link("mallory")
+        self._seeds = iter(range(1000, 10**6))
+
+    def agent(self, name: str, role: Role, instance: str = "") -> TransferAgent:
+        layout = kv_layout()
+        bufs = canary_buffers(layout)
+        agent = TransferAgent(layout=layout, buffers={"kv": bufs}, role=role, link=self.hub.link(name),
+                              instance=instance, name=name, config=self.config)
+        agent.start(0.001)
+        self.bufs[name] = bufs
+        self.agents.append(agent)
+        return agent
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.close()
+
+    # ------------------------------------------------------------ frames
+    def inject(self, to: TransferAgent, *frames: bytes) -> None:
+        for frame in frames:
+            self.mallory.send(to.link.address, frame)
 
 @pytest.fixture
 def world() -> Iterator[Callable[..., World]]:
@@ -494,7 +515,8 @@ def test_replayed_heartbeats_do_not_keep_a_dead_prefill_alive(world: Callable[..
     assert receiver.poll() == KVPoll.Failed
     wait(lambda: not w.da.peers["p1"].alive, 1, "p1 dead")
     died = w.da.peers["p1"].died_at
-    assert died is not None and died - killed < timeout + 0.5, f"declared dead after {died - killed:.2f} s"
+    assert died is not None
+    assert died - killed < timeout + 0.5, f"declared dead after {died - killed:.2f} s"
     assert "no message" in receiver.failure_reason
     w.expect_rejected(before, da=replayed)
     w.room(42, w.da, w.p2)                                   # da and its other prefill still work
@@ -519,7 +541,8 @@ def test_replayed_hellos_do_not_slow_a_healthy_decode(world: Callable[..., World
     w.finish(50, sender, receiver, w.da, w.p1, np.array([1, 2, 3, 4]))
     loaded = time.monotonic() - started
     w.expect_rejected(before, p1=200)
-    assert loaded < max(10 * base, base + 0.5), f"room took {loaded:.3f} s under 200 replayed Hellos, {base:.3f} s without"
+    assert loaded < max(10 * base, base + 0.5), (f"room took {loaded:.3f} s under 200 replayed Hellos, "
+                                                 f"{base:.3f} s without")
 
 
 # ------------------------------------------------------------------------------------------ recipient binding
@@ -686,12 +709,7 @@ def test_hellos_from_unknown_agents_are_rate_limited(world: Callable[..., World]
 
 
 # ------------------------------------------------------------------------------------------ over real ZMQ links
-import zmq  # noqa: E402
-
-from kvbridge.zmq_link import BootstrapServer, ZmqLink  # noqa: E402
-
-
-class ZWorld:
+class ZWorld(_Rooms):
     """p1 (instance ``inst``) and da in this process, each on its own ZmqLink (real TCP sockets); an attacker
     is a raw PUSH socket."""
 
@@ -703,7 +721,7 @@ class ZWorld:
         self.server = BootstrapServer(secret=secret).start()
         self.bufs: dict[str, list[np.ndarray]] = {}
         self.agents: list[TransferAgent] = []
-        self.sockets: list[zmq.Socket] = []
+        self.sockets: list[zmq.Socket[bytes]] = []
         self.p1 = self.agent("p1", Role.PREFILL, "inst")
         self.da = self.agent("da", Role.DECODE)
         self._seeds = iter(range(5000, 10**6))
@@ -723,8 +741,8 @@ class ZWorld:
             agent.start(0.001)
         self.da.connect("inst", timeout_s=20)
 
-    def attacker(self, to: TransferAgent) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+    def attacker(self, to: TransferAgent) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, 5000)
         sock.connect(to.link.address)
@@ -737,13 +755,6 @@ class ZWorld:
         for agent in self.agents:
             agent.close()
         self.server.close()
-
-    rejected = World.rejected
-    expect_rejected = World.expect_rejected
-    open = World.open
-    finish = World.finish
-    room = World.room
-    verify = World.verify
 
 
 @pytest.fixture
@@ -796,7 +807,8 @@ def test_zmq_replayed_heartbeats_do_not_keep_a_dead_prefill_alive(zworld: Callab
         time.sleep(0.02)
     wait(lambda: receiver.poll() == KVPoll.Failed, 2, "room failed")
     died = w.da.peers["p1"].died_at
-    assert died is not None and died - killed < timeout + 0.6, f"declared dead after {died - killed:.2f} s"
+    assert died is not None
+    assert died - killed < timeout + 0.6, f"declared dead after {died - killed:.2f} s"
     assert "no message" in receiver.failure_reason
     w.expect_rejected(before, da=replayed)
 
@@ -831,8 +843,8 @@ def _closed_port() -> int:
 
 
 @SECRETS
-def test_zmq_hellos_with_unreachable_reply_addresses_cost_nothing_lasting(zmq_ghosts: int, zworld: Callable[..., ZWorld],
-                                                                         secret: bytes | None) -> None:
+def test_zmq_hellos_with_unreachable_reply_addresses_cost_nothing_lasting(
+        zmq_ghosts: int, zworld: Callable[..., ZWorld], secret: bytes | None) -> None:
     """``zmq_ghosts`` Hellos from unknown agents whose reply address nobody listens on: a healthy room's latency
     stays within its baseline, and p1's process keeps no socket, fd or send queue for them afterwards."""
     w = zworld(secret)
@@ -850,14 +862,16 @@ def test_zmq_hellos_with_unreachable_reply_addresses_cost_nothing_lasting(zmq_gh
         sock.send(forge(body, sender=f"ghost{i}", address=address, incarnation=i + 1, to=w.p1.link.address,
                         to_incarnation=0, seq=1, key=None))
     loaded = w.room(20)
-    assert loaded < base + 1.0, f"a healthy room took {loaded:.2f} s under {zmq_ghosts} unreachable Hellos ({base:.3f} s)"
+    assert loaded < base + 1.0, (f"a healthy room took {loaded:.2f} s under {zmq_ghosts} unreachable Hellos "
+                                 f"({base:.3f} s without)")
     if secret:
         w.expect_rejected(before, p1=zmq_ghosts)
-    time.sleep(1.0)
-    queued = w.p1.link.queued  # type: ignore[attr-defined]
-    grown = fds() - fds0
-    assert not queued, f"p1's link still queues frames for {len(queued)} unreachable addresses"
-    assert grown <= 4, f"{grown} more fds after {zmq_ghosts} unreachable Hellos"
+    link: Any = w.p1.link
+    try:                            # the refusals get a grace period to leave, then their queues and sockets go
+        wait(lambda: not link.queued and fds() - fds0 <= 4, 6, "queues and sockets released")
+    except AssertionError:
+        raise AssertionError(f"after {zmq_ghosts} Hellos with unreachable reply addresses p1's link still queues "
+                             f"frames for {len(link.queued)} addresses and holds {fds() - fds0} more fds") from None
 
 
 @pytest.fixture
@@ -920,7 +934,14 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
     import multiprocessing as mp
 
     from kvbridge.demo.presets import get_preset
-    from kvbridge.demo.worker import INSTANCE, WorkerConfig, allocate_items, make_requests, reap_segments, run_worker
+    from kvbridge.demo.worker import (
+        INSTANCE,
+        WorkerConfig,
+        allocate_items,
+        make_requests,
+        reap_segments,
+        run_worker,
+    )
     from kvbridge.hostpool import HostPool
 
     # the demo worker builds its ZmqLink without the secret (demo/worker.py), so its bootstrap stays open here;
@@ -942,7 +963,7 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
     link = ZmqLink(bootstrap=server.address)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link,
                           config=AgentConfig(secret=secret))
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 5000)
     try:
@@ -979,7 +1000,8 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
                 buf[items] = CANARY                      # scrub: stale bytes must not pass
             receiver = agent.receiver(request.room, INSTANCE)
             receiver.send_metadata({"kv": items}, prefix_len=request.prefix_pages * preset.page_size)
-            wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 30, f"request {request.index}")
+            wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30,  # type: ignore[misc]
+                 f"request {request.index}")
             assert receiver.poll() == KVPoll.Success, receiver.failure_reason
             assert model.verify(pool.buffers["kv"], 1, 0, request, items) == 0
             granted |= {int(i) for i in items}
