@@ -120,7 +120,7 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         layout = PoolLayout(tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
                             cfg.tp_size, cfg.rank, preset.page_size, preset.model)
         pool = HostPool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
-        link = ZmqLink(bootstrap=cfg.bootstrap)
+        link = ZmqLink(bootstrap=cfg.bootstrap, secret=cfg.secret)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
                               name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", staging=pool.staging,
