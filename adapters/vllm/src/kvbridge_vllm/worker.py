@@ -1,0 +1,247 @@
+"""The worker side of the connector on kvbridge's agent, without vLLM: one instance per vLLM worker (TP rank).
+
+A prefill worker opens a ``Sender`` per request once the step that computed its last prompt token has run
+(``wait_for_save``), sends the whole request (every block after the decode's prefix) when the decode's
+request arrived, and reports the request done once ``safe_to_reuse`` and vLLM has finished it. A decode
+worker connects to the prefill instance once, opens a ``Receiver`` per request, and reports it done on
+Success, or its blocks as load errors on Failure (once no write can still land in them).
+
+Layer-wise posting is not in the core yet: the whole request is posted at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge.agent import Receiver, Sender, TransferAgent
+from kvbridge.errors import KVBridgeError
+from kvbridge.links import Link
+from kvbridge.wire import KVPoll, Role
+from kvbridge.zmq_link import ZmqLink
+from kvbridge_vllm.layout import KV_COMPONENT, KVPool
+from kvbridge_vllm.settings import Settings
+
+log = logging.getLogger("kvbridge.vllm")
+
+__all__ = ["LoadSpec", "SaveSpec", "WorkerSide"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveSpec:
+    """A prefill request whose KV is complete: send it to the decode that asks for ``room``."""
+
+    room: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadSpec:
+    """A decode request: receive blocks ``block_ids`` (positions from ``prefix_len // block_size``)."""
+
+    room: int
+    instance: str
+    block_ids: tuple[int, ...]
+    prefix_len: int
+
+
+@dataclass(slots=True)
+class _Sending:
+    sender: Sender
+    blocks: np.ndarray
+    sent: bool = False
+    finished: bool = False       # vLLM finished the request (its blocks wait for us)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Receiving:
+    receiver: Receiver | None
+    blocks: np.ndarray
+    failed: str = ""
+
+
+class WorkerSide:
+    """Owns the agents of one worker. ``link_factory`` builds each agent's control link (tests pass a
+    ``LocalHub``'s); by default a ``ZmqLink`` to the settings' bootstrap server."""
+
+    def __init__(self, *, settings: Settings, pool: KVPool, produce: bool, consume: bool, instance: str,
+                 link_factory: Any = None) -> None:
+        self.settings, self.pool, self.instance = settings, pool, instance
+        self.block_size = pool.layout.page_size
+        make_link = link_factory or (lambda: ZmqLink(bootstrap=settings.bootstrap, host=settings.host,
+                                                     secret=settings.secret_bytes))
+        self._sending: dict[str, _Sending] = {}
+        self._receiving: dict[str, _Receiving] = {}
+        self._connected: set[str] = set()
+        self._load_errors: set[int] = set()
+        # Sends wait for the decode's request, which arrives after vLLM finished the prefill request (maybe
+        # while the engine is idle): a thread posts them, get_finished() reports them.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.prefill: TransferAgent | None = None
+        self.decode: TransferAgent | None = None
+        try:
+            if produce:
+                self.prefill = self._agent(Role.PREFILL, make_link(), instance)
+            if consume:
+                self.decode = self._agent(Role.DECODE, make_link(), "")
+        except BaseException:
+            self.close()
+            raise
+        if self.prefill is not None:
+            self._thread = threading.Thread(target=self._send_loop, name="kvbridge-vllm-send", daemon=True)
+            self._thread.start()
+
+    def _send_loop(self) -> None:
+        while not self._stop.wait(0.005):
+            with self._lock:
+                pending = [(r, s) for r, s in self._sending.items() if not s.sent]
+                for req_id, state in pending:
+                    try:
+                        self._advance_send(req_id, state)
+                    except Exception:     # one bad request must not stop the others' sends
+                        log.exception("kvbridge: request %s: send failed", req_id)
+                        state.sent = True
+
+    def _agent(self, role: Role, link: Link, instance: str) -> TransferAgent:
+        try:
+            agent = TransferAgent(layout=self.pool.layout, buffers=self.pool.buffers, role=role, link=link,
+                                  backend=self.settings.backend, instance=instance,
+                                  config=self.settings.agent_config())
+        except BaseException:
+            link.close()       # the agent owns its link once it exists
+            raise
+        agent.start()
+        return agent
+
+    # ------------------------------------------------------------------ prefill
+    def save(self, req_id: str, spec: SaveSpec) -> None:
+        if self.prefill is None:
+            raise KVBridgeError(f"request {req_id}: this worker does not produce KV (kv_role)")
+        with self._lock:
+            if req_id in self._sending:
+                return
+            sender = self.prefill.sender(spec.room)
+            state = self._sending[req_id] = _Sending(sender=sender,
+                                                     blocks=np.asarray(spec.block_ids, dtype=np.int64))
+            self._advance_send(req_id, state)
+
+    def _advance_send(self, req_id: str, state: _Sending) -> None:
+        if state.sent:
+            return
+        status = state.sender.poll()
+        if status == KVPoll.Failed:
+            state.sent = True
+            log.warning("kvbridge: request %s (room %d) failed before sending: %s", req_id, state.sender.room,
+                        state.sender.failure_reason)
+            return
+        if status < KVPoll.WaitingForInput:
+            return
+        skip = state.sender.decode_prefix_len // self.block_size
+        state.sent = True
+        try:
+            state.sender.send(state.blocks[skip:], last=True)
+        except KVBridgeError as exc:
+            log.warning("kvbridge: request %s (room %d): send failed: %s", req_id, state.sender.room, exc)
+
+    # ------------------------------------------------------------------ decode
+    def load(self, req_id: str, spec: LoadSpec) -> None:
+        if self.decode is None:
+            raise KVBridgeError(f"request {req_id}: this worker does not consume KV (kv_role)")
+        blocks = np.asarray(spec.block_ids, dtype=np.int64)
+        try:
+            if spec.instance not in self._connected:
+                self.decode.connect(spec.instance, timeout_s=self.settings.connect_timeout_s)
+                self._connected.add(spec.instance)
+            receiver = self.decode.receiver(spec.room, spec.instance)
+            receiver.send_metadata({KV_COMPONENT: blocks}, prefix_len=spec.prefix_len)
+        except (KVBridgeError, TimeoutError) as exc:
+            log.warning("kvbridge: request %s (room %d) from %r cannot load: %s", req_id, spec.room,
+                        spec.instance, exc)
+            self._receiving[req_id] = _Receiving(receiver=None, blocks=blocks, failed=str(exc))
+            return
+        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks)
+
+    # ------------------------------------------------------------------ every step
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """(requests whose source blocks vLLM may free, requests whose load ended, well or not)."""
+        with self._lock:
+            done_sending = self._finished_sends(finished_req_ids)
+        return done_sending, self._finished_loads()
+
+    def _finished_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
+        for req_id in finished_req_ids:
+            if req_id in self._sending:      # saves are posted in the step that completes the prompt,
+                self._sending[req_id].finished = True    # always before vLLM finishes the request
+        done_sending: set[str] = set()
+        for req_id, state in list(self._sending.items()):
+            self._advance_send(req_id, state)
+            status = state.sender.poll()
+            if state.finished and status in (KVPoll.Success, KVPoll.Failed) and state.sender.safe_to_reuse:
+                if status == KVPoll.Failed:
+                    log.warning("kvbridge: request %s (room %d) not delivered: %s", req_id, state.sender.room,
+                                state.sender.failure_reason)
+                state.sender.clear()
+                del self._sending[req_id]
+                done_sending.add(req_id)
+        return done_sending
+
+    def _finished_loads(self) -> set[str]:
+        done_recving: set[str] = set()
+        for req_id, recv in list(self._receiving.items()):
+            if recv.receiver is None:
+                self._load_errors.update(int(b) for b in recv.blocks)
+                done_recving.add(req_id)
+                del self._receiving[req_id]
+                continue
+            status = recv.receiver.poll()
+            if status == KVPoll.Success:
+                self.on_received(recv.blocks)
+            elif status == KVPoll.Failed:
+                if not recv.receiver.safe_to_reuse:
+                    continue
+                log.warning("kvbridge: request %s (room %d) failed to load: %s", req_id, recv.receiver.room,
+                            recv.receiver.failure_reason)
+                self._load_errors.update(int(b) for b in recv.blocks)
+            else:
+                continue
+            recv.receiver.clear()
+            del self._receiving[req_id]
+            done_recving.add(req_id)
+        return done_recving
+
+    def on_received(self, blocks: np.ndarray) -> None:
+        """Hook run when a request's blocks arrived (the fault-injection setting flips bytes here)."""
+        layer = self.settings.fault_flip_layer
+        if layer < 0 or not blocks.size:
+            return
+        tensor = self.pool.buffers[KV_COMPONENT][layer]
+        for b in np.asarray(blocks, dtype=np.int64).tolist():     # test-only path: the sign bit of every value
+            tensor[b].neg_()
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    @property
+    def busy(self) -> Mapping[str, int]:
+        return {"sending": len(self._sending), "receiving": len(self._receiving)}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for agent in (self.prefill, self.decode):
+            if agent is not None:
+                try:
+                    agent.close()
+                except Exception:   # teardown goes on for the other agent
+                    log.exception("kvbridge: closing agent %s", agent.name)

@@ -1,0 +1,186 @@
+"""vLLM's KV layouts mapped to kvbridge (no vLLM needed): shapes, refusals, and real transfers between
+agents in one process (LocalHub, loopback) checked against an independent logical KV, resharded by heads.
+
+The logical KV of a request is ``K[layer, position, head, token, dim]`` and ``V[...]`` (float32, distinct
+values); each test lays it out the way vLLM's attention backend does (CPU: ``[blocks, heads, block_size,
+2*head]`` with K rows then V rows per (block, head); NHD: ``[2, blocks, block_size, heads, head]``; HND:
+head-major memory under the same logical shape), moves it with ``WorkerSide`` and reads it back the same
+way on the decode side.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbridge.errors import GeometryError  # noqa: E402
+from kvbridge.geometry import owned_range  # noqa: E402
+from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge_vllm.layout import layer_order, pool_layout  # noqa: E402
+from kvbridge_vllm.settings import Settings  # noqa: E402
+from kvbridge_vllm.worker import LoadSpec, SaveSpec, WorkerSide  # noqa: E402
+
+LAYERS, HEADS, BLOCK, DIM, BLOCKS = 2, 4, 4, 8, 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def allocate(kind: str, heads: int) -> dict[str, torch.Tensor]:
+    """Per-layer caches as vLLM hands them to register_kv_caches (views into one allocation)."""
+    if kind == "cpu":
+        whole = torch.zeros(LAYERS, BLOCKS, heads, BLOCK, 2 * DIM)
+    elif kind == "nhd":
+        whole = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, heads, DIM)
+    else:   # memory [2, B, H, N, D], exposed as the logical [2, B, N, H, D]
+        whole = torch.zeros(LAYERS, 2, BLOCKS, heads, BLOCK, DIM).permute(0, 1, 2, 4, 3, 5)
+    return {name: whole[i] for i, name in enumerate(NAMES)}
+
+
+def write(kind: str, cache: torch.Tensor, block: int, head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put one (block, local head)'s K and V ``[block_size, head]`` where vLLM's kernels would."""
+    if kind == "cpu":
+        rows = cache.view(cache.shape[0], cache.shape[1], 2 * BLOCK, DIM)
+        rows[block, head, :BLOCK] = k
+        rows[block, head, BLOCK:] = v
+    else:
+        cache[0, block, :, head] = k
+        cache[1, block, :, head] = v
+
+
+def read(kind: str, cache: torch.Tensor, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "cpu":
+        rows = cache.view(cache.shape[0], cache.shape[1], 2 * BLOCK, DIM)
+        return rows[block, head, :BLOCK], rows[block, head, BLOCK:]
+    return cache[0, block, :, head], cache[1, block, :, head]
+
+
+def logical(seed: int, positions: int) -> torch.Tensor:
+    """``[layer, K/V, position, head, token, dim]``, every value distinct."""
+    n = LAYERS * 2 * positions * HEADS * BLOCK * DIM
+    return (torch.arange(n, dtype=torch.float32) + seed * n).reshape(LAYERS, 2, positions, HEADS, BLOCK, DIM)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd"])
+def test_geometry(kind: str) -> None:
+    pool = pool_layout(allocate(kind, 2), kind=kind, total_kv_heads=HEADS, tp_size=2, tp_rank=1, block_size=BLOCK)
+    comp = pool.layout.components[0]
+    if kind == "cpu":
+        assert [b.name for b in comp.buffers] == ["kv.0", "kv.1"]
+        assert comp.buffers[0].item_shape == (2, 2 * BLOCK, DIM) and comp.buffers[0].shard.axis == 0
+    else:
+        assert [b.name for b in comp.buffers] == ["k.0", "k.1", "v.0", "v.1"]
+        want = (BLOCK, 2, DIM) if kind == "nhd" else (2, BLOCK, DIM)
+        assert comp.buffers[0].item_shape == want
+        assert comp.buffers[0].shard.axis == (1 if kind == "nhd" else 0)
+    assert all(b.shard.total == HEADS and b.num_items == BLOCKS for b in comp.buffers)
+    for geom, tensor in zip(comp.buffers, pool.buffers["kv"]):
+        assert tensor.is_contiguous() and tensor.numel() * tensor.element_size() == geom.nbytes
+
+
+def test_refusals() -> None:
+    with pytest.raises(GeometryError, match="block size"):
+        pool_layout(allocate("cpu", 2), kind="cpu", total_kv_heads=HEADS, tp_size=2, tp_rank=0, block_size=8)
+    with pytest.raises(GeometryError, match="not head-major"):
+        pool_layout(allocate("nhd", 2), kind="hnd", total_kv_heads=HEADS, tp_size=2, tp_rank=0, block_size=BLOCK)
+    with pytest.raises(GeometryError, match="holds 2 units"):
+        pool_layout(allocate("cpu", 2), kind="cpu", total_kv_heads=HEADS, tp_size=1, tp_rank=0, block_size=BLOCK)
+    with pytest.raises(GeometryError, match="unknown vLLM KV layout"):
+        pool_layout(allocate("cpu", 2), kind="tnd", total_kv_heads=HEADS, tp_size=2, tp_rank=0, block_size=BLOCK)
+    assert layer_order(["m.layers.10.a", "m.layers.2.a"]) == ["m.layers.2.a", "m.layers.10.a"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kind", "pt", "dt"), [(k, p, d) for k in ("cpu", "nhd", "hnd")
+                                                 for p, d in ((1, 1), (2, 1), (1, 2), (4, 2))])
+def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
+    """Prefill TP ``pt`` -> decode TP ``dt``: a 5-block request whose first block is in decode's prefix cache;
+    every decode block after the prefix holds the logical KV of its heads, the prefix block is untouched."""
+    hub = LocalHub()
+    counter = itertools.count()
+    settings = Settings(backend="loopback", shm_remap=False)
+    positions, prefix_blocks = 5, 1
+    kv = logical(seed=3, positions=positions)
+    rng = np.random.default_rng(0)
+    workers: list[WorkerSide] = []
+    try:
+        prefill, src_blocks = [], []
+        for r in range(pt):
+            lo, hi = owned_range(HEADS, pt, r)
+            caches = allocate(kind, hi - lo)
+            blocks = rng.permutation(BLOCKS)[:positions]
+            for layer, name in enumerate(NAMES):
+                for pos, b in enumerate(blocks):
+                    for h in range(lo, hi):
+                        write(kind, caches[name], int(b), h - lo, kv[layer, 0, pos, h], kv[layer, 1, pos, h])
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=pt, tp_rank=r, block_size=BLOCK)
+            w = WorkerSide(settings=settings, pool=pool, produce=True, consume=False, instance="p",
+                           link_factory=lambda: hub.link(f"a{next(counter)}"))
+            workers.append(w)
+            prefill.append(w)
+            src_blocks.append(blocks)
+        decode, dst_caches, dst_blocks = [], [], []
+        for r in range(dt):
+            lo, hi = owned_range(HEADS, dt, r)
+            caches = allocate(kind, hi - lo)
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=dt, tp_rank=r, block_size=BLOCK)
+            w = WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
+                           link_factory=lambda: hub.link(f"a{next(counter)}"))
+            workers.append(w)
+            decode.append(w)
+            dst_caches.append(caches)
+            dst_blocks.append(rng.permutation(BLOCKS)[:positions])
+        for r, w in enumerate(prefill):
+            w.save("req", SaveSpec(room=7, block_ids=tuple(int(b) for b in src_blocks[r])))
+        for r, w in enumerate(decode):
+            w.load("req", LoadSpec(room=7, instance="p", block_ids=tuple(int(b) for b in dst_blocks[r][prefix_blocks:]),
+                                   prefix_len=prefix_blocks * BLOCK))
+        sent: set[int] = set()
+        recv: set[int] = set()
+        for _ in range(2000):
+            for r, w in enumerate(prefill):
+                if w.finished(["req"])[0]:
+                    sent.add(r)
+            for r, w in enumerate(decode):
+                if w.finished([])[1]:
+                    recv.add(r)
+            if len(sent) == pt and len(recv) == dt:
+                break
+            import time
+            time.sleep(0.005)
+        assert len(sent) == pt and len(recv) == dt, (sent, recv)
+        for w in decode:
+            assert w.load_errors() == set()
+        for r in range(dt):
+            lo, hi = owned_range(HEADS, dt, r)
+            for layer, name in enumerate(NAMES):
+                for pos, b in enumerate(dst_blocks[r]):
+                    for h in range(lo, hi):
+                        k, v = read(kind, dst_caches[r][name], int(b), h - lo)
+                        if pos < prefix_blocks:
+                            assert not k.any() and not v.any(), "a prefix block was written"
+                        else:
+                            torch.testing.assert_close(k, kv[layer, 0, pos, h], rtol=0, atol=0)
+                            torch.testing.assert_close(v, kv[layer, 1, pos, h], rtol=0, atol=0)
+    finally:
+        for w in workers:
+            w.close()
+
+
+@pytest.mark.timeout(60)
+def test_failed_load_reports_blocks() -> None:
+    """A decode whose prefill instance never appears reports every block of the request as a load error."""
+    hub = LocalHub()
+    pool = pool_layout(allocate("cpu", HEADS), kind="cpu", total_kv_heads=HEADS, tp_size=1, tp_rank=0,
+                       block_size=BLOCK)
+    w = WorkerSide(settings=Settings(connect_timeout_s=0.3), pool=pool, produce=False, consume=True, instance="",
+                   link_factory=lambda: hub.link("d"))
+    try:
+        w.load("req", LoadSpec(room=1, instance="nobody", block_ids=(3, 5), prefix_len=0))
+        assert w.finished([]) == (set(), {"req"})
+        assert w.load_errors() == {3, 5}
+        assert w.load_errors() == set()
+    finally:
+        w.close()
