@@ -42,9 +42,11 @@ def _sync(index: int) -> None:
 def _layout(tp: int, rank: int):  # noqa: ANN202
     from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 
-    bufs = tuple(BufferGeometry(f"{t}.{l}", POOL, (PAGE, HEADS // tp, HEAD_DIM), DType.BFLOAT16, ShardAxis(1, HEADS))
+    bufs = tuple(BufferGeometry(name=f"{t}.{l}", num_items=POOL, item_shape=(PAGE, HEADS // tp, HEAD_DIM),
+                                dtype=DType.BFLOAT16, shard=ShardAxis(1, HEADS))
                  for t in "kv" for l in range(LAYERS))
-    return PoolLayout((Component("kv", "kv", bufs),), tp, rank, PAGE, "gpu-check")
+    return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp,
+                      tp_rank=rank, page_size=PAGE, model="gpu-check")
 
 
 def _tensors(device: int, heads: int, seed: int | None):  # noqa: ANN202

@@ -57,17 +57,18 @@ class KVModel:
         name = f"{'kv' if self.layout == ref.MLA else ('k', 'v')[tensor]}.{layer}"
         dim = self.head_dims[tensor]
         if self.layout == ref.MLA:
-            return BufferGeometry(name, num_pages, (self.page_size, dim), self.dtype)
+            return BufferGeometry(name=name, num_items=num_pages, item_shape=(self.page_size, dim), dtype=self.dtype)
         heads = self.spec(buffer).local_heads(tp_size) if local_heads is None else local_heads
         if self.layout == ref.TOKEN_MAJOR:
-            return BufferGeometry(name, num_pages, (self.page_size, heads, dim), self.dtype,
-                                  ShardAxis(axis=1, total=self.total_heads))
-        return BufferGeometry(name, num_pages, (heads, self.page_size, dim), self.dtype,
-                              ShardAxis(axis=0, total=self.total_heads))
+            return BufferGeometry(name=name, num_items=num_pages, item_shape=(self.page_size, heads, dim),
+                                  dtype=self.dtype,
+                                  shard=ShardAxis(axis=1, total=self.total_heads))
+        return BufferGeometry(name=name, num_items=num_pages, item_shape=(heads, self.page_size, dim), dtype=self.dtype,
+                              shard=ShardAxis(axis=0, total=self.total_heads))
 
     def component(self, tp_size: int, num_pages: int) -> Component:
         buffers = tuple(self.geometry(b, tp_size, num_pages) for b in range(self.num_buffers))
-        return Component("kv", "kv", buffers)
+        return Component(name="kv", state_type="kv", buffers=buffers)
 
     def buffers(self, tp_size: int, rank: int, num_pages: int, pages: Sequence[int] | np.ndarray,
                 positions: Sequence[int] | np.ndarray, background_seed: int) -> list[np.ndarray]:
@@ -150,8 +151,9 @@ def plan_pair(src_comp: Component, dst_comp: Component, src_buffers: Sequence[np
     """Plan one (prefill rank, decode rank) pair of one component with the real planner."""
     from kvbridge.planner import BufferPair, plan_transfer
 
-    pairs = [BufferPair(region_of(sb).addr, sg.item_nbytes, sg.num_items, region_of(db).addr, dg.item_nbytes,
-                        dg.num_items, seg)  # type: ignore[arg-type]
+    pairs = [BufferPair(src_base=region_of(sb).addr, src_item_nbytes=sg.item_nbytes,
+                        src_num_items=sg.num_items, dst_base=region_of(db).addr, dst_item_nbytes=dg.item_nbytes,
+                        dst_num_items=dg.num_items, segments=seg)  # type: ignore[arg-type]
              for sb, db, sg, dg, seg in zip(src_buffers, dst_buffers, src_comp.buffers, dst_comp.buffers,
                                             segments)]
     return plan_transfer(pairs, src_pages, dst_pages)
@@ -165,7 +167,8 @@ def post_component(registry: Any, backend: Any, *, peer: str, src: Any, dst: Any
     from kvbridge.backends.base import ComponentTransfer, HandleState
     from kvbridge.planner import BufferPair, plan_transfer
 
-    pairs = [BufferPair(r.addr, sg.item_nbytes, sg.num_items, rr.addr, dg.item_nbytes, dg.num_items, seg)
+    pairs = [BufferPair(src_base=r.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
+                        dst_base=rr.addr, dst_item_nbytes=dg.item_nbytes, dst_num_items=dg.num_items, segments=seg)
              for r, rr, sg, dg, seg in zip(src.regions, dst.regions, src_comp.buffers, dst_comp.buffers,
                                             cut.buffers)]
     plan = plan_transfer(pairs, src_items, dst_items)

@@ -66,9 +66,11 @@ SECRETS = pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "s
 # ------------------------------------------------------------------------------------------ helpers
 def kv_layout(tp: int = 1, rank: int = 0) -> PoolLayout:
     local = len(ref.units_held(H, tp, rank))
-    bufs = tuple(BufferGeometry(f"{t}.{layer}", NUM_PAGES, (P, local, D), DType.BFLOAT16, ShardAxis(1, H))
+    bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=NUM_PAGES, item_shape=(P, local, D),
+                                dtype=DType.BFLOAT16, shard=ShardAxis(1, H))
                  for t in "kv" for layer in range(LAYERS))
-    return PoolLayout((Component("kv", "kv", bufs),), tp, rank, P, "m")
+    return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp,
+                      tp_rank=rank, page_size=P, model="m")
 
 
 def canary_buffers(layout: PoolLayout) -> list[np.ndarray]:
@@ -947,14 +949,17 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
     # the demo worker builds its ZmqLink without the secret (demo/worker.py), so its bootstrap stays open here;
     # the control frames between the two processes are authenticated with the secret all the same
     server = BootstrapServer().start()
-    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=3, seed=11,
+    cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
+                       backend="loopback", bootstrap=server.address, requests=3, seed=11,
                        window=1, region_pages=4, timeout_s=60, secret=secret)
-    dcfg = WorkerConfig(Role.DECODE, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=3, seed=11,
+    dcfg = WorkerConfig(role=Role.DECODE, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
+                        backend="loopback", bootstrap=server.address, requests=3, seed=11,
                         window=1, region_pages=4, timeout_s=60, secret=secret)
     requests = make_requests(cfg.seed, cfg.requests, 16, cfg.region_pages)
     preset = get_preset("dense-gqa")
     model = preset.components[0]
-    layout = PoolLayout((model.component(1, 1 + cfg.region_pages),), 1, 0, preset.page_size, preset.model)
+    layout = PoolLayout(components=(model.component(1, 1 + cfg.region_pages),), tp_size=1, tp_rank=0,
+                        page_size=preset.page_size, model=preset.model)
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     child = spawn.Process(target=run_worker, args=(cfg, results), daemon=True)

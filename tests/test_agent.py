@@ -23,9 +23,11 @@ SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
 
 def kv_layout(tp: int, rank: int, *, page_size: int = P, heads: int = H, model: str = "m") -> PoolLayout:
     local = len(ref.units_held(heads, tp, rank))
-    bufs = tuple(BufferGeometry(f"{t}.{l}", NUM_PAGES, (page_size, local, D), DType.BFLOAT16, ShardAxis(1, heads))
+    bufs = tuple(BufferGeometry(name=f"{t}.{l}", num_items=NUM_PAGES, item_shape=(page_size, local, D),
+                                dtype=DType.BFLOAT16, shard=ShardAxis(1, heads))
                  for t in "kv" for l in range(LAYERS))
-    return PoolLayout((Component("kv", "kv", bufs),), tp, rank, page_size, model)
+    return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp,
+                      tp_rank=rank, page_size=page_size, model=model)
 
 
 def kv_buffers(layout: PoolLayout) -> list[np.ndarray]:

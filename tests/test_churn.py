@@ -28,7 +28,7 @@ from kvbridge.zmq_link import BootstrapServer
 pytestmark = pytest.mark.multiprocess
 
 LONG = os.environ.get("KVBRIDGE_LONG_TESTS") == "1"
-RESTARTS = 100 if LONG else 30
+RESTARTS = int(os.environ.get("KVBRIDGE_CHURN_RESTARTS", "100" if LONG else "30"))
 WARMUP = 5
 PEER_TIMEOUT_S = 1.0
 BOUND_S = 30.0
@@ -50,7 +50,7 @@ def _quiesce(prefill: Child, started: float) -> tuple[dict[str, Any], float]:
 
 
 def _row(i: int, s: dict[str, Any]) -> str:
-    return (f"{i:>4} fds {s['fds']:>4} rss {s['rss'] / 2**20:7.1f} MB threads {s['threads']:>3} shm-maps "
+    return (f"{i:>4} fds {s['fds']:>4} {s['fd_kinds']} rss {s['rss'] / 2**20:7.1f} MB threads {s['threads']:>3} shm-maps "
             f"{s['shm_maps']:>3} ({s['shm_mapped'] / 2**20:6.2f} MB) segs {s['segments']:>2} peers {s['peers']} "
             f"(alive {s['alive_peers']}) backend-peers {s['backend_peers']} link-queues {s['link_queues']} "
             f"plans {s['plan_slices']} windows {s['replay_windows']} rooms {s['rooms']}")

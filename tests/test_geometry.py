@@ -18,7 +18,8 @@ HEADS8 = ShardAxis(axis=1, total=8)
 
 def k_buffer(name: str = "k.7", *, heads: int = 4, num_items: int = 10, shard: ShardAxis | None = HEADS8
              ) -> BufferGeometry:
-    return BufferGeometry(name, num_items, (16, heads, 128), DType.BFLOAT16, shard)
+    return BufferGeometry(name=name, num_items=num_items, item_shape=(16, heads, 128), dtype=DType.BFLOAT16,
+                          shard=shard)
 
 
 # ------------------------------------------------------------------------------ invalid geometry
@@ -35,7 +36,8 @@ def test_item_size_not_dividing_the_region_names_the_buffer() -> None:
 
 @pytest.mark.parametrize("total, tp", [(6, 4), (12, 8), (3, 2)])
 def test_sharded_dim_not_divisible_by_tp_names_the_buffer(total: int, tp: int) -> None:
-    geo = BufferGeometry("v.2", 4, (16, 1, 64), DType.FLOAT16, ShardAxis(axis=1, total=total))
+    geo = BufferGeometry(name="v.2", num_items=4, item_shape=(16, 1, 64), dtype=DType.FLOAT16,
+                         shard=ShardAxis(axis=1, total=total))
     with pytest.raises(GeometryError, match=r"buffer 'v\.2': sharded dim not divisible by TP") as err:
         geo.check_tp(tp)
     assert str(total) in str(err.value) and str(tp) in str(err.value)
@@ -50,15 +52,15 @@ def test_wrong_local_share_names_the_buffer_and_the_expected_count() -> None:
 
 
 def test_pool_layout_checks_every_buffer_against_its_tp() -> None:
-    comp = Component("kv", "kv", (k_buffer("k.0"), k_buffer("k.1", heads=8)))
+    comp = Component(name="kv", state_type="kv", buffers=(k_buffer("k.0"), k_buffer("k.1", heads=8)))
     with pytest.raises(GeometryError, match=r"'k\.1'"):
-        PoolLayout((comp,), tp_size=2, tp_rank=0, page_size=16)
+        PoolLayout(components=(comp,), tp_size=2, tp_rank=0, page_size=16)
 
 
 @pytest.mark.parametrize("dtype", ["nope", "complex64", "float128"])
 def test_unknown_dtype_names_the_buffer(dtype: str) -> None:
     with pytest.raises(GeometryError, match=rf"buffer 'k\.0': unknown dtype '{dtype}'; known: .*bfloat16"):
-        BufferGeometry("k.0", 4, (16, 2, 8), dtype)  # type: ignore[arg-type]
+        BufferGeometry(name="k.0", num_items=4, item_shape=(16, 2, 8), dtype=dtype)  # type: ignore[arg-type]
     with pytest.raises(GeometryError, match=r"buffer 'k\.3': unknown dtype"):
         geometry_of("k.3", np.zeros((4, 2), dtype=np.complex64))
     with pytest.raises(GeometryError, match=r"buffer 'k\.4': unknown dtype"):
@@ -67,7 +69,7 @@ def test_unknown_dtype_names_the_buffer(dtype: str) -> None:
 
 def test_dtype_given_by_name_or_alias_becomes_the_enum() -> None:
     for given in ("bfloat16", "bf16", "torch.bfloat16", torch.bfloat16, DType.BFLOAT16):
-        geo = BufferGeometry("k.0", 4, (16, 2, 8), given)  # type: ignore[arg-type]
+        geo = BufferGeometry(name="k.0", num_items=4, item_shape=(16, 2, 8), dtype=given)  # type: ignore[arg-type]
         assert geo.dtype is DType.BFLOAT16 and geo.item_nbytes == 16 * 2 * 8 * 2
     assert DType.parse(np.dtype("float16")) is DType.FLOAT16
     assert DType.parse(torch.float8_e4m3fn) is DType.FLOAT8_E4M3
@@ -75,28 +77,30 @@ def test_dtype_given_by_name_or_alias_becomes_the_enum() -> None:
 
 def test_zero_length_buffer_names_the_buffer() -> None:
     with pytest.raises(GeometryError, match=r"buffer 'kv\.0': zero-length buffer"):
-        BufferGeometry("kv.0", 0, (16, 576), DType.BFLOAT16)
+        BufferGeometry(name="kv.0", num_items=0, item_shape=(16, 576), dtype=DType.BFLOAT16)
     with pytest.raises(GeometryError, match=r"buffer 'kv\.1': zero-length buffer"):
         geometry_of("kv.1", np.zeros((0, 16, 576), dtype=np.float16))
     with pytest.raises(GeometryError, match=r"'kv\.2': item shape \(16, 0\) has an empty axis"):
-        BufferGeometry("kv.2", 4, (16, 0), DType.BFLOAT16)
+        BufferGeometry(name="kv.2", num_items=4, item_shape=(16, 0), dtype=DType.BFLOAT16)
     with pytest.raises(GeometryError, match="non-positive length"):
         region_of(np.zeros((0, 16), dtype=np.float16))
 
 
 def test_other_inconsistent_geometry_is_refused() -> None:
     with pytest.raises(GeometryError, match=r"'k\.0': shard axis 3 is outside item shape"):
-        BufferGeometry("k.0", 4, (16, 2, 8), DType.BFLOAT16, ShardAxis(axis=3, total=2))
+        BufferGeometry(name="k.0", num_items=4, item_shape=(16, 2, 8), dtype=DType.BFLOAT16,
+                       shard=ShardAxis(axis=3, total=2))
     with pytest.raises(GeometryError, match=r"'conv\.0': shard groups \(2, 2\) do not sum to total 6"):
-        BufferGeometry("conv.0", 4, (6, 3), DType.FLOAT32, ShardAxis(axis=0, total=6, groups=(2, 2)))
+        BufferGeometry(name="conv.0", num_items=4, item_shape=(6, 3), dtype=DType.FLOAT32,
+                       shard=ShardAxis(axis=0, total=6, groups=(2, 2)))
     with pytest.raises(GeometryError, match="duplicate buffer names"):
-        Component("kv", "kv", (k_buffer("k.0"), k_buffer("k.0")))
+        Component(name="kv", state_type="kv", buffers=(k_buffer("k.0"), k_buffer("k.0")))
     with pytest.raises(GeometryError, match=r"disagree on num_items \[4, 10\]"):
-        Component("kv", "kv", (k_buffer("k.0"), k_buffer("k.1", num_items=4)))
+        Component(name="kv", state_type="kv", buffers=(k_buffer("k.0"), k_buffer("k.1", num_items=4)))
     with pytest.raises(GeometryError, match="has no buffers"):
-        Component("kv", "kv", ())
+        Component(name="kv", state_type="kv", buffers=())
     with pytest.raises(GeometryError, match="TP rank 2 is outside TP size 2"):
-        PoolLayout((), tp_size=2, tp_rank=2, page_size=16)
+        PoolLayout(components=(), tp_size=2, tp_rank=2, page_size=16)
     with pytest.raises(GeometryError, match="needs an item axis"):
         geometry_of("x", np.zeros(8))
 
@@ -108,18 +112,20 @@ def test_invalid_geometry_on_the_wire_is_a_validation_error() -> None:
 
 
 def test_geometry_round_trips_through_msgpack() -> None:
-    comp = Component("kv", "kv", (k_buffer("k.0"), k_buffer("v.0")), options={"window": 4})
+    comp = Component(name="kv", state_type="kv", buffers=(k_buffer("k.0"), k_buffer("v.0")), options={"window": 4})
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(comp), type=Component)
     assert back == comp and back.buffers[0].dtype is DType.BFLOAT16
 
 
 # ------------------------------------------------------------------------------ item anatomy
 def test_token_major_and_head_major_item_anatomy() -> None:
-    token = BufferGeometry("k.0", 4, (16, 2, 128), DType.BFLOAT16, ShardAxis(axis=1, total=8))
-    head = BufferGeometry("k.0", 4, (2, 16, 128), DType.BFLOAT16, ShardAxis(axis=0, total=8))
+    token = BufferGeometry(name="k.0", num_items=4, item_shape=(16, 2, 128), dtype=DType.BFLOAT16,
+                           shard=ShardAxis(axis=1, total=8))
+    head = BufferGeometry(name="k.0", num_items=4, item_shape=(2, 16, 128), dtype=DType.BFLOAT16,
+                          shard=ShardAxis(axis=0, total=8))
     assert (token.outer_count, token.inner_nbytes) == (16, 256)   # 16 token rows of 256 B per head
     assert (head.outer_count, head.inner_nbytes) == (1, 16 * 256)  # one block of 4096 B per head
-    latent = BufferGeometry("kv.0", 4, (16, 576), DType.BFLOAT16)
+    latent = BufferGeometry(name="kv.0", num_items=4, item_shape=(16, 576), dtype=DType.BFLOAT16)
     assert (latent.outer_count, latent.item_nbytes, latent.nbytes) == (1, 16 * 576 * 2, 4 * 16 * 576 * 2)
 
 

@@ -17,12 +17,14 @@ from kvbridge.wire import PROTOCOL_VERSION, Codec, Hello, Role
 
 def _layout(**over: Any) -> PoolLayout:
     shard = ShardAxis(axis=over.get("axis", 1), total=over.get("total", 8), groups=over.get("groups", ()))
-    buf = BufferGeometry(over.get("buffer", "k.0"), over.get("num_items", 4), over.get("item_shape", (16, 4, 8)),
-                         over.get("dtype", DType.BFLOAT16), shard)
-    comp = Component(over.get("component", "kv"), over.get("state_type", "kv"), (buf,),
+    buf = BufferGeometry(name=over.get("buffer", "k.0"), num_items=over.get("num_items", 4),
+                         item_shape=over.get("item_shape", (16, 4, 8)),
+                         dtype=over.get("dtype", DType.BFLOAT16), shard=shard)
+    comp = Component(name=over.get("component", "kv"), state_type=over.get("state_type", "kv"), buffers=(buf,),
                      index_kind=over.get("index_kind", "page"))
-    return PoolLayout((comp,), over.get("tp_size", 2), over.get("tp_rank", 0), over.get("page_size", 16),
-                      over.get("model", "m"))
+    return PoolLayout(components=(comp,), tp_size=over.get("tp_size", 2), tp_rank=over.get("tp_rank", 0),
+                      page_size=over.get("page_size", 16),
+                      model=over.get("model", "m"))
 
 
 BAD = [

@@ -36,11 +36,12 @@ SWAModel = pytest.importorskip("kvbridge_swa.demo").SWAModel
 NSAModel = pytest.importorskip("kvbridge_nsa.demo").NSAModel
 
 P = 4          # GQA pool: 4-token pages, SWA window of 10 tokens = 2.5 pages
-KV = KVModel("kv", ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=2, page_size=P)
-SWA = SWAModel("swa", layers=(1, 3), page_size=P, kv_heads=4, head_dim=8, window=10)
-MAMBA = MambaModel("mamba", layers=(0, 2), key_dim=8, value_dim=16, kernel=4, heads=4, head_k_dim=2, head_v_dim=4)
-MLA = KVModel("kv", ref.MLA, total_heads=1, head_dim=8, layers=2, page_size=64)
-NSA = NSAModel("nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
+KV = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=2, page_size=P)
+SWA = SWAModel(name="swa", layers=(1, 3), page_size=P, kv_heads=4, head_dim=8, window=10)
+MAMBA = MambaModel(name="mamba", layers=(0, 2), key_dim=8, value_dim=16, kernel=4, heads=4, head_k_dim=2,
+                   head_v_dim=4)
+MLA = KVModel(name="kv", layout=ref.MLA, total_heads=1, head_dim=8, layers=2, page_size=64)
+NSA = NSAModel(name="nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
 ITEMS = {"kv": 24, "swa": 12, "mamba": 5, "nsa": 12}
 
 GQA_POOL = (KV, SWA, MAMBA)
@@ -53,7 +54,8 @@ def registry() -> Registry:
 
 
 def layout(models: Sequence[Any], tp: int, rank: int) -> PoolLayout:
-    return PoolLayout(tuple(m.component(tp, ITEMS[m.name]) for m in models), tp, rank, models[0].page_size, "hybrid")
+    return PoolLayout(components=tuple(m.component(tp, ITEMS[m.name]) for m in models), tp_size=tp,
+                      tp_rank=rank, page_size=models[0].page_size, model="hybrid")
 
 
 def background(seed: int, models: Sequence[Any], tp: int, rank: int) -> dict[str, list[np.ndarray]]:
@@ -119,7 +121,8 @@ def wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def request(index: int, seq_len: int, prefix_pages: int, page_size: int) -> RequestShape:
-    return RequestShape(index, 1000 + index, 7_000_003 * (index + 1), seq_len, prefix_pages, -(-seq_len // page_size))
+    return RequestShape(index=index, room=1000 + index, seed=7_000_003 * (index + 1), seq_len=seq_len,
+                        prefix_pages=prefix_pages, num_pages=-(-seq_len // page_size))
 
 
 def allocate(h: Hybrid, req: RequestShape, side: int) -> dict[str, np.ndarray]:

@@ -58,7 +58,8 @@ class Prefill:
     def send(self, peer: str, dst: RemoteBuffers, dst_addr: int, nbytes: int = SIZE) -> object:
         plan = TransferPlan(np.array([region_of(self.src.data).addr], np.uint64), np.array([dst_addr], np.uint64),
                             np.array([nbytes], np.uint64), np.zeros(1, np.int32))
-        return self.backend.send_component(ComponentTransfer(1, "kv", peer, 0, True, self.reg, dst, plan))
+        return self.backend.send_component(ComponentTransfer(room=1, component="kv", peer=peer, chunk=0,
+                                                             last=True, src=self.reg, dst=dst, plan=plan))
 
     def close(self) -> None:
         self.backend.close()
@@ -301,9 +302,11 @@ def test_a_peer_segment_in_dev_shm_is_written_exactly_and_only_there(prefill: Pr
 
 # ------------------------------------------------------------------------------ through the codec
 def _hello(buffers: tuple[RemoteBuffers, ...]) -> Hello:
-    comp = Component("kv", "kv", (BufferGeometry("k.0", 1, (SIZE,), DType.UINT8),))
+    comp = Component(name="kv", state_type="kv",
+                     buffers=(BufferGeometry(name="k.0", num_items=1, item_shape=(SIZE,), dtype=DType.UINT8),))
     return Hello(version=PROTOCOL_VERSION, agent="evil", address="tcp://127.0.0.1:1", role=Role.DECODE,
-                 layout=PoolLayout((comp,), 1, 0, 16), backend="loopback", endpoint=_endpoint("evil", b"\0" * 16),
+                 layout=PoolLayout(components=(comp,), tp_size=1, tp_rank=0, page_size=16),
+                 backend="loopback", endpoint=_endpoint("evil", b"\0" * 16),
                  buffers=buffers)
 
 

@@ -65,7 +65,7 @@ def test_tp_matrix(registry: Registry, layout: str, heads: int, pt: int, dt: int
     src_comp, dst_comp = model.component(pt, SRC_POOL), model.component(dt, DST_POOL)
     for tp, comp in ((pt, src_comp), (dt, dst_comp)):
         for rank in range(tp):
-            PoolLayout((comp,), tp_size=tp, tp_rank=rank, page_size=model.page_size)  # geometry is valid
+            PoolLayout(components=(comp,), tp_size=tp, tp_rank=rank, page_size=model.page_size)  # geometry is valid
     kv = registry.state_type("kv")
 
     src_bufs = {p: model.source_buffers(pt, p, SRC_POOL, src_pages, positions) for p in range(pt)}
@@ -131,10 +131,10 @@ def _assert_refused(registry: Registry, model: KVModel, pt: int, dt: int) -> Non
         if _divides(model.total_heads, tp):
             comps.append(model.component(tp, pool))
             continue
-        guess = Component("kv", "kv", tuple(model.geometry(b, tp, pool, local_heads=1)
+        guess = Component(name="kv", state_type="kv", buffers=tuple(model.geometry(b, tp, pool, local_heads=1)
                                              for b in range(model.num_buffers)))
         with pytest.raises(GeometryError, match=r"'k\.0'.*not divisible by TP"):
-            PoolLayout((guess,), tp_size=tp, tp_rank=0, page_size=model.page_size)
+            PoolLayout(components=(guess,), tp_size=tp, tp_rank=0, page_size=model.page_size)
         comps.append(guess)
     for d in range(dt):
         for p in target_ranks(pt, dt, d):

@@ -63,7 +63,8 @@ def test_demo_across_processes_is_byte_exact(preset: str, pt: int, dt: int) -> N
 def _layout(role: Role, rank: int, tp: int, window: int, region_pages: int) -> PoolLayout:
     preset = get_preset("dense-gqa")
     items = 1 + window * region_pages
-    return PoolLayout(tuple(m.component(tp, items) for m in preset.components), tp, rank, preset.page_size, preset.model)
+    return PoolLayout(components=tuple(m.component(tp, items) for m in preset.components), tp_size=tp,
+                      tp_rank=rank, page_size=preset.page_size, model=preset.model)
 
 
 _QUEUES: list[object] = []
@@ -95,7 +96,8 @@ def _wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
 
 def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(Role.DECODE, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=3, window=1,
+    cfg = WorkerConfig(role=Role.DECODE, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
+                       backend="loopback", bootstrap=server.address, requests=1, seed=3, window=1,
                        region_pages=8, timeout_s=60)
     request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
     layout = _layout(Role.PREFILL, 0, 1, 1, cfg.region_pages)
@@ -107,7 +109,9 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
     try:
         sender = agent.sender(request.room)
         _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 30)
-        items = allocate_items(WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", "", 1, 3, 1, 8, 60), request)
+        items = allocate_items(WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1,
+                                            preset="dense-gqa", backend="loopback", bootstrap="", requests=1,
+                                            seed=3, window=1, region_pages=8, timeout_s=60), request)
         if len(items) > 1:
             sender.send(items[:1])
         _kill(child)
@@ -125,7 +129,8 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
 
 def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=5, window=1,
+    cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
+                       backend="loopback", bootstrap=server.address, requests=1, seed=5, window=1,
                        region_pages=8, timeout_s=60, pace_s=30.0)
     requests = make_requests(cfg.seed, 1, 16, cfg.region_pages)
     request = requests[0]
@@ -162,7 +167,8 @@ def test_unsupported_topology_is_refused_before_starting() -> None:
 
 def test_garbage_frames_do_not_kill_a_peer_process() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(Role.PREFILL, 0, 1, 1, "dense-gqa", "loopback", server.address, requests=1, seed=9, window=1,
+    cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
+                       backend="loopback", bootstrap=server.address, requests=1, seed=9, window=1,
                        region_pages=4, timeout_s=60)
     request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
     layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)

@@ -161,7 +161,8 @@ def test_contiguous_page_run_is_one_descriptor_per_buffer() -> None:
 
 
 def test_unsorted_source_pages_are_sorted_before_merging() -> None:
-    pair = BufferPair(0x1000, 64, 32, 0x100000, 64, 32, Segments.whole(64))
+    pair = BufferPair(src_base=0x1000, src_item_nbytes=64, src_num_items=32, dst_base=0x100000,
+                      dst_item_nbytes=64, dst_num_items=32, segments=Segments.whole(64))
     plan = plan_transfer([pair], np.array([6, 4, 5]), np.array([2, 0, 1]))
     assert (plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()) == (
         [0x1000 + 4 * 64], [0x100000], [3 * 64])
@@ -177,8 +178,11 @@ def test_uint64_addresses_above_2_63_plan_exactly(src_base: int, dst_base: int) 
     segs = Segments(np.array([0, 256], dtype=np.int64), np.array([128, 384], dtype=np.int64),
                     np.array([64, 64], dtype=np.int64))
     span = item * n_items
-    pairs = [BufferPair(src_base, item, n_items, dst_base, item, n_items, segs),
-             BufferPair(src_base + span, item, n_items, dst_base + span, item, n_items, Segments.whole(item))]
+    pairs = [BufferPair(src_base=src_base, src_item_nbytes=item, src_num_items=n_items, dst_base=dst_base,
+                        dst_item_nbytes=item, dst_num_items=n_items, segments=segs),
+             BufferPair(src_base=src_base + span, src_item_nbytes=item, src_num_items=n_items,
+                        dst_base=dst_base + span, dst_item_nbytes=item, dst_num_items=n_items,
+                        segments=Segments.whole(item))]
     src_idx, dst_idx = np.array([3, 1, 4000, 4001]), np.array([7, 9, 11, 12])
     plan = plan_transfer(pairs, src_idx, dst_idx)  # fake addresses: planned, never copied
     assert plan.src_addr.dtype == np.uint64 and plan.dst_addr.dtype == np.uint64

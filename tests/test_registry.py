@@ -394,12 +394,12 @@ def _layout(order: list[str]) -> PoolLayout:
     comps = []
     for name in order:
         if name == "kv":
-            geo = BufferGeometry("k.0", 8, (4, 2, 8), DType.BFLOAT16)
-            comps.append(Component("kv", "kv", (geo,)))
+            geo = BufferGeometry(name="k.0", num_items=8, item_shape=(4, 2, 8), dtype=DType.BFLOAT16)
+            comps.append(Component(name="kv", state_type="kv", buffers=(geo,)))
         else:
-            geo = BufferGeometry(f"{name}.0", 4, (16,), DType.FLOAT32)
-            comps.append(Component(name, "tally", (geo,), IndexKind.SLOT))
-    return PoolLayout(tuple(comps), tp_size=1, tp_rank=0, page_size=4)
+            geo = BufferGeometry(name=f"{name}.0", num_items=4, item_shape=(16,), dtype=DType.FLOAT32)
+            comps.append(Component(name=name, state_type="tally", buffers=(geo,), index_kind=IndexKind.SLOT))
+    return PoolLayout(components=tuple(comps), tp_size=1, tp_rank=0, page_size=4)
 
 
 @pytest.mark.parametrize("order", [["kv", "ring"], ["ring", "kv"], ["ring", "kv", "extra"]])
@@ -414,7 +414,9 @@ def test_compose_refuses_an_unknown_state_type_and_a_bad_component() -> None:
     registry = Registry.build(env={})
     with pytest.raises(UnknownPluginError, match="no state type named 'tally'"):
         registry.compose(_layout(["kv", "ring"]))
-    slot_kv = Component("kv", "kv", (BufferGeometry("k.0", 8, (4,), DType.BFLOAT16),), IndexKind.SLOT)
-    bad = PoolLayout((slot_kv,), tp_size=1, tp_rank=0, page_size=4)
+    slot_kv = Component(name="kv", state_type="kv",
+                        buffers=(BufferGeometry(name="k.0", num_items=8, item_shape=(4,), dtype=DType.BFLOAT16),),
+                        index_kind=IndexKind.SLOT)
+    bad = PoolLayout(components=(slot_kv,), tp_size=1, tp_rank=0, page_size=4)
     with pytest.raises(Exception, match="indexed by page"):
         registry.compose(bad)

@@ -94,8 +94,11 @@ class _Group:
         self.label, self.preset = label, get_preset(preset)
         self.prefixes = [segment_prefix(f"seed{label.lower()}{chr(97 + r)}") for r in range(dt)]
         self.server = BootstrapServer().start()
-        self.cfg = WorkerConfig(Role.PREFILL, 0, pt, dt, preset, backend, self.server.address, REQUESTS, seed, WINDOW,
-                                REGION, 90.0, pace_s=0.15, peer_timeout_s=PEER_TIMEOUT_S, staging_bytes=1 << 20)
+        self.cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=pt, decode_tp=dt, preset=preset,
+                                backend=backend, bootstrap=self.server.address, requests=REQUESTS, seed=seed,
+                                window=WINDOW,
+                                region_pages=REGION, timeout_s=90.0, pace_s=0.15,
+                                peer_timeout_s=PEER_TIMEOUT_S, staging_bytes=1 << 20)
         self.requests = make_requests(seed, REQUESTS, self.preset.page_size, REGION)
         ctx = mp.get_context("spawn")
         self.results: Any = ctx.Queue()
@@ -112,8 +115,9 @@ class _Group:
         for p in self.procs:
             p.start()
         for dcfg in self.dcfgs:
-            layout = PoolLayout(tuple(m.component(dt, pool_items(dcfg, m)) for m in self.preset.components), dt,
-                                dcfg.rank, self.preset.page_size, self.preset.model)
+            layout = PoolLayout(components=tuple(m.component(dt, pool_items(dcfg, m))
+                                                 for m in self.preset.components), tp_size=dt,
+                                tp_rank=dcfg.rank, page_size=self.preset.page_size, model=self.preset.model)
             # a prefix per group: HostPool numbers its segments per pool, so two pools of one process collide
             pool = HostPool(layout, shared=backend == "loopback", staging_bytes=1 << 20,
                             prefix=self.prefixes[dcfg.rank])

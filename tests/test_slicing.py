@@ -21,14 +21,14 @@ P, HEAD_DIM, BH = 16, 128, 256  # page size, head_dim, bytes per head per token 
 
 def token_major(total_heads: int, tp: int, *, name: str = "k.0", num_pages: int = 64) -> BufferGeometry:
     local = total_heads // tp if total_heads >= tp else 1
-    return BufferGeometry(name, num_pages, (P, local, HEAD_DIM), DType.BFLOAT16,
-                          ShardAxis(axis=1, total=total_heads))
+    return BufferGeometry(name=name, num_items=num_pages, item_shape=(P, local, HEAD_DIM), dtype=DType.BFLOAT16,
+                          shard=ShardAxis(axis=1, total=total_heads))
 
 
 def head_major(total_heads: int, tp: int, *, name: str = "k.0", num_pages: int = 64) -> BufferGeometry:
     local = total_heads // tp if total_heads >= tp else 1
-    return BufferGeometry(name, num_pages, (local, P, HEAD_DIM), DType.BFLOAT16,
-                          ShardAxis(axis=0, total=total_heads))
+    return BufferGeometry(name=name, num_items=num_pages, item_shape=(local, P, HEAD_DIM), dtype=DType.BFLOAT16,
+                          shard=ShardAxis(axis=0, total=total_heads))
 
 
 Triple = tuple[int, int, int]
@@ -69,7 +69,9 @@ def test_example_a_gather_h8_pt4_dt2() -> None:
     # the descriptor of the notes, from p3: src = K3 + sp*8192 + t*512, dst = K1 + dp*16384 + t*1024 + 512
     k3, k1, sp, dp = 0x7000_0000, 0x9000_0000, 5, 11
     cut = buffer_segments(src, dst, Rank(3, 4), Rank(1, 2))
-    plan = plan_transfer([BufferPair(k3, 8192, 64, k1, 16384, 64, cut)], np.array([sp]), np.array([dp]))
+    plan = plan_transfer([BufferPair(src_base=k3, src_item_nbytes=8192, src_num_items=64, dst_base=k1,
+                                     dst_item_nbytes=16384, dst_num_items=64, segments=cut)], np.array([sp]),
+                         np.array([dp]))
     assert len(plan) == P
     for t in range(P):
         assert (int(plan.src_addr[t]), int(plan.dst_addr[t]), int(plan.nbytes[t])) == (
@@ -156,7 +158,8 @@ def test_non_dividing_tp_sizes_are_unsupported_and_named(pt: int, dt: int) -> No
 
 @pytest.mark.parametrize("heads, pt, dt, bad_tp", [(6, 4, 2, 4), (6, 2, 4, 4), (3, 2, 1, 2), (2, 6, 3, 3)])
 def test_heads_not_divisible_by_tp_are_unsupported(heads: int, pt: int, dt: int, bad_tp: int) -> None:
-    geo = BufferGeometry("k.0", 8, (P, 1, HEAD_DIM), DType.BFLOAT16, ShardAxis(axis=1, total=heads))
+    geo = BufferGeometry(name="k.0", num_items=8, item_shape=(P, 1, HEAD_DIM), dtype=DType.BFLOAT16,
+                         shard=ShardAxis(axis=1, total=heads))
     with pytest.raises(UnsupportedTopology) as err:
         buffer_segments(geo, geo, Rank(0, pt), Rank(0, dt))
     assert str(heads) in str(err.value) and f"TP {bad_tp}" in str(err.value)
@@ -164,18 +167,20 @@ def test_heads_not_divisible_by_tp_are_unsupported(heads: int, pt: int, dt: int,
 
 def test_mismatched_head_dim_is_an_incompatible_peer_naming_the_buffer() -> None:
     src = token_major(8, 2, name="v.3")
-    dst = BufferGeometry("v.3", 64, (P, 4, 64), DType.BFLOAT16, ShardAxis(axis=1, total=8))
+    dst = BufferGeometry(name="v.3", num_items=64, item_shape=(P, 4, 64), dtype=DType.BFLOAT16,
+                         shard=ShardAxis(axis=1, total=8))
     with pytest.raises(IncompatiblePeer, match=r"'v\.3'.*dim 2"):
         buffer_segments(src, dst, Rank(0, 2), Rank(0, 2))
     with pytest.raises(IncompatiblePeer, match="dtype"):
-        buffer_segments(src, BufferGeometry("v.3", 64, (P, 4, HEAD_DIM), DType.FLOAT16,
-                                            ShardAxis(axis=1, total=8)), Rank(0, 2), Rank(0, 2))
+        buffer_segments(src, BufferGeometry(name="v.3", num_items=64, item_shape=(P, 4, HEAD_DIM), dtype=DType.FLOAT16,
+                                            shard=ShardAxis(axis=1, total=8)), Rank(0, 2), Rank(0, 2))
 
 
 # ------------------------------------------------------------------------------------ MLA
 def mla() -> Component:
-    bufs = tuple(BufferGeometry(f"kv.{layer}", 32, (P, 576), DType.BFLOAT16) for layer in range(3))
-    return Component("kv", "kv", bufs)
+    bufs = tuple(BufferGeometry(name=f"kv.{layer}", num_items=32, item_shape=(P, 576),
+                                dtype=DType.BFLOAT16) for layer in range(3))
+    return Component(name="kv", state_type="kv", buffers=bufs)
 
 
 @pytest.mark.parametrize("pt, dt", [(2, 1), (4, 2), (8, 2), (8, 4), (4, 1)])
@@ -207,6 +212,7 @@ def test_mla_scatter_fans_out_the_whole_latent(pt: int, dt: int) -> None:
 
 
 def test_empty_segments_plan_to_nothing() -> None:
-    plan = plan_transfer([BufferPair(0x1000, 64, 4, 0x2000, 64, 4, Segments.empty())], np.array([0, 1]),
+    plan = plan_transfer([BufferPair(src_base=0x1000, src_item_nbytes=64, src_num_items=4, dst_base=0x2000,
+                                     dst_item_nbytes=64, dst_num_items=4, segments=Segments.empty())], np.array([0, 1]),
                          np.array([2, 3]))
     assert len(plan) == 0

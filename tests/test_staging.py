@@ -14,7 +14,8 @@ from kvbridge.testkit import reference as ref
 def _geom(heads_total: int, tp: int, page: int = 8, dim: int = 4, layout: str = "token-major") -> BufferGeometry:
     local = len(ref.units_held(heads_total, tp, 0))
     shape = (page, local, dim) if layout == "token-major" else (local, page, dim)
-    return BufferGeometry("k", 6, shape, DType.FLOAT16, ShardAxis(1 if layout == "token-major" else 0, heads_total))
+    return BufferGeometry(name="k", num_items=6, item_shape=shape, dtype=DType.FLOAT16,
+                          shard=ShardAxis(1 if layout == "token-major" else 0, heads_total))
 
 
 @pytest.mark.parametrize("pt, dt", [(4, 2), (2, 4), (1, 8), (8, 1), (2, 8)])

@@ -46,8 +46,9 @@ def kv_factory(draw):  # type: ignore[no-untyped-def]
             shape, shard = (page, local_units(heads, tp), dim), ShardAxis(1, heads)
         else:
             shape, shard = (local_units(heads, tp), page, dim), ShardAxis(0, heads)
-        return Component("kv", "kv", tuple(BufferGeometry(f"{t}.{n}", pages, shape, DType.BFLOAT16, shard)
-                                           for t in "kv" for n in range(layers)), IndexKind.PAGE)
+        buffers = tuple(BufferGeometry(name=f"{t}.{n}", num_items=pages, item_shape=shape, dtype=DType.BFLOAT16,
+                                       shard=shard) for t in "kv" for n in range(layers))
+        return Component(name="kv", state_type="kv", buffers=buffers, index_kind=IndexKind.PAGE)
 
     return build
 
@@ -652,8 +653,9 @@ def test_handle_faults_need_the_checked_backend() -> None:
     registry = Registry.build(allow={"kv", "loopback"}, env={}, plugins=[faults])
     backend = registry.create_backend("loopback", name="plain")
     try:
-        transfer = ComponentTransfer(1, "kv", "nobody", 0, True, RegisteredBuffers("kv", ()), RemoteBuffers("kv", ()),
-                                     TransferPlan.empty())
+        transfer = ComponentTransfer(room=1, component="kv", peer="nobody", chunk=0, last=True,
+                                     src=RegisteredBuffers("kv", ()), dst=RemoteBuffers("kv", ()),
+                                     plan=TransferPlan.empty())
         faults.arm(Fault.STALL)
         with pytest.raises(TransferError, match="needs the backend wrapped in"):
             registry.send_component(backend, transfer)

@@ -126,12 +126,13 @@ CAPACITY, HEADS, HEAD_DIM = 4, 4, 3
 
 def ring_component(tp: int, num_slots: int, *, capacity: int = CAPACITY) -> Component:
     local = HEADS // tp if HEADS >= tp else 1
-    return Component("recent", "ringbuffer", (
-        BufferGeometry("recent.hidden", num_slots, (capacity, local, HEAD_DIM), DType.BFLOAT16,
-                       ShardAxis(axis=1, total=HEADS)),
-        BufferGeometry("recent.tokens", num_slots, (capacity,), DType.INT32),
-        BufferGeometry("recent.cursor", num_slots, (1,), DType.INT64),
-    ), IndexKind.SLOT, options={"capacity": capacity})
+    return Component(name="recent", state_type="ringbuffer", buffers=(
+        BufferGeometry(name="recent.hidden", num_items=num_slots, item_shape=(capacity, local, HEAD_DIM),
+                       dtype=DType.BFLOAT16,
+                       shard=ShardAxis(axis=1, total=HEADS)),
+        BufferGeometry(name="recent.tokens", num_items=num_slots, item_shape=(capacity,), dtype=DType.INT32),
+        BufferGeometry(name="recent.cursor", num_items=num_slots, item_shape=(1,), dtype=DType.INT64),
+    ), index_kind=IndexKind.SLOT, options={"capacity": capacity})
 
 
 def logical_rings(buffer: int) -> np.ndarray:
@@ -164,7 +165,7 @@ def test_ring_buffers_move_across_tp_and_the_wrapper_sees_every_send(plugin: Mod
     state = registry.state_type("ringbuffer")
     src_comp, dst_comp = ring_component(pt, 5), ring_component(dt, 3)
     for tp, comp in ((pt, src_comp), (dt, dst_comp)):
-        assert registry.compose(PoolLayout((comp,), tp_size=tp, tp_rank=0, page_size=16)) == (state,)
+        assert registry.compose(PoolLayout(components=(comp,), tp_size=tp, tp_rank=0, page_size=16)) == (state,)
     src_slot, dst_slot = state.pair_indices(src_comp, np.array([2]), 0, np.array([1]), 0)
     src = {p: make_buffers(pt, p, 5, 2, 300) for p in range(pt)}
     dst = {d: make_buffers(dt, d, 3, None, 400) for d in range(dt)}
@@ -203,18 +204,20 @@ def test_ring_geometry_rules(plugin: ModuleType) -> None:
     registry = Registry.build(env={})
     state = registry.state_type("ringbuffer")
     me = Rank(0, 1)
-    bad_axis = Component("r", "ringbuffer", (BufferGeometry("r.x", 2, (4, 8), DType.FLOAT32,
-                                                            ShardAxis(axis=0, total=4)),), IndexKind.SLOT,
-                         options={"capacity": 4})
+    bad_axis = Component(name="r", state_type="ringbuffer",
+                         buffers=(BufferGeometry(name="r.x", num_items=2, item_shape=(4, 8), dtype=DType.FLOAT32,
+                                                 shard=ShardAxis(axis=0, total=4)),),
+                         index_kind=IndexKind.SLOT, options={"capacity": 4})
     with pytest.raises(GeometryError, match=r"'r\.x'.*ring axis cannot be sharded"):
         state.check_component(bad_axis, me)
     with pytest.raises(GeometryError, match="indexed by slot"):
-        state.check_component(Component("r", "ringbuffer", ring_component(1, 2).buffers), me)
+        state.check_component(Component(name="r", state_type="ringbuffer", buffers=ring_component(1, 2).buffers), me)
     with pytest.raises(GeometryError, match=r"capacity.*got None"):
-        state.check_component(Component("r", "ringbuffer", ring_component(1, 2).buffers, IndexKind.SLOT), me)
+        state.check_component(Component(name="r", state_type="ringbuffer", buffers=ring_component(1, 2).buffers,
+                                        index_kind=IndexKind.SLOT), me)
     with pytest.raises(GeometryError, match=r"'recent\.hidden': ring axis holds 4 entries.*capacity is 5"):
-        state.check_component(Component("r", "ringbuffer", ring_component(1, 2).buffers, IndexKind.SLOT,
-                                        options={"capacity": 5}), me)
+        state.check_component(Component(name="r", state_type="ringbuffer", buffers=ring_component(1, 2).buffers,
+                                        index_kind=IndexKind.SLOT, options={"capacity": 5}), me)
     with pytest.raises(IncompatiblePeer, match="capacity 4 on prefill, 8 on decode"):
         state.slice(ring_component(1, 2), ring_component(1, 2, capacity=8), me, me)
     with pytest.raises(GeometryError, match="exactly one ring slot"):

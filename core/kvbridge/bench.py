@@ -53,14 +53,16 @@ def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_di
             def geom(tp: int, layout: str = layout) -> BufferGeometry:
                 local = heads // tp
                 shape = (page, local, head_dim) if layout == "token-major" else (local, page, head_dim)
-                return BufferGeometry("k", pool_pages, shape, DType.BFLOAT16,
-                                      ShardAxis(1 if layout == "token-major" else 0, heads))
+                return BufferGeometry(name="k", num_items=pool_pages, item_shape=shape, dtype=DType.BFLOAT16,
+                                      shard=ShardAxis(1 if layout == "token-major" else 0, heads))
             src_g, dst_g = geom(pt), geom(dt)
             p = target_ranks(pt, dt, 0)[-1]
             seg = buffer_segments(src_g, dst_g, Rank(p, pt), Rank(0, dt))
             base_s, base_d = 1 << 40, 1 << 41
-            pairs = [BufferPair(base_s + b * src_g.nbytes, src_g.item_nbytes, pool_pages,
-                                base_d + b * dst_g.nbytes, dst_g.item_nbytes, pool_pages, seg)
+            pairs = [BufferPair(src_base=base_s + b * src_g.nbytes, src_item_nbytes=src_g.item_nbytes,
+                                src_num_items=pool_pages,
+                                dst_base=base_d + b * dst_g.nbytes, dst_item_nbytes=dst_g.item_nbytes,
+                                dst_num_items=pool_pages, segments=seg)
                      for b in range(2 * layers)]
             ms, plan = _best_ms(functools.partial(plan_transfer, pairs, src_pages, dst_pages), repeat=3)
             sg_ms, sg_desc = SGLANG_ANCHOR[label]
@@ -75,8 +77,10 @@ def _staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) 
     (and a scatter on arrival), measured here on a sample against a memcpy of the same bytes."""
     from kvbridge.staging import gather, regular_rows, scatter
 
-    src_g = BufferGeometry("k", 1024, (page, heads // 4, head_dim), DType.BFLOAT16, ShardAxis(1, heads))
-    dst_g = BufferGeometry("k", 1024, (page, heads // 2, head_dim), DType.BFLOAT16, ShardAxis(1, heads))
+    src_g = BufferGeometry(name="k", num_items=1024, item_shape=(page, heads // 4, head_dim),
+                           dtype=DType.BFLOAT16, shard=ShardAxis(1, heads))
+    dst_g = BufferGeometry(name="k", num_items=1024, item_shape=(page, heads // 2, head_dim),
+                           dtype=DType.BFLOAT16, shard=ShardAxis(1, heads))
     seg = buffer_segments(src_g, dst_g, Rank(3, 4), Rank(1, 2))
     r = regular_rows(seg, src_g.item_nbytes, dst_g.item_nbytes)
     assert r is not None
@@ -99,9 +103,11 @@ _PAGE, _LAYERS, _HEADS, _HEAD_DIM = 16, 4, 8, 128
 
 
 def _control_layout() -> PoolLayout:
-    bufs = tuple(BufferGeometry(f"{t}.{i}", 64, (_PAGE, _HEADS, _HEAD_DIM), DType.BFLOAT16, ShardAxis(1, _HEADS))
+    bufs = tuple(BufferGeometry(name=f"{t}.{i}", num_items=64, item_shape=(_PAGE, _HEADS, _HEAD_DIM),
+                                dtype=DType.BFLOAT16, shard=ShardAxis(1, _HEADS))
                  for t in "kv" for i in range(_LAYERS))
-    return PoolLayout((Component("kv", "kv", bufs),), 1, 0, _PAGE, "bench")
+    return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=1, tp_rank=0,
+                      page_size=_PAGE, model="bench")
 
 
 def _serve_prefill(bootstrap: str, requests: int, n_pages: int) -> None:

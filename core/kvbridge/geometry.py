@@ -194,7 +194,7 @@ def local_units(total: int, tp_size: int) -> int:
     return hi - lo
 
 
-class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One registered tensor of a component: ``num_items`` items of ``item_shape`` elements.
 
     An item is a page (KV, SWA, NSA) or a slot (Mamba). ``shard`` names the TP-sharded axis of the
@@ -279,7 +279,7 @@ class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                 f"{region.nbytes // self.item_nbytes} items, geometry says {self.num_items}")
 
 
-class Component(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Component(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One transferable part of a pool: its state type, its buffers in wire order, and options.
 
     ``options`` carries state-type parameters that both sides must agree on (e.g. an SWA window).
@@ -318,7 +318,7 @@ class Component(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.buffers[0].num_items
 
 
-class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What one rank holds: its components in wire order, its TP position, page size and model."""
 
     components: tuple[Component, ...]

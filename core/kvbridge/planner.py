@@ -19,7 +19,7 @@ from kvbridge.slicing import Segments
 _U64 = np.uint64
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class BufferPair:
     """One source buffer and its destination counterpart, as the planner needs them."""
 

@@ -36,7 +36,7 @@ from kvbridge.state.base import StateType
 _BUILTINS = {"kv": "kvbridge.state.kv", "loopback": "kvbridge.backends.loopback"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PluginRecord:
     """One row of ``kvbridge plugins``: a declared backend or state type, or a plugin that failed."""
 
@@ -156,7 +156,8 @@ class Registry:
                 try:
                     sources.append(_Source(ep.load(), ep.name, dist, version))
                 except Exception as exc:  # noqa: BLE001 - a broken plugin is listed, never fatal
-                    records.append(PluginRecord(ep.name, None, dist, version, PluginStatus.ERROR,
+                    records.append(PluginRecord(name=ep.name, kind=None, distribution=dist, version=version,
+                                                status=PluginStatus.ERROR,
                                                 reason=f"{type(exc).__name__}: {exc}",
                                                 hint="".join(traceback.format_exception(exc))))
             for name, module in _BUILTINS.items():  # running from a source tree without an install
@@ -259,7 +260,8 @@ def _load_source(pm: pluggy.PluginManager, source: _Source,
                  wanted: Any) -> list[PluginRecord]:
     """Register one plugin object and collect what it declares; errors become records, not exceptions."""
     def failed(reason: str, detail: str) -> list[PluginRecord]:
-        return [PluginRecord(source.name, None, source.distribution, source.version, PluginStatus.ERROR,
+        return [PluginRecord(name=source.name, kind=None, distribution=source.distribution,
+                             version=source.version, status=PluginStatus.ERROR,
                              reason=reason, hint=detail)]
 
     if pm.is_registered(source.plugin):
@@ -318,7 +320,8 @@ def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _So
             if not result.available:
                 status, reason, hint = PluginStatus.UNAVAILABLE, result.reason, result.hint
     caps = tuple(sorted(c.value if hasattr(c, "value") else str(c) for c in spec.capabilities))
-    return PluginRecord(spec.name, kind, source.distribution, source.version, status, reason, hint, caps, spec)
+    return PluginRecord(name=spec.name, kind=kind, distribution=source.distribution, version=source.version,
+                        status=status, reason=reason, hint=hint, capabilities=caps, spec=spec)
 
 
 def _claim(record: PluginRecord, source: _Source,

@@ -29,7 +29,7 @@ STAGING = "__staging__"      # the component name staging regions are registered
 MIN_ROWS = 4                 # below this many runs per item, descriptors are cheaper than a gather
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rows:
     """A regular slice: ``rows`` runs of ``cols`` bytes at ``src_col + r*src_stride`` -> ``dst_col + r*dst_stride``."""
 
@@ -59,7 +59,7 @@ def regular_rows(seg: Segments, src_item: int, dst_item: int) -> Rows | None:
         return None
     if s0 + cols > s_stride or d0 + cols > d_stride:
         return None
-    return Rows(n, cols, s_stride, d_stride, s0, d0)
+    return Rows(rows=n, cols=cols, src_stride=s_stride, dst_stride=d_stride, src_col=s0, dst_col=d0)
 
 
 def host_view(region: MemoryRegion) -> np.ndarray:

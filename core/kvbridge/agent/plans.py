@@ -59,7 +59,9 @@ class PlanCache:
             if peer.info is None:
                 raise AssertionError(f"peer {peer.agent} has no registered buffers on this side")
             dst_regions = peer.info.component(mine.name).regions
-            pairs = [BufferPair(s.addr, sg.item_nbytes, sg.num_items, d.addr, dg.item_nbytes, dg.num_items, seg)
+            pairs = [BufferPair(src_base=s.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
+                                dst_base=d.addr, dst_item_nbytes=dg.item_nbytes, dst_num_items=dg.num_items,
+                                segments=seg)
                      for s, sg, d, dg, seg in zip(src_regions, mine.buffers, dst_regions, theirs.buffers,
                                                   segs.buffers)]
             self._pairs[key] = pairs

@@ -125,7 +125,7 @@ class RegisteredBuffers:
         return RemoteBuffers(self.component, tuple(RegionWire.of(r) for r in self.regions), self.descriptor)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class ComponentTransfer:
     """One component of one request (one chunk) to one peer: the unit a backend posts."""
 

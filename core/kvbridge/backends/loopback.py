@@ -163,7 +163,7 @@ def _shm_backing(region: MemoryRegion) -> _Backing:
     return _Backing("", 0)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Peer:
     info: PeerInfo
     proof: bytes
@@ -261,8 +261,9 @@ class LoopbackBackend:
             raise
         with self._lock:
             old = self._peers.pop(peer.name, None)
-            self._peers[peer.name] = _Peer(peer, endpoint.proof, None if target is None else weakref.ref(target),
-                                           maps, translate, generation)
+            self._peers[peer.name] = _Peer(info=peer, proof=endpoint.proof,
+                                           target=None if target is None else weakref.ref(target),
+                                           maps=maps, translate=translate, checked_generation=generation)
         if old is not None:
             _close_maps(old.maps)
         return peer.name

@@ -34,7 +34,7 @@ from kvbridge.pattern import byte_view
 __all__ = ["ComponentModel", "RequestShape", "StateModel", "item_rows"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestShape:
     """One request as both sides see it (page positions are absolute, in pages of the sequence)."""
 

@@ -27,7 +27,7 @@ from kvbridge.registry import Registry
 __all__ = ["PRESETS", "ComponentModel", "KVModel", "Preset", "RequestShape", "get_preset"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVModel:
     """Paged KV: K then V per layer (MHA/GQA) or one latent per layer (MLA)."""
 
@@ -62,10 +62,11 @@ class KVModel:
                 shape, shard = (self.page_size, heads, self.head_dim), ShardAxis(axis=1, total=self.total_heads)
             else:
                 shape, shard = (heads, self.page_size, self.head_dim), ShardAxis(axis=0, total=self.total_heads)
-        buffers = tuple(BufferGeometry(f"{'kv'[t] if self.tensors == 2 else 'c'}.{layer}", num_items, shape,
-                                       self.dtype, shard)
+        buffers = tuple(BufferGeometry(name=f"{'kv'[t] if self.tensors == 2 else 'c'}.{layer}",
+                                       num_items=num_items, item_shape=shape,
+                                       dtype=self.dtype, shard=shard)
                         for t in range(self.tensors) for layer in range(self.layers))
-        return Component(self.name, "kv", buffers, IndexKind.PAGE)
+        return Component(name=self.name, state_type="kv", buffers=buffers, index_kind=IndexKind.PAGE)
 
     def region_items(self, region_pages: int) -> int:
         return region_pages
@@ -104,7 +105,7 @@ class KVModel:
         return bad
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Preset:
     name: str
     description: str
@@ -141,56 +142,64 @@ class Preset:
 
 
 def _qwen3_next(models: StateModels) -> Preset:
-    kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=2, head_dim=64, layers=2, page_size=16)
+    kv = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=2, head_dim=64, layers=2, page_size=16)
     gdn = models.build("mamba", name="mamba", layers=(0, 1, 2), key_dim=32, value_dim=64, kernel=4, heads=8,
                        head_k_dim=8, head_v_dim=8)
     return Preset(
-        "qwen3-next",
-        "Qwen3-Next-like hybrid: GQA KV (2 KV heads x 64, bf16, token-major 16-token pages, 2 layers) + GDN "
-        "Mamba slots (conv [q|k|v] = 32|32|64 channels x 3 bf16, SSM 8 heads x 8x8 fp32, 3 layers)", 16,
-        (kv, gdn), "demo-qwen3-next",
-        "KV pages after the decode prefix, head-sliced (replicated heads above TP 2) + one GDN slot: conv "
+        name="qwen3-next",
+        description="Qwen3-Next-like hybrid: GQA KV (2 KV heads x 64, bf16, token-major 16-token pages, 2 layers) "
+        "+ GDN Mamba slots (conv [q|k|v] = 32|32|64 channels x 3 bf16, SSM 8 heads x 8x8 fp32, 3 layers)",
+        page_size=16,
+        components=(kv, gdn), model="demo-qwen3-next",
+        moves="KV pages after the decode prefix, head-sliced (replicated heads above TP 2) + one GDN slot: conv "
         "channels resharded group by group [q|k|v], SSM state by heads")
 
 
 def _swa(models: StateModels) -> Preset:
-    kv = KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=32, layers=2, page_size=16)
+    kv = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=8, head_dim=32, layers=2, page_size=16)
     swa = models.build("swa", name="swa", layers=(0, 2), page_size=16, kv_heads=8, head_dim=32, window=40)
     return Preset(
-        "swa",
-        "gpt-oss-like hybrid: full-attention KV (8 KV heads x 32, bf16, token-major 16-token pages, 2 layers) + "
-        "sliding-window KV (same heads, window 40 tokens = 2.5 pages, 2 layers)", 16,
-        (kv, swa), "demo-swa",
-        "KV pages after the decode prefix + the SWA pages of the last 40 tokens only (window start floored "
+        name="swa",
+        description="gpt-oss-like hybrid: full-attention KV (8 KV heads x 32, bf16, token-major 16-token pages, "
+        "2 layers) + sliding-window KV (same heads, window 40 tokens = 2.5 pages, 2 layers)", page_size=16,
+        components=(kv, swa), model="demo-swa",
+        moves="KV pages after the decode prefix + the SWA pages of the last 40 tokens only (window start floored "
         "to a page, aligned by absolute position), both head-sliced")
 
 
 def _deepseek_v32(models: StateModels) -> Preset:
-    kv = KVModel("kv", ref.MLA, total_heads=1, head_dim=64, layers=2, page_size=64)
+    kv = KVModel(name="kv", layout=ref.MLA, total_heads=1, head_dim=64, layers=2, page_size=64)
     nsa = models.build("nsa", name="nsa", layers=(0, 1), kv_page_size=64, page_size=64, bytes_per_token=132)
     return Preset(
-        "deepseek-v32",
-        "DeepSeek-V3.2-like: MLA latent (64 x bf16 per token, replicated, 64-token pages, 2 layers) + NSA "
-        "indexer (64-token pages of 132 B per token, replicated, 2 layers)", 64,
-        (kv, nsa), "demo-deepseek-v32",
-        "MLA pages after the decode prefix + every NSA indexer page from position 0 (prefix hits "
+        name="deepseek-v32",
+        description="DeepSeek-V3.2-like: MLA latent (64 x bf16 per token, replicated, 64-token pages, 2 layers) + NSA "
+        "indexer (64-token pages of 132 B per token, replicated, 2 layers)", page_size=64,
+        components=(kv, nsa), model="demo-deepseek-v32",
+        moves="MLA pages after the decode prefix + every NSA indexer page from position 0 (prefix hits "
         "included), whole pages from one elected prefill rank per decode rank")
 
 
 #: Each preset is built with the state models of the installed plugins (dense presets need none).
 PRESETS: dict[str, Callable[[StateModels], Preset]] = {
     "dense-gqa": lambda _: Preset(
-        "dense-gqa", "Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-dense-gqa",
-        "KV pages after the decode prefix, head-sliced per token row"),
+        name="dense-gqa",
+        description="Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers", page_size=16,
+        components=(KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4,
+                            page_size=16),), model="demo-dense-gqa",
+        moves="KV pages after the decode prefix, head-sliced per token row"),
     "dense-gqa-headmajor": lambda _: Preset(
-        "dense-gqa-headmajor", "GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4, page_size=16),), "demo-gqa-hm",
-        "KV pages after the decode prefix, head-sliced per page"),
+        name="dense-gqa-headmajor",
+        description="GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers", page_size=16,
+        components=(KVModel(name="kv", layout=ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4,
+                            page_size=16),), model="demo-gqa-hm",
+        moves="KV pages after the decode prefix, head-sliced per page"),
     "mla": lambda _: Preset(
-        "mla", "DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers", 16,
-        (KVModel("kv", ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),), "demo-mla",
-        "MLA latent pages after the decode prefix, whole pages from one elected prefill rank"),
+        name="mla",
+        description="DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers",
+        page_size=16,
+        components=(KVModel(name="kv", layout=ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),),
+        model="demo-mla",
+        moves="MLA latent pages after the decode prefix, whole pages from one elected prefill rank"),
     "qwen3-next": _qwen3_next,
     "swa": _swa,
     "deepseek-v32": _deepseek_v32,

@@ -17,7 +17,7 @@ from kvbridge.wire import Role
 from kvbridge.zmq_link import BootstrapServer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Summary:
     requests: int
     verified: int = 0
@@ -48,15 +48,16 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     model = get_preset(preset)
     model.check_tp(prefill_tp, decode_tp)
     server = BootstrapServer().start()
-    base = WorkerConfig(Role.PREFILL, 0, prefill_tp, decode_tp, preset, backend, server.address, requests, seed,
-                        window, region_pages, timeout_s, dump)
+    base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
+                        backend=backend, bootstrap=server.address, requests=requests, seed=seed,
+                        window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]
     configs += [replace(base, role=Role.DECODE, rank=r) for r in range(decode_tp)]
     procs = [ctx.Process(target=run_worker, args=(c, results), name=f"{c.role.value}{c.rank}", daemon=True)
              for c in configs]
-    summary = Summary(requests)
+    summary = Summary(requests=requests)
     per_request: dict[int, list[tuple[bool, int, float, int, str]]] = {}
     finished = 0
     print(f"kvbridge demo: {model.description}", file=out)

@@ -39,7 +39,7 @@ __all__ = ["INSTANCE", "SEGMENT_PREFIX", "WorkerConfig", "allocate_items", "make
 INSTANCE = "prefill"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
     role: Role
     rank: int
@@ -73,8 +73,8 @@ def make_requests(seed: int, count: int, page_size: int, region_pages: int) -> l
         num_pages = -(-seq_len // page_size)
         roll = rng.random()
         prefix = 0 if roll < 0.65 else (num_pages if roll > 0.95 else int(rng.integers(0, num_pages)))
-        out.append(RequestShape(i, int(rng.integers(1, 2**63 - 1)), int(rng.integers(0, 2**62)), seq_len,
-                                prefix, num_pages))
+        out.append(RequestShape(index=i, room=int(rng.integers(1, 2**63 - 1)), seed=int(rng.integers(0, 2**62)),
+                                seq_len=seq_len, prefix_pages=prefix, num_pages=num_pages))
     return out
 
 
@@ -117,8 +117,8 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
     pool = agent = None
     try:
         preset = get_preset(cfg.preset)
-        layout = PoolLayout(tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
-                            cfg.tp_size, cfg.rank, preset.page_size, preset.model)
+        layout = PoolLayout(components=tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
+                            tp_size=cfg.tp_size, tp_rank=cfg.rank, page_size=preset.page_size, model=preset.model)
         pool = HostPool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
         link = ZmqLink(bootstrap=cfg.bootstrap, secret=cfg.secret)
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,

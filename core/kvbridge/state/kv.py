@@ -63,12 +63,14 @@ def kv_component(name: str = "kv", *, layers: int | Sequence[int], page_size: in
     dt = DType.parse(dtype)
     if kind is KVLayout.MLA:
         return Component(name=name, state_type="kv", index_kind=IndexKind.PAGE, buffers=tuple(
-            BufferGeometry(f"{name}.c.{i}", num_pages, (page_size, head_dim), dt) for i in ids))
+            BufferGeometry(name=f"{name}.c.{i}", num_items=num_pages, item_shape=(page_size, head_dim),
+                           dtype=dt) for i in ids))
     heads = local_units(kv_heads, tp)
     head_major = kind is KVLayout.HEAD_MAJOR
     shape = (heads, page_size, head_dim) if head_major else (page_size, heads, head_dim)
     shard = ShardAxis(axis=0 if head_major else 1, total=kv_heads)
-    buffers = tuple(BufferGeometry(f"{name}.{t}.{i}", num_pages, shape, dt, shard) for t in "kv" for i in ids)
+    buffers = tuple(BufferGeometry(name=f"{name}.{t}.{i}", num_items=num_pages, item_shape=shape, dtype=dt,
+                                   shard=shard) for t in "kv" for i in ids)
     return Component(name=name, state_type="kv", buffers=buffers, index_kind=IndexKind.PAGE)
 
 

@@ -336,11 +336,13 @@ class BasicBackendTests(_BackendKit):
         order = np.argsort(np.asarray(src_items), kind="stable")
         si, di = np.asarray(src_items, np.int64)[order], np.asarray(dst_items, np.int64)[order]
         whole = Segments.whole(s["item"])
-        pairs = [BufferPair(region_of(x.data).addr, s["item"], s["items"], region_of(y.data).addr, s["item"],
-                            s["items"], whole) for x, y in zip(s["src"], s["dst"])]
+        pairs = [BufferPair(src_base=region_of(x.data).addr, src_item_nbytes=s["item"],
+                            src_num_items=s["items"], dst_base=region_of(y.data).addr, dst_item_nbytes=s["item"],
+                            dst_num_items=s["items"], segments=whole) for x, y in zip(s["src"], s["dst"])]
         plan = plan_transfer(pairs, si, di)
-        transfer = ComponentTransfer(7, "kit", s["peer"], 0, True, s["reg_a"], s["reg_b"].remote(), plan, notice,
-                                     si, di, tuple(whole for _ in s["src"]))
+        transfer = ComponentTransfer(room=7, component="kit", peer=s["peer"], chunk=0, last=True,
+                                     src=s["reg_a"], dst=s["reg_b"].remote(), plan=plan, notice=notice,
+                                     src_items=si, dst_items=di, segments=tuple(whole for _ in s["src"]))
         return transfer, si, di
 
     @staticmethod
@@ -472,7 +474,8 @@ class BasicBackendTests(_BackendKit):
         u64 = np.uint64
         forged = TransferPlan(np.append(plan.src_addr, u64(bad_src)), np.append(plan.dst_addr, u64(bad_dst)),
                               np.append(plan.nbytes, u64(32)), np.append(plan.buffer, np.int32(0)))
-        transfer = ComponentTransfer(8, "kit", s["peer"], 0, True, s["reg_a"], s["reg_b"].remote(), forged)
+        transfer = ComponentTransfer(room=8, component="kit", peer=s["peer"], chunk=0, last=True,
+                                     src=s["reg_a"], dst=s["reg_b"].remote(), plan=forged)
         self._assert_refused(s["a"], transfer, f"a plan with a {where} descriptor")
         self._assert_bytes(s, s["before"], f"wrote although the plan was refused ({where})")
 

@@ -57,7 +57,7 @@ class Fault(enum.Enum):
 NoticeKey = tuple[str, str, int, int, str, int]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Arming:
     fault: Fault
     component: str | None
@@ -73,7 +73,7 @@ class _Arming:
         return (self.component is None or self.component == component) and (self.room is None or self.room == room)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class FaultHandle:
     """Stands in for one (or two, for DUPLICATE) real handles; polled through the CheckedBackend."""
 
@@ -135,7 +135,8 @@ class FaultInjector:
         with self._lock:
             if fault is Fault.STALL:
                 self._release.clear()
-            self._armed.append(_Arming(fault, component, room, times, delay_s, text))
+            self._armed.append(_Arming(fault=fault, component=component, room=room, times=times,
+                                       delay_s=delay_s, reason=text))
 
     def disarm(self) -> None:
         """Stop injecting, and let stalled writes complete."""
@@ -199,7 +200,7 @@ class FaultInjector:
             inner.append(backend.inner.send_component(transfer))
             with self._lock:
                 self._doubled.add(key)
-        substitute = FaultHandle(inner, arming.fault, arming.reason, self._release,
+        substitute = FaultHandle(inner=inner, fault=arming.fault, reason=arming.reason, release_event=self._release,
                                  until=time.monotonic() + arming.delay_s)
         backend.substitute(handle, substitute)
         return substitute

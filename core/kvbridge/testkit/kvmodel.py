@@ -28,7 +28,7 @@ MODEL = "kvbridge-testkit"
 _DTYPE = DType.BFLOAT16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVKind:
     """One KV component: its reference layout, total KV heads and head dim (elements of bf16)."""
 
@@ -60,16 +60,19 @@ class KVKind:
                 shape, shard = (PAGE_SIZE, heads, self.head_dim), ShardAxis(axis=1, total=self.total_heads)
             else:
                 shape, shard = (heads, PAGE_SIZE, self.head_dim), ShardAxis(axis=0, total=self.total_heads)
-        bufs = tuple(BufferGeometry(name, num_pages, shape, _DTYPE, shard) for name, _, _ in self.coords())
-        return Component(self.name, "kv", bufs, IndexKind.PAGE)
+        bufs = tuple(BufferGeometry(name=name, num_items=num_pages, item_shape=shape, dtype=_DTYPE,
+                                    shard=shard) for name, _, _ in self.coords())
+        return Component(name=self.name, state_type="kv", buffers=bufs, index_kind=IndexKind.PAGE)
 
 
-KINDS = (KVKind("gqa", ref.TOKEN_MAJOR, 2, 8), KVKind("headmajor", ref.HEAD_MAJOR, 4, 8),
-         KVKind("mla", ref.MLA, 1, 16))
+KINDS = (KVKind(name="gqa", layout=ref.TOKEN_MAJOR, total_heads=2, head_dim=8),
+         KVKind(name="headmajor", layout=ref.HEAD_MAJOR, total_heads=4, head_dim=8),
+         KVKind(name="mla", layout=ref.MLA, total_heads=1, head_dim=16))
 
 
 def kv_layout(tp: int, rank: int, kinds: Sequence[KVKind] = KINDS, num_pages: int = NUM_PAGES) -> PoolLayout:
-    return PoolLayout(tuple(k.component(tp, num_pages) for k in kinds), tp, rank, PAGE_SIZE, MODEL)
+    return PoolLayout(components=tuple(k.component(tp, num_pages) for k in kinds), tp_size=tp, tp_rank=rank,
+                      page_size=PAGE_SIZE, model=MODEL)
 
 
 class KVPool:

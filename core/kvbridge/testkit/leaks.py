@@ -180,7 +180,7 @@ def _shm() -> frozenset[str]:
     return frozenset(n for n in names if os.path.exists(f"/dev/shm/{n}"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Snapshot:
     fds: Counter[str]
     threads: frozenset[threading.Thread]
@@ -193,21 +193,24 @@ class Snapshot:
     @classmethod
     def take(cls) -> Snapshot:
         targets = _fd_targets()
-        return cls(_fd_kinds(targets), frozenset(threading.enumerate()), _native_threads(), _children(), _shm(),
-                   targets)
+        return cls(fds=_fd_kinds(targets), threads=frozenset(threading.enumerate()),
+                   native_threads=_native_threads(), children=_children(), shm=_shm(),
+                   fd_targets=targets)
 
     def merged(self, other: Snapshot) -> Snapshot:
         """A baseline holding what either snapshot holds (what was already reported is not reported again)."""
-        return Snapshot(self.fds | other.fds, self.threads | other.threads,
-                        max(self.native_threads, other.native_threads), self.children | other.children,
-                        self.shm | other.shm, {**self.fd_targets, **other.fd_targets})
+        return Snapshot(fds=self.fds | other.fds, threads=self.threads | other.threads,
+                        native_threads=max(self.native_threads, other.native_threads),
+                        children=self.children | other.children,
+                        shm=self.shm | other.shm, fd_targets={**self.fd_targets, **other.fd_targets})
 
     def diff(self, now: Snapshot, *, threads_and_fds: bool = True, allowed_threads: tuple[str, ...] = ()) -> list[str]:
         """What ``now`` holds that this snapshot did not. ``allowed_threads``: name prefixes of threads that
         live as long as the process (declared by a plugin); they are not counted, nor are native threads."""
         out = []
         if not threads_and_fds:
-            now = Snapshot(self.fds, self.threads, self.native_threads, now.children, now.shm, self.fd_targets)
+            now = Snapshot(fds=self.fds, threads=self.threads, native_threads=self.native_threads,
+                           children=now.children, shm=now.shm, fd_targets=self.fd_targets)
         extra_fds = now.fds - self.fds
         if extra_fds:
             what = ", ".join(f"{n} x {k}" for k, n in sorted(extra_fds.items()))

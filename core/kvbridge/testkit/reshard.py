@@ -69,7 +69,7 @@ def reshard(logical: np.ndarray, buf: BufferGeometry, tp: int, rank: int) -> np.
     return np.ascontiguousarray(local).reshape(logical.shape[0], -1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Outcome:
     """Per decode rank and buffer: what kvbridge produced, what the reference expects, write counts."""
 
@@ -121,8 +121,9 @@ def run_reshard(state: StateType, make: Callable[[int], Component], pt: int, dt:
             for d in range(dt):
                 sl = state.slice(src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
                 assert len(sl.buffers) == len(dst_comp.buffers)
-                pairs = [BufferPair(s.ctypes.data, sb.item_nbytes, sb.num_items, g.ctypes.data, db.item_nbytes,
-                                    db.num_items, seg)
+                pairs = [BufferPair(src_base=s.ctypes.data, src_item_nbytes=sb.item_nbytes,
+                                    src_num_items=sb.num_items, dst_base=g.ctypes.data, dst_item_nbytes=db.item_nbytes,
+                                    dst_num_items=db.num_items, segments=seg)
                          for s, g, sb, db, seg in zip(src[p], got[d], src_comp.buffers, dst_comp.buffers,
                                                       sl.buffers)]
                 plan = plan_transfer(pairs, src_items, dst_items)
@@ -155,7 +156,7 @@ def run_reshard(state: StateType, make: Callable[[int], Component], pt: int, dt:
         expected.append(exp)
         expected_writes.append(ew)
     writes = [[np.cumsum(diff)[:-1] for diff in bufs] for bufs in diffs]
-    return Outcome(got, expected, writes, expected_writes, descriptors)
+    return Outcome(got=got, expected=expected, writes=writes, expected_writes=expected_writes, descriptors=descriptors)
 
 
 class _Movers:

@@ -46,7 +46,7 @@ class Rig:
     registered: RegisteredBuffers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Model:
     heads: int = 4
     page: int = 4
@@ -66,8 +66,9 @@ def make_rank(model: Model, tp: int, rank: int, num_pages: int, backend: Any,
     shape = (num_pages, model.page, heads.size, model.head_dim)
     sources: list[np.ndarray | None] = [*fill] if fill else [None] * model.buffers
     arrays = [np.ascontiguousarray(f[:, :, heads, :]) if f is not None else np.zeros(shape, np.uint16) for f in sources]
-    geometry = [BufferGeometry(f"{'kv'[b % 2]}.{b // 2}", num_pages, shape[1:], DType.FLOAT16,
-                               ShardAxis(axis=1, total=model.heads)) for b in range(model.buffers)]
+    geometry = [BufferGeometry(name=f"{'kv'[b % 2]}.{b // 2}", num_items=num_pages, item_shape=shape[1:],
+                               dtype=DType.FLOAT16,
+                               shard=ShardAxis(axis=1, total=model.heads)) for b in range(model.buffers)]
     registered = backend.register_buffers(COMPONENT, [region_of(a) for a in arrays])
     return Rig(backend, arrays, geometry, registered)
 
@@ -77,8 +78,9 @@ def plan_for(src: Rig, dst: Rig, src_rank: Rank, dst_rank: Rank, src_idx: np.nda
     pairs = []
     for sg, dg, sa, da in zip(src.geometry, dst.geometry, src.arrays, dst.arrays, strict=True):
         seg = buffer_segments(sg, dg, src_rank, dst_rank)
-        pairs.append(BufferPair(sa.ctypes.data, sg.item_nbytes, sg.num_items, da.ctypes.data, dg.item_nbytes,
-                                dg.num_items, seg))
+        pairs.append(BufferPair(src_base=sa.ctypes.data, src_item_nbytes=sg.item_nbytes,
+                                src_num_items=sg.num_items, dst_base=da.ctypes.data, dst_item_nbytes=dg.item_nbytes,
+                                dst_num_items=dg.num_items, segments=seg))
     return plan_transfer(pairs, src_idx, dst_idx)
 
 

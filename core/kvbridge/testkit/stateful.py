@@ -38,7 +38,7 @@ from kvbridge.testkit.pools import GuardedBuffer
 __all__ = ["BackendMachine", "run_backend_machine"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Pair:
     component: str
     items: int
@@ -89,9 +89,11 @@ class BackendMachine(RuleBasedStateMachine):
         dst = [GuardedBuffer(items * item) for _ in range(buffers)]
         for buf in src + dst:
             buf.write(self.rng.integers(0, 256, buf.nbytes, dtype=np.uint8))
-        pair = _Pair(name, items, item, src, dst, self.a.register_buffers(name, [region_of(x.data) for x in src]),
-                     self.b.register_buffers(name, [region_of(x.data) for x in dst]),
-                     [x.read().reshape(items, item) for x in dst], [x.read().reshape(items, item) for x in src])
+        pair = _Pair(component=name, items=items, item=item, src=src, dst=dst,
+                     reg_src=self.a.register_buffers(name, [region_of(x.data) for x in src]),
+                     reg_dst=self.b.register_buffers(name, [region_of(x.data) for x in dst]),
+                     model=[x.read().reshape(items, item) for x in dst],
+                     src_bytes=[x.read().reshape(items, item) for x in src])
         self.all_pairs.append(pair)
         self._refresh_peer()
         note(f"registered {name}: {buffers} buffer(s) of {items} x {item} B")
@@ -118,10 +120,13 @@ class BackendMachine(RuleBasedStateMachine):
         order = np.argsort(src_items, kind="stable")
         si, di = np.array(src_items, np.int64)[order], np.array(dst_items, np.int64)[order]
         whole = Segments.whole(pair.item)
-        plan = plan_transfer([BufferPair(region_of(x.data).addr, pair.item, pair.items, region_of(y.data).addr,
-                                         pair.item, pair.items, whole) for x, y in zip(pair.src, pair.dst)], si, di)
-        transfer = ComponentTransfer(1, pair.component, self.peer, 0, True, pair.reg_src, pair.reg_dst.remote(), plan,
-                                     b"", si, di, tuple(whole for _ in pair.src))
+        plan = plan_transfer([BufferPair(src_base=region_of(x.data).addr, src_item_nbytes=pair.item,
+                                         src_num_items=pair.items, dst_base=region_of(y.data).addr,
+                                         dst_item_nbytes=pair.item, dst_num_items=pair.items,
+                                         segments=whole) for x, y in zip(pair.src, pair.dst)], si, di)
+        transfer = ComponentTransfer(room=1, component=pair.component, peer=self.peer, chunk=0, last=True,
+                                     src=pair.reg_src, dst=pair.reg_dst.remote(), plan=plan,
+                                     notice=b"", src_items=si, dst_items=di, segments=tuple(whole for _ in pair.src))
         self.outstanding.append(_Send(self.a.send_component(transfer), pair, si, di))
         pair.busy.update(int(i) for i in di)
 

@@ -83,7 +83,7 @@ def shard_buffer(logical: np.ndarray, buffer: BufferGeometry, tp_size: int, rank
     return np.ascontiguousarray(local).reshape(logical.shape[0], -1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestItems:
     """One request's items: source items (and the absolute position of the first), destination items
     (and theirs), and ``pairs`` - which source item each destination item must end up holding (by
@@ -113,7 +113,8 @@ class _StatePool:
 
     def __init__(self, component: Component, tp: int, rank: int, page_size: int) -> None:
         self.component = component
-        self.layout = PoolLayout((component,), tp, rank, page_size, "kvbridge-testkit-state")
+        self.layout = PoolLayout(components=(component,), tp_size=tp, tp_rank=rank, page_size=page_size,
+                                 model="kvbridge-testkit-state")
         self.buffers = [GuardedBuffer(g.nbytes) for g in component.buffers]
 
     def arrays(self) -> dict[str, list[object]]:
@@ -159,7 +160,7 @@ class StateTypeTests(KitTests):
         k = min(self.items_per_request, component.num_items - 1)
         src = 1 + rng.permutation(component.num_items - 1)[:k]
         dst = 1 + rng.permutation(component.num_items - 1)[:k]
-        return RequestItems(src.astype(np.int64), 0, dst.astype(np.int64), 0)
+        return RequestItems(src=src.astype(np.int64), src_first=0, dst=dst.astype(np.int64), dst_first=0)
 
     # ---------------------------------------------------------------- subject
     @classmethod
@@ -467,7 +468,8 @@ class StateTypeTests(KitTests):
             others = [t for t in model.sizes if model.build(t, self.num_items) != comp]
             for other in others[:1]:
                 try:
-                    layout = PoolLayout((comp,), other, 0, 16, "kvbridge-testkit-invalid")
+                    layout = PoolLayout(components=(comp,), tp_size=other, tp_rank=0, page_size=16,
+                                        model="kvbridge-testkit-invalid")
                     loopback_registry.compose(layout)
                 except GeometryError:
                     continue

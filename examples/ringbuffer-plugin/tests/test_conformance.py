@@ -21,11 +21,12 @@ class TestRingBufferConformance(StateTypeTests):
         dim = draw(st.sampled_from([2, 5]))
 
         def build(tp: int, slots: int) -> Component:
-            return Component("recent", "ringbuffer", (
-                BufferGeometry("recent.hidden", slots, (capacity, local_units(heads, tp), dim), DType.BFLOAT16,
-                               ShardAxis(axis=1, total=heads)),
-                BufferGeometry("recent.tokens", slots, (capacity,), DType.INT32),
-                BufferGeometry("recent.cursor", slots, (1,), DType.INT64),
-            ), IndexKind.SLOT, options={"capacity": capacity})
+            return Component(name="recent", state_type="ringbuffer", buffers=(
+                BufferGeometry(name="recent.hidden", num_items=slots,
+                               item_shape=(capacity, local_units(heads, tp), dim), dtype=DType.BFLOAT16,
+                               shard=ShardAxis(axis=1, total=heads)),
+                BufferGeometry(name="recent.tokens", num_items=slots, item_shape=(capacity,), dtype=DType.INT32),
+                BufferGeometry(name="recent.cursor", num_items=slots, item_shape=(1,), dtype=DType.INT64),
+            ), index_kind=IndexKind.SLOT, options={"capacity": capacity})
 
         return build

@@ -38,7 +38,8 @@ def test_conv_example_addresses() -> None:
     """Address = base + slot * item + offset, for the request's one slot on each side."""
     src, dst = conv_only(4), conv_only(2)
     seg = STATE.slice(src, dst, Rank(3, 4), Rank(1, 2)).buffers[0]
-    pair = BufferPair(0x1000_0000, 6144, 4, 0x2000_0000, 12288, 4, seg)
+    pair = BufferPair(src_base=0x1000_0000, src_item_nbytes=6144, src_num_items=4, dst_base=0x2000_0000,
+                      dst_item_nbytes=12288, dst_num_items=4, segments=seg)
     s, d = STATE.pair_indices(src, np.array([2]), 0, np.array([3]), 0)
     plan = plan_transfer([pair], s, d)
     assert plan.src_addr.tolist() == [0x1000_0000 + 2 * 6144]
@@ -116,7 +117,8 @@ def test_gdn_channels_last_byte_exact() -> None:
 def with_replicated(tp: int) -> Component:
     base = mamba_component("m", layers=1, conv_groups=16, kernel=3, heads=8, head_dim=2, state=2, tp=tp,
                            dtype="float32", num_slots=4)
-    extra = BufferGeometry("m.norm.0", 4, (5, 3), DType.FLOAT32, None)  # identical on every rank
+    extra = BufferGeometry(name="m.norm.0", num_items=4, item_shape=(5, 3), dtype=DType.FLOAT32,
+                           shard=None)  # identical on every rank
     return Component(name="m", state_type="mamba", buffers=(*base.buffers, extra), index_kind=IndexKind.SLOT)
 
 

@@ -17,7 +17,8 @@ TP = 2
 
 def kv_component() -> Component:
     def buf(name: str) -> BufferGeometry:
-        return BufferGeometry(name, 32, (16, 4, 8), DType.BFLOAT16, ShardAxis(axis=1, total=8))
+        return BufferGeometry(name=name, num_items=32, item_shape=(16, 4, 8), dtype=DType.BFLOAT16,
+                              shard=ShardAxis(axis=1, total=8))
 
     return Component(name="kv", state_type="kv", buffers=(buf("kv.k.0"), buf("kv.v.0")))
 

@@ -12,8 +12,8 @@ pytestmark = [NEEDS_MOONCAKE, pytest.mark.multiprocess]
 
 
 def test_bench_smoke() -> None:
-    scenarios = [Scenario("same tp", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16),
-                 Scenario("tp 2->1", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16, pt=2)]
+    scenarios = [Scenario(name="same tp", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16),
+                 Scenario(name="tp 2->1", layers=1, pool_pages=8, pages=3, page=4, heads=2, head_dim=16, pt=2)]
     report = run_bench(scenarios, repeats=1)
     assert [r["scenario"] for r in report["results"]] == ["same tp", "tp 2->1"]
     for result in report["results"]:

@@ -45,7 +45,8 @@ def test_two_process_reshard_with_notice() -> None:
     proc.start()
     try:
         with MooncakeBackend(name="prefill-2p") as prefill:
-            setup = PeerSetup(shape.heads, shape.layers, shape.pages, shape.page, shape.head_dim, dt)
+            setup = PeerSetup(shape_heads=shape.heads, layers=shape.layers, pages=shape.pages,
+                              page=shape.page, head_dim=shape.head_dim, tp=dt)
             parent.send_bytes(msgspec.msgpack.encode(setup))
             if not parent.poll(_PIPE_WAIT_S):
                 raise AssertionError("the decode process never sent its PeerInfo")

@@ -62,8 +62,9 @@ def pair(backends: Factory):  # type: ignore[no-untyped-def]
 def _shifted(xfer: ComponentTransfer, *, src: int = 0, dst: int = 0) -> ComponentTransfer:
     p = xfer.plan
     plan = TransferPlan(p.src_addr + np.uint64(src), p.dst_addr + np.uint64(dst), p.nbytes, p.buffer)
-    return ComponentTransfer(xfer.room, xfer.component, xfer.peer, 0, True, xfer.src, xfer.dst, plan, xfer.notice,
-                             xfer.src_items, xfer.dst_items, xfer.segments)
+    return ComponentTransfer(room=xfer.room, component=xfer.component, peer=xfer.peer, chunk=0, last=True,
+                             src=xfer.src, dst=xfer.dst, plan=plan, notice=xfer.notice,
+                             src_items=xfer.src_items, dst_items=xfer.dst_items, segments=xfer.segments)
 
 
 def test_out_of_bounds_refused(pair) -> None:  # type: ignore[no-untyped-def]
@@ -76,15 +77,18 @@ def test_out_of_bounds_refused(pair) -> None:  # type: ignore[no-untyped-def]
         pb.send_component(_shifted(xfer, dst=page))          # last page runs past the decode region
     with pytest.raises(RegionError, match="source"):
         pb.send_component(_shifted(xfer, src=1 << 40))
-    bad_items = ComponentTransfer(1, "kv", "decode-0", 0, True, preg, xfer.dst, xfer.plan, b"x",
-                                  xfer.src_items, xfer.dst_items + 1, xfer.segments)
+    bad_items = ComponentTransfer(room=1, component="kv", peer="decode-0", chunk=0, last=True, src=preg,
+                                  dst=xfer.dst, plan=xfer.plan, notice=b"x",
+                                  src_items=xfer.src_items, dst_items=xfer.dst_items + 1, segments=xfer.segments)
     with pytest.raises(RegionError, match="disagree"):
         pb.send_component(bad_items)                         # plan in bounds, structured form lies
     with pytest.raises(RegionError, match="unknown peer"):
-        pb.send_component(ComponentTransfer(1, "kv", "nobody", 0, True, preg, xfer.dst, xfer.plan))
+        pb.send_component(ComponentTransfer(room=1, component="kv", peer="nobody", chunk=0, last=True,
+                                            src=preg, dst=xfer.dst, plan=xfer.plan))
     foreign = RegisteredBuffers("kv", preg.regions, preg.descriptor)
     with pytest.raises(RegionError, match="not registered"):
-        pb.send_component(ComponentTransfer(1, "kv", "decode-0", 0, True, foreign, xfer.dst, xfer.plan))
+        pb.send_component(ComponentTransfer(room=1, component="kv", peer="decode-0", chunk=0, last=True,
+                                            src=foreign, dst=xfer.dst, plan=xfer.plan))
     assert all((b.view(np.uint8) == 0xA5).all() for b in dst.pool), "a refused transfer wrote bytes"
     assert pb.resources()["handles"] == 0
 
@@ -95,7 +99,8 @@ def test_plan_without_structured_form(pair) -> None:  # type: ignore[no-untyped-
     src_idx, dst_idx = request_pages(5, 7)
     xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 2, b"plain")
     assert xfer is not None
-    bare = ComponentTransfer(2, "kv", "decode-0", 0, True, preg, xfer.dst, xfer.plan, b"plain")
+    bare = ComponentTransfer(room=2, component="kv", peer="decode-0", chunk=0, last=True, src=preg,
+                             dst=xfer.dst, plan=xfer.plan, notice=b"plain")
     handle = pb.send_component(bare)
     wait_notices(db, {("prefill-0", b"plain")}, [(pb, handle)])
     wait_done(pb, [handle])
@@ -105,8 +110,9 @@ def test_plan_without_structured_form(pair) -> None:  # type: ignore[no-untyped-
 
 def test_empty_plan_and_standalone_notice(pair) -> None:  # type: ignore[no-untyped-def]
     pb, db, _, _, preg, info, _ = pair
-    empty = ComponentTransfer(3, "kv", "decode-0", 0, True, preg, info.component("kv"), TransferPlan.empty(),
-                              b"nothing-to-move")
+    empty = ComponentTransfer(room=3, component="kv", peer="decode-0", chunk=0, last=True, src=preg,
+                              dst=info.component("kv"), plan=TransferPlan.empty(),
+                              notice=b"nothing-to-move")
     handle = pb.send_component(empty)
     assert pb.poll(handle).state is HandleState.DONE
     pb.release(handle)

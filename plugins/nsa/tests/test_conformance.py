@@ -21,4 +21,4 @@ class TestNSAConformance(StateTypeTests):
     def request_items(self, component, rng):
         src = 1 + rng.permutation(component.num_items - 1)[:4]
         dst = 1 + rng.permutation(component.num_items - 1)[:3]
-        return RequestItems(src, 0, dst, 0, pairs=(src[:3], dst))
+        return RequestItems(src=src, src_first=0, dst=dst, dst_first=0, pairs=(src[:3], dst))

@@ -82,7 +82,8 @@ def test_check_component_refuses_slots_and_sharding() -> None:
                       options=comp.options)
     with pytest.raises(GeometryError, match="indexed by page"):
         STATE.check_component(slots, Rank(0, 1))
-    sharded = BufferGeometry("indexer.indexer.0", 8, (4, 64), DType.UINT8, ShardAxis(axis=0, total=8))
+    sharded = BufferGeometry(name="indexer.indexer.0", num_items=8, item_shape=(4, 64), dtype=DType.UINT8,
+                             shard=ShardAxis(axis=0, total=8))
     with pytest.raises(GeometryError, match="replicated on every TP rank"):
         STATE.check_component(Component(name="indexer", state_type="nsa", buffers=(sharded,)), Rank(0, 2))
 
@@ -99,7 +100,8 @@ def test_check_component_options(options: dict, match: str) -> None:
 def test_slice_refuses_peers_that_disagree() -> None:
     with pytest.raises(IncompatiblePeer, match="page_size 64 on prefill, 32 on decode"):
         STATE.slice(make(1), with_options(make(1), {"page_size": 32, "bytes_per_token": 264}), Rank(0, 1), Rank(0, 1))
-    sharded = BufferGeometry("indexer.indexer.0", 8, (4, 64), DType.UINT8, ShardAxis(axis=0, total=8))
+    sharded = BufferGeometry(name="indexer.indexer.0", num_items=8, item_shape=(4, 64), dtype=DType.UINT8,
+                             shard=ShardAxis(axis=0, total=8))
     comp = Component(name="indexer", state_type="nsa", buffers=(sharded,))
     with pytest.raises(IncompatiblePeer, match="must be replicated"):
         STATE.slice(comp, comp, Rank(0, 2), Rank(0, 2))
@@ -218,7 +220,7 @@ def test_property_equal_tp_is_identity(g: dict, tp: int) -> None:
 
 # ----------------------------------------------------------------------------- registry
 def mla_kv() -> Component:
-    latent = BufferGeometry("kv.latent.0", 32, (64, 576), DType.BFLOAT16, None)
+    latent = BufferGeometry(name="kv.latent.0", num_items=32, item_shape=(64, 576), dtype=DType.BFLOAT16, shard=None)
     return Component(name="kv", state_type="kv", buffers=(latent,))
 
 

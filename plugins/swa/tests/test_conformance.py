@@ -24,4 +24,4 @@ class TestSWAConformance(StateTypeTests):
         # prefill lists the pages of positions 3..6, decode those of 4..6: position p pairs with position p
         src = 1 + rng.permutation(component.num_items - 1)[:4]
         dst = 1 + rng.permutation(component.num_items - 1)[:3]
-        return RequestItems(src, 3, dst, 4, pairs=(src[1:], dst))
+        return RequestItems(src=src, src_first=3, dst=dst, dst_first=4, pairs=(src[1:], dst))

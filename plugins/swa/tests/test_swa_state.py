@@ -77,7 +77,8 @@ def test_check_component_requires_pages() -> None:
 
 
 def test_check_component_refuses_shard_groups_and_wrong_tp() -> None:
-    grouped = BufferGeometry("swa.k.0", 8, (16, 4, 8), DType.BFLOAT16, ShardAxis(axis=1, total=8, groups=(4, 4)))
+    grouped = BufferGeometry(name="swa.k.0", num_items=8, item_shape=(16, 4, 8), dtype=DType.BFLOAT16,
+                             shard=ShardAxis(axis=1, total=8, groups=(4, 4)))
     c = Component(name="swa", state_type="swa", buffers=(grouped,), options={"window": 64})
     with pytest.raises(GeometryError, match="no shard groups"):
         STATE.check_component(c, Rank(0, 2))
@@ -112,7 +113,8 @@ def test_pair_indices_validates_integer_lists() -> None:
 # ----------------------------------------------------------------------------- registry
 def kv_component() -> Component:
     def buf(name: str) -> BufferGeometry:
-        return BufferGeometry(name, 32, (16, 4, 8), DType.BFLOAT16, ShardAxis(axis=1, total=8))
+        return BufferGeometry(name=name, num_items=32, item_shape=(16, 4, 8), dtype=DType.BFLOAT16,
+                              shard=ShardAxis(axis=1, total=8))
 
     return Component(name="kv", state_type="kv", buffers=(buf("kv.k.1"), buf("kv.v.1")))
 

@@ -31,7 +31,7 @@ __all__ = ["TAG_MAMBA", "MambaModel"]
 TAG_MAMBA = 0x4D41_4D42
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MambaModel(StateModel):
     """GDN (Qwen3-Next) linear-attention state: one slot per request (slot 0 is padding).
 

@@ -56,7 +56,9 @@ def mamba_component(name: str, *, layers: int | Sequence[int], conv_groups: int 
     ssm_shape = (local_units(heads, tp), head_dim, state)
     conv_dtype = DType.parse(dtype)
     temporal_dtype = DType.parse(ssm_dtype if ssm_dtype is not None else dtype)
-    conv = tuple(BufferGeometry(f"{name}.conv.{i}", num_slots, conv_shape, conv_dtype, conv_shard) for i in ids)
-    temporal = tuple(BufferGeometry(f"{name}.temporal.{i}", num_slots, ssm_shape, temporal_dtype,
-                                    ShardAxis(axis=0, total=heads)) for i in ids)
+    conv = tuple(BufferGeometry(name=f"{name}.conv.{i}", num_items=num_slots, item_shape=conv_shape,
+                                dtype=conv_dtype, shard=conv_shard) for i in ids)
+    temporal = tuple(BufferGeometry(name=f"{name}.temporal.{i}", num_items=num_slots, item_shape=ssm_shape,
+                                    dtype=temporal_dtype,
+                                    shard=ShardAxis(axis=0, total=heads)) for i in ids)
     return Component(name=name, state_type="mamba", buffers=conv + temporal, index_kind=IndexKind.SLOT)

@@ -163,8 +163,9 @@ class MooncakeBackend:
         if len(plan) == 0:
             handle.finish(Poll.done())
             return handle
-        self._submit(peer, SendJob(handle, peer.endpoint.session, plan.src_addr, plan.dst_addr, plan.nbytes,
-                                   self.options.chunk, self.options.window))
+        self._submit(peer, SendJob(handle=handle, session=peer.endpoint.session, src=plan.src_addr,
+                                   dst=plan.dst_addr, nbytes=plan.nbytes,
+                                   chunk=self.options.chunk, window=self.options.window))
         return handle
 
     def _submit(self, peer: _Peer, job: SendJob | NotifyJob) -> None:
@@ -193,9 +194,11 @@ class MooncakeBackend:
         if peer is None or self._closed:
             return False
         try:
-            self._submit(peer, NotifyJob(peer_id, peer.endpoint.session, self._scratch.ctypes.data,
-                                         peer.endpoint.scratch, self.endpoint_name, bytes(notice),
-                                         self._notify_failures))
+            self._submit(peer, NotifyJob(peer=peer_id, session=peer.endpoint.session,
+                                         local_scratch=self._scratch.ctypes.data,
+                                         peer_scratch=peer.endpoint.scratch, sender=self.endpoint_name,
+                                         notice=bytes(notice),
+                                         failures=self._notify_failures))
         except RegionError:
             return False
         return True

@@ -58,7 +58,7 @@ _RAW_SYNC_CHUNK = 1024
 _POLL_S = 50e-6   # how often the bench polls a kvbridge handle (an engine would poll once per step)
 
 
-class Scenario(msgspec.Struct, frozen=True):
+class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     """One request shape: a token-major bf16 KV pool, ``pages`` of it scattered, prefill rank 0 of ``pt``."""
 
     name: str
@@ -76,7 +76,7 @@ class Scenario(msgspec.Struct, frozen=True):
 
     def component(self, tp: int) -> Component:
         shape = (self.page, self.local_heads(tp), self.head_dim)
-        return Component("kv", "kv", tuple(
+        return Component(name="kv", state_type="kv", buffers=tuple(
             BufferGeometry(name=f"{t}.{layer}", num_items=self.pool_pages, item_shape=shape,
                            dtype=DType.BFLOAT16, shard=ShardAxis(axis=1, total=self.heads))
             for t in "kv" for layer in range(self.layers)))
@@ -88,7 +88,7 @@ class Scenario(msgspec.Struct, frozen=True):
         return [rank // (tp // self.heads)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
     scenario: str
     nbytes: int
@@ -147,8 +147,10 @@ def _plan(sc: Scenario, src_arrays: Sequence[np.ndarray], remote: RemoteBuffers,
           dst_idx: np.ndarray) -> TransferPlan:
     src_comp, dst_comp = sc.component(sc.pt), sc.component(sc.dt)
     buffers = zip(src_comp.buffers, dst_comp.buffers, src_arrays, remote.regions, strict=True)
-    pairs = [BufferPair(region_of(a).addr, sb.item_nbytes, sb.num_items, r.addr, db.item_nbytes, db.num_items,
-                        buffer_segments(sb, db, Rank(0, sc.pt), Rank(0, sc.dt)))
+    pairs = [BufferPair(src_base=region_of(a).addr, src_item_nbytes=sb.item_nbytes,
+                        src_num_items=sb.num_items, dst_base=r.addr, dst_item_nbytes=db.item_nbytes,
+                        dst_num_items=db.num_items,
+                        segments=buffer_segments(sb, db, Rank(0, sc.pt), Rank(0, sc.dt)))
              for sb, db, a, r in buffers]
     return plan_transfer(pairs, src_idx, dst_idx)
 
@@ -270,8 +272,9 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
                   "kvbridge_handle/raw_window": seconds["raw_window"] / seconds["kvbridge_handle"],
                   "kvbridge/memcpy": seconds["memcpy"] / seconds["kvbridge"],
                   "kvbridge/memcpy_scattered": seconds["memcpy_scattered"] / seconds["kvbridge"]}
-        return Result(sc.name, nbytes, n, _median(plan_times) * 1e3, _median(call_times) * 1e6, gbps, ratios,
-                      seconds)
+        return Result(scenario=sc.name, nbytes=nbytes, descriptors=n, planner_ms=_median(plan_times) * 1e3,
+                      send_call_us=_median(call_times) * 1e6, gbps=gbps, ratios=ratios,
+                      seconds=seconds)
     finally:
         backend.deregister_buffers(registered)
         backend.remove_peer(peer)
@@ -279,10 +282,10 @@ def _run_scenario(sc: Scenario, backend: Any, conn: Any, repeats: int, seed: int
 
 def default_scenarios(layers: int = 8, pages: int = 256) -> list[Scenario]:
     return [
-        Scenario("same-tp scattered pages", layers, pool_pages=2 * pages, pages=pages),
-        Scenario("tp 2->1 per-token rows", layers, pool_pages=max(8, pages // 4), pages=max(4, pages // 8),
+        Scenario(name="same-tp scattered pages", layers=layers, pool_pages=2 * pages, pages=pages),
+        Scenario(name="tp 2->1 per-token rows", layers=layers, pool_pages=max(8, pages // 4), pages=max(4, pages // 8),
                  pt=2),
-        Scenario("small request (1 page)", layers, pool_pages=64, pages=1),
+        Scenario(name="small request (1 page)", layers=layers, pool_pages=64, pages=1),
     ]
 
 

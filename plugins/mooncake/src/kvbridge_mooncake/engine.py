@@ -40,7 +40,7 @@ DEFAULT_CHUNK = (DEFAULT_QUEUE_LIMIT - _HEADROOM) // DEFAULT_WINDOW
 _KNOWN = ("protocol", "device", "host", "chunk", "window", "workers")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MooncakeOptions:
     """What ``options={...}`` may set (all values are strings on the way in)."""
 
@@ -70,7 +70,8 @@ class MooncakeOptions:
             raise ValueError(f"chunk {chunk} x window {window} exceeds the TCP transport's {limit} queued "
                              "transfers per peer; lower one of them")
         host = opts.get("host") or "127.0.0.1"
-        return cls(protocol, opts.get("device", ""), host, chunk, window, _positive(opts, "workers", 1))
+        return cls(protocol=protocol, device=opts.get("device", ""), host=host, chunk=chunk, window=window,
+                   workers=_positive(opts, "workers", 1))
 
 
 def _positive(opts: Mapping[str, str], key: str, default: int) -> int:

@@ -42,7 +42,7 @@ def unavailable_reason() -> str | None:
     return None if result.available else f"mooncake unavailable: {result.reason} ({result.hint})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVShape:
     """A token-major KV pool: ``layers`` K and V buffers of ``[pages, page, heads/TP, head_dim]`` bf16."""
 
@@ -57,7 +57,7 @@ class KVShape:
 
     def component(self, tp: int) -> Component:
         shape = (self.page, self.local_heads(tp), self.head_dim)
-        return Component("kv", "kv", tuple(
+        return Component(name="kv", state_type="kv", buffers=tuple(
             BufferGeometry(name=f"{t}.{layer}", num_items=self.pages, item_shape=shape, dtype=DType.BFLOAT16,
                            shard=ShardAxis(axis=1, total=self.heads))
             for t in "kv" for layer in range(self.layers)))
@@ -99,8 +99,9 @@ def plan_between(src_comp: Component, dst_comp: Component, src_arrays: Sequence[
     pairs = []
     for sb, db, arr, dreg in zip(src_comp.buffers, dst_comp.buffers, src_arrays, dst_regions, strict=True):
         segments = buffer_segments(sb, db, src, dst)
-        pairs.append(BufferPair(region_of(arr).addr, sb.item_nbytes, sb.num_items, dreg.addr, db.item_nbytes,
-                                db.num_items, segments))
+        pairs.append(BufferPair(src_base=region_of(arr).addr, src_item_nbytes=sb.item_nbytes,
+                                src_num_items=sb.num_items, dst_base=dreg.addr, dst_item_nbytes=db.item_nbytes,
+                                dst_num_items=db.num_items, segments=segments))
     return plan_transfer(pairs, src_idx, dst_idx)
 
 
@@ -147,7 +148,7 @@ def drain_until(backend: Any, count: int, timeout: float = 20.0) -> list[tuple[s
 
 
 # ---------------------------------------------------------------- the decode peer of the 2-process test
-class PeerSetup(msgspec.Struct, frozen=True):
+class PeerSetup(msgspec.Struct, frozen=True, kw_only=True):
     shape_heads: int
     layers: int
     pages: int
@@ -174,7 +175,8 @@ def decode_peer(conn: Any) -> None:
     from kvbridge_mooncake.backend import MooncakeBackend
 
     setup = msgspec.msgpack.decode(conn.recv_bytes(), type=PeerSetup)
-    shape = KVShape(setup.shape_heads, setup.layers, setup.pages, setup.page, setup.head_dim)
+    shape = KVShape(heads=setup.shape_heads, layers=setup.layers, pages=setup.pages, page=setup.page,
+                    head_dim=setup.head_dim)
     comp = shape.component(setup.tp)
     arrays = [np.zeros((shape.pages, *b.item_shape), dtype=np.uint16) for b in comp.buffers]
     backend = MooncakeBackend(name="decode-child")

@@ -66,7 +66,7 @@ class Job(Protocol):
     def abandon(self, reason: str) -> None: ...
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class SendJob:
     """Write ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]`` of ``session``, in windowed batches."""
 
@@ -122,7 +122,7 @@ class NotifyFailure:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class NotifyJob:
     """Deliver one notice through Mooncake's notify channel, riding a 1-byte scratch-to-scratch write."""
 

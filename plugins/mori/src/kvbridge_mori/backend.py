@@ -126,7 +126,7 @@ class _Peer:
     failure: str = ""
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class MoriHandle:
     """What ``send_component`` returns: one TransferStatus and uid per batch entry (per buffer)."""
 
@@ -229,11 +229,11 @@ class MoriBackend(NoNotifications):
         peer, local = self._tables.for_send(transfer)
         self._drain_peer_failures()
         if peer.failure:
-            return MoriHandle(peer, [], (), result=Poll.failed(peer.failure))
+            return MoriHandle(peer=peer, statuses=[], uids=(), result=Poll.failed(peer.failure))
         remote = self._dst_descs(peer, transfer.dst)
         entries = _entries(transfer.plan, local.regions, transfer.dst.regions, transfer.component)
         if not entries[0].size:
-            return MoriHandle(peer, [], (), result=Poll.done())
+            return MoriHandle(peer=peer, statuses=[], uids=(), result=Poll.done())
         buffers, loffs, roffs, sizes = entries
         src_descs: tuple[Any, ...] = local.handle.per_region
         lmds = [src_descs[b] for b in buffers.tolist()]
@@ -242,9 +242,9 @@ class MoriBackend(NoNotifications):
         try:
             statuses = self._post(lmds, loffs, rmds, roffs, sizes, uids)
         except (RuntimeError, ValueError, OSError) as exc:   # the engine refused the whole batch
-            return MoriHandle(peer, [], tuple(uids), result=Poll.failed(
+            return MoriHandle(peer=peer, statuses=[], uids=tuple(uids), result=Poll.failed(
                 f"MoRI batch_write to {peer.name!r} raised {type(exc).__name__}: {exc}"))
-        return MoriHandle(peer, statuses, tuple(uids))
+        return MoriHandle(peer=peer, statuses=statuses, uids=tuple(uids))
 
     def _dst_descs(self, peer: _Peer, dst: RemoteBuffers) -> tuple[Any, ...]:
         known = peer.components.get(dst.component)

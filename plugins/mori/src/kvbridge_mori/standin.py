@@ -160,7 +160,7 @@ class TransferStatus:
             return self._code
 
 
-class _EngineWire(msgspec.Struct, array_like=True):
+class _EngineWire(msgspec.Struct, array_like=True, kw_only=True):
     key: str
     node_id: str
     hostname: str
@@ -177,8 +177,9 @@ class EngineDesc:
         self.key, self.node_id, self.hostname, self.host, self.port, self.pid = key, node_id, hostname, host, port, pid
 
     def pack(self) -> bytes:
-        return msgspec.msgpack.encode(_EngineWire(self.key, self.node_id, self.hostname, self.host, self.port,
-                                                  self.pid))
+        return msgspec.msgpack.encode(_EngineWire(key=self.key, node_id=self.node_id, hostname=self.hostname,
+                                                  host=self.host, port=self.port,
+                                                  pid=self.pid))
 
     @staticmethod
     def unpack(blob: bytes) -> EngineDesc:
@@ -192,7 +193,7 @@ class EngineDesc:
         return hash(self.pack())
 
 
-class _MemoryWire(msgspec.Struct, array_like=True):
+class _MemoryWire(msgspec.Struct, array_like=True, kw_only=True):
     # field order of the C++ MSGPACK_DEFINE; not byte-checked against a real engine
     engine_key: str
     id: int
@@ -226,9 +227,11 @@ class MemoryDesc:
         self.numa_node = -1
 
     def pack(self) -> bytes:
-        return msgspec.msgpack.encode(_MemoryWire(self.engine_key, self.id, self.device_id, self.device_bus_id,
-                                                  self.data, self.size, int(self.loc), self.ipc_handle,
-                                                  self.numa_node))
+        return msgspec.msgpack.encode(_MemoryWire(engine_key=self.engine_key, id=self.id,
+                                                  device_id=self.device_id, device_bus_id=self.device_bus_id,
+                                                  data=self.data, size=self.size, loc=int(self.loc),
+                                                  ipc_handle=self.ipc_handle,
+                                                  numa_node=self.numa_node))
 
     @staticmethod
     def unpack(blob: bytes) -> MemoryDesc:
@@ -322,7 +325,7 @@ def reset() -> None:
 
 
 # ------------------------------------------------------------------------------------------ engine
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Entry:
     local: MemoryDesc
     local_offsets: np.ndarray
@@ -535,7 +538,8 @@ class IOEngine:
             fail: tuple[StatusCode, str] | None = (knobs.fail_code, knobs.fail_message)
         else:
             fail = None
-        entry = _Entry(local, lo, remote, ro, sz, status, uid, is_read)
+        entry = _Entry(local=local, local_offsets=lo, remote=remote, remote_offsets=ro, sizes=sz,
+                       status=status, uid=uid, is_read=is_read)
         self._jobs.put(lambda: self._execute(entry, fail))
         self._ensure_worker()
 

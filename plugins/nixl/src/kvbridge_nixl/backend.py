@@ -102,7 +102,7 @@ class _Peer:
     dlists: dict[tuple[str, bytes], _Dlist] = field(default_factory=dict)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class NixlHandle:
     """What ``send_component`` returns; opaque to callers."""
 
@@ -294,7 +294,7 @@ class NixlBackend:
         return self._post(peer, xfer, len(plan))
 
     def _post(self, peer: _Peer, xfer: Any, ndesc: int) -> NixlHandle:
-        handle = NixlHandle(xfer, peer.info.name, ndesc)
+        handle = NixlHandle(xfer=xfer, peer=peer.info.name, ndesc=ndesc)
         self._live.add(handle)
         try:
             state = self._agent.transfer(xfer)
@@ -308,7 +308,7 @@ class NixlBackend:
         return handle
 
     def _post_notice_only(self, peer: _Peer, notice: bytes) -> NixlHandle:
-        handle = NixlHandle(None, peer.info.name, 0, done=True)
+        handle = NixlHandle(xfer=None, peer=peer.info.name, ndesc=0, done=True)
         if notice:
             try:
                 self._agent.send_notif(peer.agent, notice)
@@ -317,7 +317,7 @@ class NixlBackend:
         return handle
 
     def _failed(self, peer: _Peer, call: str, exc: BaseException) -> NixlHandle:
-        return NixlHandle(None, peer.info.name, 0, reason=self._reason(call, exc))
+        return NixlHandle(xfer=None, peer=peer.info.name, ndesc=0, reason=self._reason(call, exc))
 
     def _reason(self, call: str, exc: BaseException | str) -> str:
         text = f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else exc

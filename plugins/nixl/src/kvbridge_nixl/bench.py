@@ -211,7 +211,8 @@ class _Case:
 
     def measure(self, src_idx: np.ndarray, dst_idx: np.ndarray, repeats: int) -> dict[str, Any]:
         seg = Segments.whole(self.item)
-        pairs = [BufferPair(s.addr, self.item, self.pool, d.addr, self.item, self.pool, seg)
+        pairs = [BufferPair(src_base=s.addr, src_item_nbytes=self.item, src_num_items=self.pool,
+                            dst_base=d.addr, dst_item_nbytes=self.item, dst_num_items=self.pool, segments=seg)
                  for s, d in zip(self.src_reg.regions, self.dst_reg.regions)]
         plan_runs: list[float] = []
         for _ in range(repeats):
@@ -219,8 +220,10 @@ class _Case:
         plan = plan_transfer(pairs, src_idx, dst_idx)
         order = np.argsort(src_idx, kind="stable")
         s_sorted, d_sorted = src_idx[order], dst_idx[order]
-        transfer = ComponentTransfer(1, "bench", "bench-decode", 0, True, self.src_reg, self.info.component("bench"),
-                                     plan, b"bench", s_sorted, d_sorted, (seg,) * self.nbuf)
+        transfer = ComponentTransfer(room=1, component="bench", peer="bench-decode", chunk=0, last=True,
+                                     src=self.src_reg, dst=self.info.component("bench"),
+                                     plan=plan, notice=b"bench", src_items=s_sorted, dst_items=d_sorted,
+                                     segments=(seg,) * self.nbuf)
         nbytes = plan.total_nbytes
         agent, peer_agent = self.pb.agent, self.pb.peer_agent("bench-decode")
 

@@ -25,7 +25,7 @@ from kvbridge.plugin import RegionError, Segments
 _I32_MAX = np.iinfo(np.int32).max
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
 class Pattern:
     """What one tuple of per-buffer ``Segments`` implies; computed once per tuple."""
 
@@ -52,9 +52,11 @@ class Pattern:
         idx = np.array(active, dtype=np.int64)
         src_key = idx.tobytes() + b"".join(s.src_off.tobytes() + s.nbytes.tobytes() + b"|" for s in segs)
         dst_key = idx.tobytes() + b"".join(s.dst_off.tobytes() + s.nbytes.tobytes() + b"|" for s in segs)
-        return cls(idx, nseg, tuple(s.src_off for s in segs), tuple(s.dst_off for s in segs),
-                   tuple(s.nbytes for s in segs), src_end, dst_end, sum(s.total_nbytes for s in segs), groups,
-                   src_key, dst_key)
+        return cls(active=idx, nseg=nseg, src_off=tuple(s.src_off for s in segs),
+                   dst_off=tuple(s.dst_off for s in segs),
+                   seg_len=tuple(s.nbytes for s in segs), src_end=src_end, dst_end=dst_end,
+                   item_bytes=sum(s.total_nbytes for s in segs), groups=groups,
+                   src_key=src_key, dst_key=dst_key)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -112,7 +112,8 @@ def make_transfer(src: Side, dst: Side, src_reg: RegisteredBuffers, dst_remote: 
     segs = tuple(buffer_segments(s, d, src.rank, dst.rank) for s, d in zip(src.geometry, dst.geometry))
     if all(len(s) == 0 for s in segs):
         return None
-    pairs = [BufferPair(sr.addr, sg.item_nbytes, sg.num_items, dr.addr, dg.item_nbytes, dg.num_items, seg)
+    pairs = [BufferPair(src_base=sr.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
+                        dst_base=dr.addr, dst_item_nbytes=dg.item_nbytes, dst_num_items=dg.num_items, segments=seg)
              for sr, dr, sg, dg, seg in zip(src_reg.regions, dst_remote.regions, src.geometry, dst.geometry, segs)]
     plan = plan_transfer(pairs, src_idx, dst_idx)
     order = np.argsort(src_idx, kind="stable")
@@ -259,7 +260,7 @@ def run_reshard(backends: Callable[[str], Any], pt: int, dt: int, heads: int, se
 PEER_DEADLINE_S = 90.0
 
 
-class PeerOrder(msgspec.Struct, frozen=True):
+class PeerOrder(msgspec.Struct, frozen=True, kw_only=True):
     """What the parent (decode side) tells a prefill peer process to do."""
 
     decode: list[bytes]          # msgpack-encoded PeerInfo per decode rank
@@ -362,8 +363,10 @@ def run_two_process(backends: Callable[[str], Any], pt: int, dt: int, options: d
         proc.start()
         infos = [msgspec.msgpack.encode(PeerInfo(f"decode-{d}", db[d].endpoint, (regs[d].remote(),)))
                  for d in range(dt)]
-        parent.send_bytes(msgspec.msgpack.encode(PeerOrder(infos, pt, heads, seed, src_idx.tolist(),
-                                                           dst_idx.tolist(), room, peer_device or device)))
+        parent.send_bytes(msgspec.msgpack.encode(PeerOrder(decode=infos, pt=pt, heads=heads, seed=seed,
+                                                           src_idx=src_idx.tolist(),
+                                                           dst_idx=dst_idx.tolist(), room=room,
+                                                           device=peer_device or device)))
         expected = {d: {(f"prefill-{p}", f"room{room}:{p}->{d}".encode()) for p in writers(pt, dt, d)}
                     for d in range(dt)}
         got: dict[int, set[tuple[str, bytes]]] = {d: set() for d in range(dt)}

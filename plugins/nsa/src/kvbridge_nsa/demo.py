@@ -20,7 +20,7 @@ __all__ = ["TAG_NSA", "NSAModel"]
 TAG_NSA = 0x4E53_4131
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NSAModel(StateModel):
     """DeepSeek-V3.2 sparse-attention indexer: pages of ``page_size`` tokens x ``bytes_per_token`` (fp8
     key bytes then a 4-byte scale per token; a page stores all keys, then all scales), replicated on

@@ -26,6 +26,7 @@ def nsa_component(name: str, *, layers: int | Sequence[int], page_size: int = 64
     if not ids or len(set(ids)) != len(ids):
         raise GeometryError(f"{name}: layer ids {ids} must be non-empty and distinct")
     item = (page_size * bytes_per_token,)
-    buffers = tuple(BufferGeometry(f"{name}.indexer.{i}", num_pages, item, DType.UINT8, None) for i in ids)
+    buffers = tuple(BufferGeometry(name=f"{name}.indexer.{i}", num_items=num_pages, item_shape=item,
+                                   dtype=DType.UINT8, shard=None) for i in ids)
     return Component(name=name, state_type="nsa", buffers=buffers, index_kind=IndexKind.PAGE,
                      options={"page_size": page_size, "bytes_per_token": bytes_per_token})

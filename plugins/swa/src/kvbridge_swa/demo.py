@@ -29,7 +29,7 @@ __all__ = ["TAG_SWA", "SWAModel"]
 TAG_SWA = 0x5357_4131
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SWAModel(StateModel):
     """Sliding-window KV, token-major pages ``[page, heads, head_dim]``; only the window's pages travel.
 

@@ -39,7 +39,9 @@ def swa_component(name: str, *, layers: int | Sequence[int], page_size: int, kv_
     def page(dim: int) -> tuple[int, ...]:
         return (heads, page_size, dim) if head_major else (page_size, heads, dim)
 
-    k = tuple(BufferGeometry(f"{name}.k.{i}", num_pages, page(head_dim), kind, shard) for i in ids)
-    v = tuple(BufferGeometry(f"{name}.v.{i}", num_pages, page(v_head_dim or head_dim), kind, shard) for i in ids)
+    k = tuple(BufferGeometry(name=f"{name}.k.{i}", num_items=num_pages, item_shape=page(head_dim), dtype=kind,
+                             shard=shard) for i in ids)
+    v = tuple(BufferGeometry(name=f"{name}.v.{i}", num_items=num_pages,
+                             item_shape=page(v_head_dim or head_dim), dtype=kind, shard=shard) for i in ids)
     return Component(name=name, state_type="swa", buffers=k + v, index_kind=IndexKind.PAGE,
                      options={"window": window, "page_size": page_size})
