@@ -50,7 +50,8 @@ def _quiesce(prefill: Child, started: float) -> tuple[dict[str, Any], float]:
 
 
 def _row(i: int, s: dict[str, Any]) -> str:
-    return (f"{i:>4} fds {s['fds']:>4} {s['fd_kinds']} rss {s['rss'] / 2**20:7.1f} MB threads {s['threads']:>3} shm-maps "
+    return (f"{i:>4} fds {s['fds']:>4} {s['fd_kinds']} rss {s['rss'] / 2**20:7.1f} MB threads {s['threads']:>3} "
+            f"shm-maps "
             f"{s['shm_maps']:>3} ({s['shm_mapped'] / 2**20:6.2f} MB) segs {s['segments']:>2} peers {s['peers']} "
             f"(alive {s['alive_peers']}) backend-peers {s['backend_peers']} link-queues {s['link_queues']} "
             f"plans {s['plan_slices']} windows {s['replay_windows']} rooms {s['rooms']}")
