@@ -367,6 +367,11 @@ def _lie_short(keep: dict[int, int]) -> None:
     PrefillSide.on_request = on_request  # type: ignore[method-assign]
 
 
+def _connect(agent: Any, job: dict[str, Any]) -> None:
+    agent.connect(job["instance"], timeout_s=job["connect_timeout_s"])
+    _say("connected", t=time.monotonic(), fds=_fds(), writer_gone=hasattr(agent.backend, "writer_gone"))
+
+
 def _child_main() -> int:
     from kvbridge.agent import TransferAgent
     from kvbridge.registry import Registry
@@ -414,8 +419,8 @@ def _child_main() -> int:
                                   staging=staging.data if staging is not None else None)
             agent.start(0.002)
             _say("started", t=time.monotonic())
-            agent.connect(job["instance"], timeout_s=job["connect_timeout_s"])
-            _say("connected", t=time.monotonic(), fds=_fds(), writer_gone=hasattr(agent.backend, "writer_gone"))
+            if not job.get("defer_connect"):
+                _connect(agent, job)
         receivers: dict[int, Any] = {}
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -429,6 +434,8 @@ def _child_main() -> int:
                 receiver.send_metadata({c.name: np.asarray(cmd["dst"], np.int64) for c in agent.layout.components})
                 threading.Thread(target=_watch, args=(receiver, cmd["room"], stop, snapshot, cmd.get("snap_dir", "")),
                                  daemon=True).start()
+            elif what == "connect":
+                _connect(agent, job)
             elif what == "ping":
                 peers = agent.peers
                 with agent.context.lock:

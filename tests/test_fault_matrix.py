@@ -118,10 +118,12 @@ def _no_leaked_segments() -> Iterator[None]:
 class Scenario:
     """One probe's processes, pools and bootstrap server; ``close()`` tears everything down."""
 
-    def __init__(self, backend: str, tmp: Path, *, external_bootstrap: bool = False) -> None:
-        self.backend, self.tmp = backend, tmp
+    def __init__(self, backend: str, tmp: Path, probe: str, *, external_bootstrap: bool = False) -> None:
+        self.backend, self.tmp, self.probe = backend, tmp, probe
         self.uid = uuid.uuid4().hex[:6]
         self.instance = f"fault-{self.uid}"
+        self.t0 = time.monotonic()
+        self.phases: dict[str, float] = {}
         self.children: list[Child] = []
         self.buffers: list[Any] = []
         self.server: BootstrapServer | None = None
@@ -129,6 +131,10 @@ class Scenario:
         if not external_bootstrap:
             self.server = BootstrapServer().start()
             self.bootstrap = self.server.address
+
+    def mark(self, phase: str) -> None:
+        """Seconds since the scenario began (where a slow probe spends its time)."""
+        self.phases[phase] = round(time.monotonic() - self.t0, 2)
 
     def spawn(self, label: str, argv: list[str] | None = None) -> Child:
         child = Child(label, argv)
@@ -155,40 +161,45 @@ class Scenario:
                 "config": {"heartbeat_s": HEARTBEAT_S, "peer_timeout_s": PEER_TIMEOUT_S, "bootstrap_timeout_s": 20.0,
                            "waiting_timeout_s": 60.0, "staging_bytes": STAGING_BYTES}, **extra}
 
-    def start_prefill(self, child: Child, lie_short: dict[int, int] | None = None) -> dict[str, Any]:
+    def start_prefill(self, child: Child, lie_short: dict[int, int] | None = None) -> None:
+        """Hand the prefill its job (it reads it once imported); ``ready()`` waits for it."""
         src = np.concatenate([r["src"] for r in ROOMS.values()])
         pos = np.concatenate([r["pos"] for r in ROOMS.values()])
-        child.events.wait("spawned", SPAWN_S, child.stderr)
         child.send(**self._job("prefill", f"fault-prefill-{self.uid}", seed=SEED, background=PREFILL_BG,
                                src=src.tolist(), positions=pos.tolist(),
                                lie_short={str(k): v for k, v in (lie_short or {}).items()}))
-        return child.events.wait("ready", SPAWN_S, child.stderr)
 
-    def give_decode_job(self, child: Child, name: str, pool: KVPool, staging: GuardedBuffer,
-                        connect_timeout_s: float = 20.0) -> None:
-        child.events.wait("spawned", SPAWN_S, child.stderr)
+    def start_decode(self, child: Child, name: str, pool: KVPool, staging: GuardedBuffer, *,
+                     connect_timeout_s: float = SPAWN_S, defer_connect: bool = False) -> None:
+        """Hand a decode its job: build its agent over the test's segments and connect (or, deferred,
+        connect on ``child.send(cmd="connect")``)."""
         child.send(**self._job("decode", name, segments=segment_spec(pool, staging),
-                               connect_timeout_s=connect_timeout_s))
+                               connect_timeout_s=connect_timeout_s, defer_connect=defer_connect))
 
-    def start_decode(self, child: Child, name: str, pool: KVPool, staging: GuardedBuffer) -> dict[str, Any]:
-        self.give_decode_job(child, name, pool, staging)
-        return child.events.wait("connected", SPAWN_S, child.stderr)
+    def ready(self, child: Child, event: str = "ready") -> dict[str, Any]:
+        """Wait for a child's ``ready`` (prefill), ``started`` or ``connected`` (decode)."""
+        got = child.events.wait(event, SPAWN_S, child.stderr)
+        self.mark(f"{child.label} {event}")
+        return got
 
     def close(self) -> None:
+        self.mark("test body done")
         for child in self.children:
             child.kill()
         for buf in self.buffers:
             buf.close()
         if self.server is not None:
             self.server.close()
+        self.mark("torn down")
+        _record(self.probe, self.backend, phases_s=self.phases)
 
 
 @pytest.fixture
 def scenario_factory(tmp_path: Path) -> Iterator[Any]:
     made: list[Scenario] = []
 
-    def make(backend: str, **kw: Any) -> Scenario:
-        sc = Scenario(backend, tmp_path, **kw)
+    def make(backend: str, probe: str, **kw: Any) -> Scenario:
+        sc = Scenario(backend, tmp_path, probe, **kw)
         made.append(sc)
         return sc
 
@@ -197,7 +208,7 @@ def scenario_factory(tmp_path: Path) -> Iterator[Any]:
         sc.close()
 
 
-def _serve(child: Child, room: int, *, chunks: list[np.ndarray] | None = None, pace_s: float = 0.0) -> None:
+def _serve(child: Child, room: int, *, chunks: list[Any] | None = None, pace_s: float = 0.0) -> None:
     src = ROOMS[room]["src"]
     parts = chunks if chunks is not None else [src[:4], src[4:]]
     child.send(cmd="serve", room=room, chunks=[np.asarray(c).tolist() for c in parts], pace_s=pace_s)
@@ -252,11 +263,13 @@ def _ping(child: Child, timeout_s: float = 5.0) -> dict[str, Any]:
 # ============================================================================ probe 1
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kill_prefill_mid_transfer(backend: str, scenario_factory: Any, tmp_path: Path) -> None:
-    sc = scenario_factory(backend)
+    sc = scenario_factory(backend, "1 kill -9 prefill")
     pre, dec = sc.spawn("prefill"), sc.spawn("decode")
     pool, staging = sc.decode_pool(DECODE_BG)
     sc.start_prefill(pre)
-    connected = sc.start_decode(dec, f"fault-decode-{sc.uid}", pool, staging)
+    sc.start_decode(dec, f"fault-decode-{sc.uid}", pool, staging)
+    sc.ready(pre)
+    connected = sc.ready(dec, "connected")
     proves_death = connected["writer_gone"]
     _recv(dec, A, tmp_path)
     _serve(pre, A, chunks=[[p] for p in ROOMS[A]["src"]], pace_s=0.4)
@@ -292,12 +305,15 @@ def test_kill_prefill_mid_transfer(backend: str, scenario_factory: Any, tmp_path
 # ============================================================================ probe 2
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kill_decode_mid_transfer(backend: str, scenario_factory: Any) -> None:
-    sc = scenario_factory(backend)
+    sc = scenario_factory(backend, "2 kill -9 decode")
     pre, d1, d2 = sc.spawn("prefill"), sc.spawn("decode-1"), sc.spawn("decode-2")
     pool1, staging1 = sc.decode_pool(DECODE_BG)
     pool2, staging2 = sc.decode_pool(DECODE2_BG)
-    ready = sc.start_prefill(pre)
+    sc.start_prefill(pre)
     sc.start_decode(d1, f"fault-decode1-{sc.uid}", pool1, staging1)
+    sc.start_decode(d2, f"fault-decode2-{sc.uid}", pool2, staging2, defer_connect=True)
+    ready = sc.ready(pre)
+    sc.ready(d1, "connected")
     fds_connected = _ping(pre)["fds"]
     _recv(d1, A)
     _serve(pre, A, chunks=[[p] for p in ROOMS[A]["src"]], pace_s=0.4)
@@ -314,7 +330,9 @@ def test_kill_decode_mid_transfer(backend: str, scenario_factory: Any) -> None:
     _ping(pre)
 
     # the prefill still serves a new decode process, byte-exactly
-    sc.start_decode(d2, f"fault-decode2-{sc.uid}", pool2, staging2)
+    sc.ready(d2, "started")
+    d2.send(cmd="connect")
+    sc.ready(d2, "connected")
     _recv(d2, B)
     _serve(pre, B)
     _success(d2, B, 20)
@@ -337,11 +355,13 @@ def test_kill_decode_mid_transfer(backend: str, scenario_factory: Any) -> None:
 # ============================================================================ probe 3
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigstop_prefill_past_timeout_then_sigcont(backend: str, scenario_factory: Any, tmp_path: Path) -> None:
-    sc = scenario_factory(backend)
+    sc = scenario_factory(backend, "3 SIGSTOP prefill")
     pre, dec = sc.spawn("prefill"), sc.spawn("decode")
     pool, staging = sc.decode_pool(DECODE_BG)
     sc.start_prefill(pre)
     sc.start_decode(dec, f"fault-decode-{sc.uid}", pool, staging)
+    sc.ready(pre)
+    sc.ready(dec, "connected")
     _recv(dec, A, tmp_path)
     _serve(pre, A, chunks=[[p] for p in ROOMS[A]["src"]], pace_s=0.3)
     pre.events.wait("sent", 20, pre.stderr, room=A, chunk=0)
@@ -387,20 +407,26 @@ def test_sigstop_prefill_past_timeout_then_sigcont(backend: str, scenario_factor
 # ============================================================================ probe 4
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_same_name_restart_gets_nothing_of_the_old_room(backend: str, scenario_factory: Any) -> None:
-    sc = scenario_factory(backend)
+    sc = scenario_factory(backend, "4 same-name restart")
     pre, d1, d2 = sc.spawn("prefill"), sc.spawn("decode-1"), sc.spawn("decode-2")
     pool1, staging1 = sc.decode_pool(DECODE_BG)
     pool2, staging2 = sc.decode_pool(DECODE2_BG)
     name = f"fault-decode-{sc.uid}"
     sc.start_prefill(pre)
     sc.start_decode(d1, name, pool1, staging1)
-    d2.events.wait("spawned", SPAWN_S, d2.stderr)           # imported, waiting for its identity
+    # the successor is up (engine initialised, same name, fresh pages, a new incarnation) but silent: it
+    # speaks to the prefill only once its predecessor is dead, as a restarted process would. (Starting its
+    # engine only after the kill takes seconds with NIXL, longer than the peer timeout.)
+    sc.start_decode(d2, name, pool2, staging2, defer_connect=True)
+    sc.ready(pre)
+    sc.ready(d1, "connected")
+    sc.ready(d2, "started")
     _recv(d1, A)
     _serve(pre, A, chunks=[[p] for p in ROOMS[A]["src"]], pace_s=0.3)
     pre.events.wait("sent", 20, pre.stderr, room=A, chunk=1)
     killed = d1.kill9()
-    sc.give_decode_job(d2, name, pool2, staging2)            # same name, fresh pages, a new incarnation
-    connected = d2.events.wait("connected", 20, d2.stderr)
+    d2.send(cmd="connect")
+    connected = sc.ready(d2, "connected")
     restart_gap = connected["t"] - killed
 
     failed = pre.events.wait("status", FAIL_BOUND_S + 2, pre.stderr, room=A, status="Failed")
@@ -410,6 +436,7 @@ def test_same_name_restart_gets_nothing_of_the_old_room(backend: str, scenario_f
     assert restart_gap < PEER_TIMEOUT_S + 1.0, f"the restart took {restart_gap:.2f} s; the probe wants it quick"
     pre.events.wait("engine-done", SETTLE_S, pre.stderr, room=A)
     pre.events.wait("safe", SETTLE_S, pre.stderr, room=A)
+    sc.mark("old room settled")
     _never_success(pre, A)
     # the new process asked for nothing yet: every byte of it is still the canary
     stray = pool2.check(SEED, DECODE2_BG)
@@ -420,6 +447,7 @@ def test_same_name_restart_gets_nothing_of_the_old_room(backend: str, scenario_f
     _serve(pre, B)
     _success(d2, B, 20)
     _success(pre, B, 10)
+    sc.mark("new room done")
     _exact(pool2, DECODE2_BG, B)            # room B exact, canary intact everywhere else (no room A data)
     good, problems = landed(pool1, SEED, DECODE_BG, ROOMS[A]["dst"], ROOMS[A]["pos"])
     assert not problems, problems
@@ -433,15 +461,19 @@ def _link_republishes() -> bool:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bootstrap_restart(backend: str, scenario_factory: Any) -> None:
-    sc = scenario_factory(backend, external_bootstrap=True)
+    sc = scenario_factory(backend, "5 bootstrap restart", external_bootstrap=True)
     boot = sc.spawn_bootstrap()
     address = sc.bootstrap
     pre, d1, d2 = sc.spawn("prefill"), sc.spawn("decode-1"), sc.spawn("decode-2")
     pool1, staging1 = sc.decode_pool(DECODE_BG)
     pool2, staging2 = sc.decode_pool(DECODE2_BG)
+    bound = 3 * REPUBLISH_S + 4.0
     sc.start_prefill(pre)
     sc.start_decode(d1, f"fault-decode1-{sc.uid}", pool1, staging1)
-    d2.events.wait("spawned", SPAWN_S, d2.stderr)
+    sc.start_decode(d2, f"fault-decode2-{sc.uid}", pool2, staging2, defer_connect=True, connect_timeout_s=bound)
+    sc.ready(pre)
+    sc.ready(d1, "connected")
+    sc.ready(d2, "started")
     boot.kill9()
     restarted_child = sc.spawn_bootstrap(address)
     restarted = time.monotonic()
@@ -456,8 +488,7 @@ def test_bootstrap_restart(backend: str, scenario_factory: Any) -> None:
     _exact(pool1, DECODE_BG, A)
 
     # a new decode must find the prefill at the restarted server: the prefill has to publish again
-    bound = 3 * REPUBLISH_S + 4.0
-    sc.give_decode_job(d2, f"fault-decode2-{sc.uid}", pool2, staging2, connect_timeout_s=bound)
+    d2.send(cmd="connect")
     try:
         connected = d2.events.wait("connected", bound + 5, d2.stderr)
     except AssertionError as exc:
@@ -479,11 +510,13 @@ def test_bootstrap_restart(backend: str, scenario_factory: Any) -> None:
 # ============================================================================ probe 6
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_short_send_fails_both_sides(backend: str, scenario_factory: Any) -> None:
-    sc = scenario_factory(backend)
+    sc = scenario_factory(backend, "6 short send")
     pre, dec = sc.spawn("prefill"), sc.spawn("decode")
     pool, staging = sc.decode_pool(DECODE_BG)
     sc.start_prefill(pre, lie_short={D: 4})           # room D: the prefill believes 4 pages were asked
     sc.start_decode(dec, f"fault-decode-{sc.uid}", pool, staging)
+    sc.ready(pre)
+    sc.ready(dec, "connected")
 
     # an honest prefill sends 4 of 8 pages with last=True: its own check refuses the chunk before posting
     _recv(dec, C)
