@@ -89,6 +89,7 @@ from kvbridge.geometry import (
     owned_range,
     region_of,
 )
+from kvbridge.pages import PageRange, as_index
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
 from kvbridge.slicing import ComponentSlice, Segments, buffer_segments, sharded_component_slice, target_ranks
@@ -107,6 +108,8 @@ __all__ = [
     # geometry
     "BufferGeometry", "Component", "DType", "DeviceKind", "IndexKind", "KVLayout", "MemoryRegion", "PoolLayout",
     "Rank", "ShardAxis", "geometry_of", "kv_component", "local_units", "owned_range", "region_of",
+    # state types: pages named by absolute position, index arrays
+    "PageRange", "as_index",
     # state types: slicing and planning
     "BufferPair", "ComponentSlice", "Segments", "StateType", "TransferPlan", "buffer_segments", "plan_transfer",
     "sharded_component_slice", "target_ranks",

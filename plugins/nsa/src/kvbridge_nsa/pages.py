@@ -10,20 +10,9 @@ pages of positions ``0 .. ceil(seq_len / page_size)``, never the KV delta.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from kvbridge.plugin import GeometryError, PageRange
 
-from kvbridge.plugin import GeometryError
-
-
-class PageRange(NamedTuple):
-    """``count`` pages starting at absolute page position ``first``."""
-
-    first: int
-    count: int  # type: ignore[assignment]  # a field named like tuple.count, which it shadows
-
-    @property
-    def stop(self) -> int:
-        return self.first + self.count
+__all__ = ["PageRange", "indexer_pages"]
 
 
 def indexer_pages(seq_len: int, page_size: int) -> PageRange:

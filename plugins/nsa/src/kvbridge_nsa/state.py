@@ -28,6 +28,7 @@ from kvbridge.plugin import (
     IndexKind,
     Rank,
     StateType,
+    as_index,
 )
 from kvbridge_nsa.pages import PageRange, indexer_pages
 
@@ -84,7 +85,7 @@ class NSAState(StateType):
         if src_first != 0 or dst_first != 0:
             raise GeometryError(f"{where}: nsa indexer pages cover the sequence from position 0, prefix hits "
                                 f"included; got first positions {src_first} (prefill) and {dst_first} (decode)")
-        src, dst = _as_index(src_items, f"{where}: prefill"), _as_index(dst_items, f"{where}: decode")
+        src, dst = as_index(src_items, f"{where}: prefill"), as_index(dst_items, f"{where}: decode")
         if len(src) < len(dst):
             raise GeometryError(f"{where}: decode expects {len(dst)} indexer pages, prefill sent {len(src)}; "
                                 "the two sides disagree on the sequence length")
@@ -96,12 +97,3 @@ class NSAState(StateType):
         if not isinstance(size, int):
             raise GeometryError(f"component {component.name!r}: no page_size option; pass page_size")
         return indexer_pages(seq_len, size)
-
-
-def _as_index(items: np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(items)
-    if arr.ndim != 1:
-        raise GeometryError(f"{what} indices must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise GeometryError(f"{what} indices must be integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)

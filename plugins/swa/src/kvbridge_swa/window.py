@@ -12,22 +12,11 @@ positions; they are paired by position, never by truncating the longer list.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from kvbridge.plugin import GeometryError
+from kvbridge.plugin import GeometryError, PageRange, as_index
 
-
-class PageRange(NamedTuple):
-    """``count`` pages starting at absolute page position ``first``."""
-
-    first: int
-    count: int  # type: ignore[assignment]  # a field named like tuple.count, which it shadows
-
-    @property
-    def stop(self) -> int:
-        return self.first + self.count
+__all__ = ["PageRange", "align_by_position", "max_window_pages", "window_pages"]
 
 
 def window_pages(seq_len: int, window: int, page_size: int) -> PageRange:
@@ -61,7 +50,7 @@ def align_by_position(src_items: np.ndarray, src_first: int, dst_items: np.ndarr
     Every destination position must be covered by the source; source pages outside the destination's
     range are left out. Raises GeometryError naming both ranges otherwise.
     """
-    src, dst = _as_index(src_items, f"{what}: prefill"), _as_index(dst_items, f"{what}: decode")
+    src, dst = as_index(src_items, f"{what}: prefill"), as_index(dst_items, f"{what}: decode")
     if src_first < 0 or dst_first < 0:
         raise GeometryError(f"{what}: first page positions must be >= 0, got prefill {src_first}, "
                             f"decode {dst_first}")
@@ -76,12 +65,3 @@ def align_by_position(src_items: np.ndarray, src_first: int, dst_items: np.ndarr
                             "did the two sides compute the window from different sequence lengths?")
     lo = d.first - s.first
     return src[lo: lo + d.count], dst
-
-
-def _as_index(items: np.ndarray, what: str) -> np.ndarray:
-    arr = np.asarray(items)
-    if arr.ndim != 1:
-        raise GeometryError(f"{what} indices must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise GeometryError(f"{what} indices must be integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
