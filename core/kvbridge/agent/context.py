@@ -6,15 +6,17 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
 from kvbridge.backends.base import TransferBackend
+from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.registry import Registry
 from kvbridge.state.base import StateType
-from kvbridge.wire import Codec, Message, Role
+from kvbridge.wire import Codec, KVPoll, Message, Role
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -74,3 +76,33 @@ class Tombstones:
 
     def __contains__(self, room: object) -> bool:
         return room in self._rooms
+
+
+class _Room(Protocol):
+    status: KVPoll
+    reason: str
+
+
+RoomT = TypeVar("RoomT", bound=_Room)
+
+
+class RoomTable(Generic[RoomT]):
+    """The rooms of one role by id, shared by the prefill and the decode side."""
+
+    _ctx: AgentContext
+    rooms: dict[int, RoomT]
+
+    def get(self, room: int) -> RoomT:
+        """The room's record (call under the lock); KVBridgeError once it was cleared."""
+        state = self.rooms.get(room)
+        if state is None:
+            raise KVBridgeError(f"room {room} was cleared")
+        return state
+
+    def status(self, room: int) -> KVPoll:
+        with self._ctx.lock:
+            return self.get(room).status
+
+    def reason(self, room: int) -> str:
+        with self._ctx.lock:
+            return self.get(room).reason

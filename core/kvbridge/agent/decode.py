@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.agent.config import TICK_S
-from kvbridge.agent.context import AgentContext, Tombstones
+from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
@@ -50,7 +50,7 @@ class RecvRoom:
     staged: dict[Key, tuple[int, int, tuple[Rows, ...]]] = field(default_factory=dict)
 
 
-class DecodeSide:
+class DecodeSide(RoomTable[RecvRoom]):
     """Every receive room of a decode rank. Public methods take the agent lock themselves; ``on_*`` and
     ``tick`` are called by the progress loop with the lock held."""
 
@@ -94,21 +94,6 @@ class DecodeSide:
             room.pending = None
             self._request(room, indices, prefix_len)
         return True
-
-    def get(self, room: int) -> RecvRoom:
-        """The room's record (call under the lock); KVBridgeError once it was cleared."""
-        state = self.rooms.get(room)
-        if state is None:
-            raise KVBridgeError(f"room {room} was cleared")
-        return state
-
-    def status(self, room: int) -> KVPoll:
-        with self._ctx.lock:
-            return self.get(room).status
-
-    def reason(self, room: int) -> str:
-        with self._ctx.lock:
-            return self.get(room).reason
 
     def nbytes(self, room: int) -> int:
         with self._ctx.lock:

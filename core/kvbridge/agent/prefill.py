@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent.config import EARLY_ROOMS, TICK_S, TOMBSTONES
-from kvbridge.agent.context import AgentContext, Tombstones
+from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
@@ -80,7 +80,7 @@ def _position_in(dst_all: np.ndarray, d_idx: np.ndarray) -> int | None:
     return first if np.array_equal(dst_all[first: first + d_idx.size], d_idx) else None
 
 
-class PrefillSide:
+class PrefillSide(RoomTable[SendRoom]):
     """Every send room of a prefill rank. Public methods take the agent lock themselves; ``on_*`` and
     ``poll_inflight``/``tick`` are called by the progress loop with the lock held."""
 
@@ -109,21 +109,6 @@ class PrefillSide:
             early_abort = self._early_aborts.pop(room, None)
             if early_abort is not None:
                 self._fail(state, early_abort)
-
-    def get(self, room: int) -> SendRoom:
-        """The room's record (call under the lock); KVBridgeError once it was cleared."""
-        state = self.rooms.get(room)
-        if state is None:
-            raise KVBridgeError(f"room {room} was cleared")
-        return state
-
-    def status(self, room: int) -> KVPoll:
-        with self._ctx.lock:
-            return self.get(room).status
-
-    def reason(self, room: int) -> str:
-        with self._ctx.lock:
-            return self.get(room).reason
 
     def prefix_len(self, room: int) -> int:
         with self._ctx.lock:
