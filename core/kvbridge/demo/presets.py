@@ -179,27 +179,28 @@ def _deepseek_v32(models: StateModels) -> Preset:
         "included), whole pages from one elected prefill rank per decode rank")
 
 
+def _dense(name: str, model: str, description: str, moves: str, layout: str, total_heads: int,
+           head_dim: int) -> Callable[[StateModels], Preset]:
+    """A preset of one paged KV component (4 layers, 16-token pages): needs no state-type plugin."""
+    kv = KVModel(name="kv", layout=layout, total_heads=total_heads, head_dim=head_dim, layers=4, page_size=16)
+    preset = Preset(name=name, description=description, page_size=16, components=(kv,), model=model, moves=moves)
+    return lambda _: preset
+
+
 #: Each preset is built with the state models of the installed plugins (dense presets need none).
 PRESETS: dict[str, Callable[[StateModels], Preset]] = {
-    "dense-gqa": lambda _: Preset(
-        name="dense-gqa",
-        description="Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers", page_size=16,
-        components=(KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=8, head_dim=128, layers=4,
-                            page_size=16),), model="demo-dense-gqa",
-        moves="KV pages after the decode prefix, head-sliced per token row"),
-    "dense-gqa-headmajor": lambda _: Preset(
-        name="dense-gqa-headmajor",
-        description="GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers", page_size=16,
-        components=(KVModel(name="kv", layout=ref.HEAD_MAJOR, total_heads=8, head_dim=128, layers=4,
-                            page_size=16),), model="demo-gqa-hm",
-        moves="KV pages after the decode prefix, head-sliced per page"),
-    "mla": lambda _: Preset(
-        name="mla",
-        description="DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers",
-        page_size=16,
-        components=(KVModel(name="kv", layout=ref.MLA, total_heads=1, head_dim=576, layers=4, page_size=16),),
-        model="demo-mla",
-        moves="MLA latent pages after the decode prefix, whole pages from one elected prefill rank"),
+    "dense-gqa": _dense("dense-gqa", "demo-dense-gqa",
+                        "Llama-like GQA: 8 KV heads x 128, bf16, token-major 16-token pages, 4 layers",
+                        "KV pages after the decode prefix, head-sliced per token row",
+                        layout=ref.TOKEN_MAJOR, total_heads=8, head_dim=128),
+    "dense-gqa-headmajor": _dense("dense-gqa-headmajor", "demo-gqa-hm",
+                                  "GQA with head-major pages: 8 KV heads x 128, bf16, 16-token pages, 4 layers",
+                                  "KV pages after the decode prefix, head-sliced per page",
+                                  layout=ref.HEAD_MAJOR, total_heads=8, head_dim=128),
+    "mla": _dense("mla", "demo-mla",
+                  "DeepSeek-like MLA: one 576-wide bf16 latent per token, replicated, 16-token pages, 4 layers",
+                  "MLA latent pages after the decode prefix, whole pages from one elected prefill rank",
+                  layout=ref.MLA, total_heads=1, head_dim=576),
     "qwen3-next": _qwen3_next,
     "swa": _swa,
     "deepseek-v32": _deepseek_v32,
