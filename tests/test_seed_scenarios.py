@@ -56,6 +56,7 @@ _AVAILABLE = Registry.build().backend_names()
 PEER_TIMEOUT_S = 1.0
 FAIL_SLACK_S = 4.0          # two shared cores: a loaded host is slow to notice; the bound stays small
 REQUESTS, WINDOW, REGION = 8, 2, 4
+UNSAFE_AFTER_S = 10.0
 KILL_AFTER = 2              # group A's requests that finish before its prefill rank is killed
 
 
@@ -168,6 +169,12 @@ class _Group:
             if req.outcome and all(r.safe_to_reuse for r in req.receivers):
                 for r in req.receivers:
                     r.clear()
+                del self.active[index]
+                self.done.append(req)
+            elif req.outcome == "Failed" and self.stopped and time.monotonic() - req.ended > UNSAFE_AFTER_S:
+                # a backend that cannot prove a killed writer gone keeps safe_to_reuse False (issue 12,
+                # "Fencing"): the room is left uncleared, its pages are not reused, and it is reported
+                req.reasons.append(f"not safe to reuse {UNSAFE_AFTER_S:.0f} s after it failed")
                 del self.active[index]
                 self.done.append(req)
         while True:
