@@ -36,22 +36,20 @@ import msgspec
 import numpy as np
 
 from kvbridge.plugin import (
-    BufferGeometry,
     BufferPair,
     Component,
     ComponentTransfer,
-    DType,
     HandleState,
     PeerInfo,
     Rank,
     RemoteBuffers,
-    ShardAxis,
     TransferPlan,
     buffer_segments,
     copy_descriptors,
     plan_transfer,
     region_of,
 )
+from kvbridge_mooncake.testing import KVShape, heads_of
 
 _PIPE_WAIT_S = 60.0
 _RAW_SYNC_CHUNK = 1024
@@ -71,21 +69,19 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     pt: int = 1
     dt: int = 1
 
+    @property
+    def pool(self) -> KVShape:
+        return KVShape(heads=self.heads, layers=self.layers, pages=self.pool_pages, page=self.page,
+                       head_dim=self.head_dim)
+
     def local_heads(self, tp: int) -> int:
-        return self.heads // tp if self.heads >= tp else 1
+        return self.pool.local_heads(tp)
 
     def component(self, tp: int) -> Component:
-        shape = (self.page, self.local_heads(tp), self.head_dim)
-        return Component(name="kv", state_type="kv", buffers=tuple(
-            BufferGeometry(name=f"{t}.{layer}", num_items=self.pool_pages, item_shape=shape,
-                           dtype=DType.BFLOAT16, shard=ShardAxis(axis=1, total=self.heads))
-            for t in "kv" for layer in range(self.layers)))
+        return self.pool.component(tp)
 
     def heads_of(self, rank: int, tp: int) -> list[int]:
-        if self.heads >= tp:
-            n = self.heads // tp
-            return list(range(rank * n, rank * n + n))
-        return [rank // (tp // self.heads)]
+        return heads_of(rank, tp, self.heads)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
