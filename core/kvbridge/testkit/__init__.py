@@ -29,6 +29,7 @@ _EXPORTS = {
     # the reshard rig: byte-exact TP resharding through a state type, by copy or through backends
     "Outcome": "kvbridge.testkit.reshard",
     "TP_SIZES": "kvbridge.testkit.reshard",
+    "assert_identity_at_equal_tp": "kvbridge.testkit.reshard",
     "run_reshard": "kvbridge.testkit.reshard",
     "shardable": "kvbridge.testkit.reshard",
     "units_held": "kvbridge.testkit.reshard",
@@ -45,10 +46,10 @@ _EXPORTS = {
 }
 
 __all__ = ["TP_SIZES", "BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault",
-           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
-           "Rig", "StateTypeTests", "kit_registry", "make_rank", "peer_info", "plan_for", "reference_heads",
-           "requires", "run_backend_reshard", "run_reshard", "shard_buffer", "shardable", "transfer", "units_held",
-           "wait"]
+           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome",
+           "RequestItems", "Rig", "StateTypeTests", "assert_identity_at_equal_tp", "kit_registry",
+           "make_rank", "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard",
+           "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

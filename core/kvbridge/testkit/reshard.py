@@ -197,6 +197,19 @@ class _Movers:
 COMPONENT = "kv"
 
 
+def assert_identity_at_equal_tp(state: StateType, component: Component, tp: int) -> None:
+    """At TP ratio 1, prefill rank r writes whole items to decode rank r only."""
+    for p in range(tp):
+        for d in range(tp):
+            sl = state.slice(component, component, Rank(p, tp), Rank(d, tp))
+            if p != d:
+                assert sl.is_empty, f"prefill {p} of {tp} has a slice for decode {d}"
+                continue
+            for seg, buf in zip(sl.buffers, component.buffers):
+                got = (seg.src_off.tolist(), seg.dst_off.tolist(), seg.nbytes.tolist())
+                assert got == ([0], [0], [buf.item_nbytes]), f"{buf.name}: {got} is not the whole item"
+
+
 def wait(backend: Any, handle: Any, timeout: float = 10.0) -> Poll:
     """Poll ``handle`` until it leaves PENDING (or ``timeout`` seconds passed); the last poll."""
     deadline = time.monotonic() + timeout

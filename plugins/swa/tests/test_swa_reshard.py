@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge_swa import SWAState, swa_component, window_pages
-from kvbridge.testkit.reshard import TP_SIZES, run_reshard, shardable
+from kvbridge.testkit.reshard import TP_SIZES, assert_identity_at_equal_tp, run_reshard, shardable
 
 STATE = SWAState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))
@@ -122,11 +122,4 @@ def test_property_exactly_once_and_equal_to_reference(g: dict, pt: int, dt: int,
 def test_property_equal_tp_is_identity(g: dict, tp: int) -> None:
     if not shardable((g["heads"],), tp):
         return
-    comp = build(g, tp)
-    for p, d in itertools.product(range(tp), range(tp)):
-        sl = STATE.slice(comp, comp, Rank(p, tp), Rank(d, tp))
-        if p != d:
-            assert sl.is_empty
-            continue
-        for seg, buf in zip(sl.buffers, comp.buffers):
-            assert (seg.src_off.tolist(), seg.dst_off.tolist(), seg.nbytes.tolist()) == ([0], [0], [buf.item_nbytes])
+    assert_identity_at_equal_tp(STATE, build(g, tp), tp)
