@@ -12,6 +12,7 @@ Used by the demo's rank processes and by ``kvbridge bench control``; segments ar
 
 from __future__ import annotations
 
+import itertools
 import os
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -23,6 +24,7 @@ from kvbridge.shmnames import segment_prefix
 
 __all__ = ["SEGMENT_PREFIX", "HostPool", "reap_segments"]
 
+_SERIAL = itertools.count()               # segment numbers, unique across every pool of this process
 SEGMENT_PREFIX = segment_prefix("demo")   # kvbridge-demo-<run tag>-: unique per run (kvbridge.shmnames)
 
 
@@ -62,7 +64,7 @@ class HostPool:
 
     def _array(self, nbytes: int, shared: bool) -> np.ndarray:
         if shared:
-            seg = SharedMemory(name=f"{self._prefix}{os.getpid()}-{len(self._segments)}", create=True, size=nbytes)
+            seg = SharedMemory(name=f"{self._prefix}{os.getpid()}-{next(_SERIAL)}", create=True, size=nbytes)
             resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
             self._segments.append(seg)
             arr = np.ndarray((nbytes,), np.uint8, seg.buf)
