@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,37 +197,54 @@ def pool_bytes(pool: Any, staging: Any) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def landed(pool: Any, seed: int, background: int, pages: np.ndarray, positions: np.ndarray) -> tuple[int, list[str]]:
-    """For a room that did not succeed: bytes of its pages that hold the reference data, and problems:
-    a byte of its pages that is neither the reference nor the canary (background), or any change outside
-    its pages or in a guard zone."""
+def check_pool(pool: Any, seed: int, background: int, *, exact: Sequence[tuple[Any, Any]] = (),
+               partial: Sequence[tuple[Any, Any]] = ()) -> tuple[int, list[str]]:
+    """Judge a decode pool (through the test's own mapping) against the reference pattern.
+
+    ``exact``: (pages, positions) of rooms that succeeded: every byte must be the reference. ``partial``:
+    rooms that did not: every byte of their pages is the reference or still the canary (background),
+    nothing else. Every other page must be the canary, and every guard zone intact. Returns the bytes of
+    the partial rooms' pages that hold reference data (where it differs from the canary) and the problems.
+    """
     from kvbridge.testkit import reference as ref
 
-    pages = np.asarray(pages, np.int64)
-    positions = np.asarray(positions, np.int64)
-    others = np.setdiff1d(np.arange(pool.num_pages), pages)
+    def cat(rooms: Sequence[tuple[Any, Any]], i: int) -> np.ndarray:
+        return np.concatenate([np.asarray(r[i], np.int64) for r in rooms]) if rooms else np.zeros(0, np.int64)
+
+    ex_pages, pa_pages = cat(exact, 0), cat(partial, 0)
+    all_pages = np.concatenate([ex_pages, pa_pages])
+    all_positions = np.concatenate([cat(exact, 1), cat(partial, 1)])
+    if len(np.unique(all_pages)) != len(all_pages):
+        raise ValueError("rooms of one pool must use disjoint pages")
+    others = np.setdiff1d(np.arange(pool.num_pages), all_pages)
     good, problems = 0, []
     for k, kind in enumerate(pool.kinds):
         spec = kind.spec()
         for b, (name, layer, tensor) in enumerate(kind.coords()):
-            key = 1000 * k + b
+            key = 1000 * k + b                      # KVPool's buffer key
             buf = pool.buffers[kind.name][b]
-            full = ref.expected_buffer(spec, seed, layer, tensor, pool.tp, pool.rank, pool.num_pages, pages,
-                                       positions, background, key)
+            full = ref.expected_buffer(spec, seed, layer, tensor, pool.tp, pool.rank, pool.num_pages, all_pages,
+                                       all_positions, background, key)
             canary = ref.expected_buffer(spec, seed, layer, tensor, pool.tp, pool.rank, pool.num_pages, [], [],
                                          background, key)
             got = buf.read().reshape(full.shape)
-            ok_data = got[pages] == full[pages]
-            wild = ~(ok_data | (got[pages] == canary[pages]))
-            good += int(np.count_nonzero(ok_data & (full[pages] != canary[pages])))
-            if wild.any():
-                problems.append(f"{kind.name}/{name}: {int(wild.sum())} bytes of the room's pages are neither the "
-                                "reference nor the canary")
+            where = f"{kind.name}/{name}"
+            if ex_pages.size and (got[ex_pages] != full[ex_pages]).any():
+                bad = int((got[ex_pages] != full[ex_pages]).sum())
+                problems.append(f"{where}: {bad} bytes of a succeeded room's pages differ from the reference")
+            if pa_pages.size:
+                ok_data = got[pa_pages] == full[pa_pages]
+                wild = ~(ok_data | (got[pa_pages] == canary[pa_pages]))
+                good += int(np.count_nonzero(ok_data & (full[pa_pages] != canary[pa_pages])))
+                if wild.any():
+                    problems.append(f"{where}: {int(wild.sum())} bytes of an unfinished room's pages are neither "
+                                    "the reference nor the canary")
             if others.size and (got[others] != canary[others]).any():
-                problems.append(f"{kind.name}/{name}: {int((got[others] != canary[others]).sum())} bytes outside "
-                                "the room's pages changed")
+                first = int(others[np.argwhere(got[others] != canary[others])[0][0]])
+                problems.append(f"{where}: {int((got[others] != canary[others]).sum())} bytes outside every "
+                                f"requested page changed (first on page {first})")
             if buf.guard_damage():
-                problems.append(f"{kind.name}/{name}: {buf.guard_damage()}")
+                problems.append(f"{where}: {buf.guard_damage()}")
     return good, problems
 
 
@@ -315,7 +332,7 @@ def _watch(handle: Any, room: int, stop: threading.Event, snapshot: Callable[[st
         except KVBridgeError as exc:          # the room was cleared
             _say("watch-end", room=room, why=str(exc))
             return
-        time.sleep(0.001)
+        time.sleep(0.002)
 
 
 def _serve(agent: Any, cmd: dict[str, Any], stop: threading.Event, timeout_s: float) -> None:
