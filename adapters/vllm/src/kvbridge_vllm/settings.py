@@ -42,7 +42,9 @@ class Settings:
     kv_layout: str = ""                  # cpu | nhd | hnd (default: cpu on CPU, nhd on GPU)
     shm_remap: bool | None = None        # move the decode's KV cache into /dev/shm (default: on for loopback)
     backend_options: dict[str, str] = field(default_factory=dict)
-    fault_flip_layer: int = -1           # TESTS ONLY: decode flips one byte per block of this layer on arrival
+    test_hooks: bool = False             # TESTS ONLY: obey kv_transfer_params "kvbridge_flip_layer" (decode
+                                         # corrupts that layer of the arrived blocks) and "kvbridge_delay_send_s"
+    dump_dir: str = ""                   # TESTS ONLY: write each request's sent/received blocks here (.npy)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:

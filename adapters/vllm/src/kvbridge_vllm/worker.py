@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ class SaveSpec:
 
     room: int
     block_ids: tuple[int, ...]
+    delay_s: float = 0.0         # test hook: hold the send this long after the decode's request arrived
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +50,7 @@ class LoadSpec:
     instance: str
     block_ids: tuple[int, ...]
     prefix_len: int
+    flip_layer: int = -1         # test hook: corrupt this layer of the arrived blocks
 
 
 @dataclass(slots=True)
@@ -57,7 +59,8 @@ class _Sending:
     blocks: np.ndarray
     sent: bool = False
     finished: bool = False       # vLLM finished the request (its blocks wait for us)
-    started: float = field(default_factory=time.monotonic)
+    delay_s: float = 0.0
+    ready_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -65,6 +68,7 @@ class _Receiving:
     receiver: Receiver | None
     blocks: np.ndarray
     failed: str = ""
+    flip_layer: int = -1
 
 
 class WorkerSide:
@@ -130,8 +134,9 @@ class WorkerSide:
             if req_id in self._sending:
                 return
             sender = self.prefill.sender(spec.room)
-            state = self._sending[req_id] = _Sending(sender=sender,
+            state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
                                                      blocks=np.asarray(spec.block_ids, dtype=np.int64))
+            self.dump(f"prefill-room{spec.room}", state.blocks)
             self._advance_send(req_id, state)
 
     def _advance_send(self, req_id: str, state: _Sending) -> None:
@@ -145,6 +150,10 @@ class WorkerSide:
             return
         if status < KVPoll.WaitingForInput:
             return
+        if state.delay_s:
+            state.ready_at = state.ready_at or time.monotonic() + state.delay_s
+            if time.monotonic() < state.ready_at:
+                return
         skip = state.sender.decode_prefix_len // self.block_size
         state.sent = True
         try:
@@ -168,7 +177,7 @@ class WorkerSide:
                         spec.instance, exc)
             self._receiving[req_id] = _Receiving(receiver=None, blocks=blocks, failed=str(exc))
             return
-        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks)
+        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks, flip_layer=spec.flip_layer)
 
     # ------------------------------------------------------------------ every step
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
@@ -204,7 +213,8 @@ class WorkerSide:
                 continue
             status = recv.receiver.poll()
             if status == KVPoll.Success:
-                self.on_received(recv.blocks)
+                self.dump(f"decode-room{recv.receiver.room}", recv.blocks)
+                self.flip(recv.blocks, recv.flip_layer)
             elif status == KVPoll.Failed:
                 if not recv.receiver.safe_to_reuse:
                     continue
@@ -218,9 +228,20 @@ class WorkerSide:
             done_recving.add(req_id)
         return done_recving
 
-    def on_received(self, blocks: np.ndarray) -> None:
-        """Hook run when a request's blocks arrived (the fault-injection setting flips bytes here)."""
-        layer = self.settings.fault_flip_layer
+    def dump(self, what: str, blocks: np.ndarray) -> None:
+        """Test hook (``dump_dir``): every buffer's bytes of ``blocks``, as uint8 ``[buffers, blocks, bytes]``."""
+        if not self.settings.dump_dir or not blocks.size:
+            return
+        import torch
+
+        index = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
+        rows = [t[index].contiguous().view(-1).view(dtype=torch.uint8).reshape(len(blocks), -1).numpy()
+                for t in self.pool.buffers[KV_COMPONENT]]
+        rank = self.pool.layout.tp_rank
+        np.save(f"{self.settings.dump_dir}/{what}-rank{rank}.npy", np.stack(rows))
+
+    def flip(self, blocks: np.ndarray, layer: int) -> None:
+        """Test hook: negate every value of buffer ``layer`` in the arrived ``blocks`` (its sign bits)."""
         if layer < 0 or not blocks.size:
             return
         tensor = self.pool.buffers[KV_COMPONENT][layer]
