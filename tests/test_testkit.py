@@ -400,9 +400,10 @@ class ClaimsChunked(SlotState):
 
 def slot_factory(draw):
     heads = draw(st.sampled_from([1, 2, 4, 8]))
-    return lambda tp, n: Component("s", "slot", (
-        BufferGeometry("s.h", n, (local_units(heads, tp), 4), DType.BFLOAT16, ShardAxis(0, heads)),
-        BufferGeometry("s.pos", n, (1,), DType.INT64)), IndexKind.SLOT)
+    return lambda tp, n: Component(name="s", state_type="slot", buffers=(
+        BufferGeometry(name="s.h", num_items=n, item_shape=(local_units(heads, tp), 4), dtype=DType.BFLOAT16,
+                       shard=ShardAxis(0, heads)),
+        BufferGeometry(name="s.pos", num_items=n, item_shape=(1,), dtype=DType.INT64)), index_kind=IndexKind.SLOT)
 
 
 class TestAcceptsAnything(StateTypeTests):
