@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-from ._vllmrig import VLLM_PYTHON, Instance, make_model, reap_dead_segments
+from _vllmrig import VLLM_PYTHON, Instance, make_model, reap_dead_segments
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
               pytest.mark.timeout(900)]
