@@ -49,6 +49,10 @@ _REFUSED_KEPT = 256          # ... the address (its queue and socket); at most t
 class Dropped(ProtocolError):
     """A well-formed frame that must not act: stale incarnation, replay, non-participant."""
 
+    def __init__(self, message: str, *, duplicate_notice: bool = False) -> None:
+        super().__init__(message)
+        self.duplicate_notice = duplicate_notice
+
 
 @dataclass(slots=True, kw_only=True)
 class Peer:
@@ -166,7 +170,8 @@ class PeerTable:
         else:
             self._windows.move_to_end(key)
         if not window.accept(env.seq):
-            raise Dropped(f"replayed {type(body).__name__} from {env.sender!r} (sequence {env.seq})")
+            raise Dropped(f"replayed {type(body).__name__} from {env.sender!r} (sequence {env.seq})",
+                          duplicate_notice=isinstance(body, Notice))
         peer = self.peers.get(env.sender)
         if peer is None:
             return None

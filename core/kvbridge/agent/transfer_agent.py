@@ -282,7 +282,9 @@ class TransferAgent:
             self.peers.refuse_other_version(exc)
         except Dropped as exc:
             self.rejected_frames += 1
-            log.warning("%s: dropped control frame: %s", self.name, exc)
+            # a notice can reach us twice by design (with the data and over the link): not worth a warning
+            level = logging.DEBUG if exc.duplicate_notice else logging.WARNING
+            log.log(level, "%s: dropped control frame: %s", self.name, exc)
         except ProtocolError as exc:
             self.rejected_frames += 1
             log.error("%s: rejected control frame: %s", self.name, exc)

@@ -703,10 +703,10 @@ class BasicBackendTests(_BackendKit):
         Troubleshooting: this exercises the core's timeouts; a failure here with a correct backend means a
         notice reached the decode side by a path the injector could not intercept.
         """
-        room, *_ = self._fault_room(kv_world, request)
+        room, _, src, *_ = self._fault_room(kv_world, request)
         faults.arm(Fault.LOSE_NOTICE, room=room.room)
         started = time.monotonic()
-        room.send([np.arange(3, dtype=np.int64)])
+        room.send([src])
         took = room.wait_failed(self.waiting_timeout_s + 5.0, senders=False)
         assert time.monotonic() - started <= self.waiting_timeout_s + 5.0, f"took {took:.1f} s to fail"
         for receiver in room.receivers:
