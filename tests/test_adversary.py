@@ -946,9 +946,8 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
     )
     from kvbridge.hostpool import HostPool
 
-    # the demo worker builds its ZmqLink without the secret (demo/worker.py), so its bootstrap stays open here;
-    # the control frames between the two processes are authenticated with the secret all the same
-    server = BootstrapServer().start()
+    # with a secret, the bootstrap server and both links authenticate every registration and lookup too
+    server = BootstrapServer(secret=secret).start()
     cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
                        backend="loopback", bootstrap=server.address, requests=3, seed=11,
                        window=1, region_pages=4, timeout_s=60, secret=secret)
@@ -965,7 +964,7 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
     child = spawn.Process(target=run_worker, args=(cfg, results), daemon=True)
     child.start()
     pool = HostPool(layout, shared=True)
-    link = ZmqLink(bootstrap=server.address)
+    link = ZmqLink(bootstrap=server.address, secret=secret)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link,
                           config=AgentConfig(secret=secret))
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)

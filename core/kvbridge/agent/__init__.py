@@ -14,9 +14,13 @@
 Modules, one concern each (all internal except the names exported here):
 
 - ``transfer_agent``: lifecycle and the progress loop; composes the parts below
-- ``peers``: handshake (a typed record per ``connect()``), heartbeats, silence, peer death
-- ``prefill``: send rooms, decode requests, planning, staging, posting, completion of writes
-- ``decode``: receive rooms, requests to prefill ranks, notices, staged scatter, completion
+- ``peers``: admission of every frame (incarnations, replays), Hello/Welcome, heartbeats, silence, death,
+  release of departed peers
+- ``handshake``: a typed record per ``connect()``, refusal reasons, the Hello rate limit
+- ``prefill``: send rooms, decode requests (early queue), completion of writes, acknowledgements
+- ``posting``: a chunk validated for every component and decode rank, then posted (staged or planned)
+- ``send_room``: the records of a prefill room and its writes in flight
+- ``decode``: receive rooms, requests to prefill ranks, notices, coverage, staged scatter, fences
 - ``handles``: ``Sender`` / ``Receiver``, thin over the role objects
 - ``buffers``: registration, byte views, the staging area
 - ``plans``: per (peer, component) slice / buffer-pair / staging-row caches

@@ -8,21 +8,27 @@ The decode side sends Hellos from ``connect()``; each call owns one :class:`Hand
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbridge.agent.config import GOODBYE_GRACE_S
 from kvbridge.agent.context import AgentContext
+from kvbridge.agent.handshake import (
+    Handshake,
+    HandshakeState,
+    HandshakeTarget,
+    HelloBudget,
+    check_remote_buffers,
+    refusal,
+)
 from kvbridge.agent.plans import PlanCache
 from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
-from kvbridge.slicing import target_ranks
 from kvbridge.wire import (
     PROTOCOL_VERSION,
     Envelope,
@@ -70,44 +76,6 @@ class Peer:
     died_at: float | None = None
 
 
-class HandshakeState(enum.Enum):
-    WAITING = "waiting"
-    ACCEPTED = "accepted"
-    REFUSED = "refused"
-
-
-@dataclass(slots=True, kw_only=True)
-class HandshakeTarget:
-    """One prefill rank a ``connect()`` call shakes hands with."""
-
-    rank: int
-    address: str
-    state: HandshakeState = HandshakeState.WAITING
-    agent: str = ""          # the prefill agent's name once accepted
-    reason: str = ""         # why it refused
-
-
-@dataclass(slots=True, kw_only=True)
-class Handshake:
-    """The state of one ``connect()`` call: its targets by address."""
-
-    instance: str
-    targets: dict[str, HandshakeTarget] = field(default_factory=dict)
-    next_hello: float = 0.0
-
-    @property
-    def refused(self) -> HandshakeTarget | None:
-        return next((t for t in self.targets.values() if t.state is HandshakeState.REFUSED), None)
-
-    @property
-    def done(self) -> bool:
-        return bool(self.targets) and all(t.state is HandshakeState.ACCEPTED for t in self.targets.values())
-
-    @property
-    def silent(self) -> list[str]:
-        return [a for a, t in self.targets.items() if t.state is HandshakeState.WAITING]
-
-
 PeerDied = Callable[[Peer, str], None]
 InUse = Callable[[str], bool]
 
@@ -127,8 +95,7 @@ class PeerTable:
         self._in_use: list[InUse] = []
         self._last_beat = 0.0
         self._beat_seq = 0
-        self._hello_tokens = _NEW_PEERS_BURST
-        self._hello_refill = time.monotonic()
+        self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST)
         self.beats_threaded = False
         self.dropped_frames = 0
         self._declared_gone: set[tuple[str, int]] = set()
@@ -329,15 +296,15 @@ class PeerTable:
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
         same = (old is not None and old.incarnation == env.incarnation and old.info == info
                 and old.layout == hello.layout)
-        if not same and not self._hello_budget():
+        if not same and not self._hellos.take():
             raise Dropped(f"Hello from {hello.agent}: more than {_NEW_PEERS_PER_S:.0f} new peers per second")
-        reason = self._refusal(hello)
+        reason = refusal(self._ctx, hello)
         if reason:
             log.error("%s: refused %s: %s", ctx.name, hello.agent, reason)
             self._refuse(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
                                               accepted=False, reason=reason), env.incarnation)
             return
-        _check_remote_buffers(hello.layout, info)
+        check_remote_buffers(hello.layout, info)
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
                           reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint)
         if same and old is not None:
@@ -353,35 +320,13 @@ class PeerTable:
                            endpoint=hello.endpoint, info=info, last_seen=time.monotonic()))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
 
-    def _hello_budget(self) -> bool:
-        now = time.monotonic()
-        self._hello_tokens = min(_NEW_PEERS_BURST, self._hello_tokens + (now - self._hello_refill) * _NEW_PEERS_PER_S)
-        self._hello_refill = now
-        if self._hello_tokens < 1.0:
-            return False
-        self._hello_tokens -= 1.0
-        return True
-
-    def _refusal(self, hello: Hello) -> str:
-        ctx = self._ctx
-        if hello.backend != ctx.backend_name:
-            return f"backend differs: prefill uses {ctx.backend_name!r}, decode {hello.backend!r}"
-        try:
-            check_compatible(ctx.layout, hello.layout)
-        except IncompatiblePeer as exc:
-            return str(exc)
-        if ctx.layout.tp_rank not in target_ranks(ctx.layout.tp_size, hello.layout.tp_size, hello.layout.tp_rank):
-            return (f"decode rank {hello.layout.tp_rank}/{hello.layout.tp_size} does not read from prefill "
-                    f"rank {ctx.layout.tp_rank}/{ctx.layout.tp_size}")
-        return ""
-
     def refuse_other_version(self, exc: VersionMismatch) -> None:
         """A Hello of another protocol version gets a refusal naming both versions; a refusal of ours by
         a peer of another version still ends our handshake with its reason."""
         ctx = self._ctx
         tag, address = exc.field("type"), exc.field("address")
         if tag == "hello" and isinstance(address, str) and ctx.role is Role.PREFILL:
-            if not self._hello_budget():
+            if not self._hellos.take():
                 return
             reason = f"protocol version differs: prefill speaks {PROTOCOL_VERSION}, decode {exc.peer_version}"
             self._refuse(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
@@ -472,15 +417,3 @@ class PeerTable:
         for peer in self.peers.values():
             if peer.alive:   # best effort: a peer that already left cannot hear it
                 self.post(peer, Goodbye(agent=ctx.name))
-
-
-def _check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:
-    for comp in layout.components:
-        remote = info.component(comp.name)
-        if len(remote.regions) != len(comp.buffers):
-            raise ProtocolError(f"peer {info.name} registered {len(remote.regions)} regions for {comp.name}, "
-                                f"its layout has {len(comp.buffers)} buffers")
-        for geom, region in zip(comp.buffers, remote.regions):
-            if region.nbytes != geom.nbytes:
-                raise ProtocolError(f"peer {info.name}: region of {geom.name} is {region.nbytes} B, its geometry "
-                                    f"says {geom.nbytes} B")

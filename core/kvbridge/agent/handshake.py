@@ -1,0 +1,97 @@
+"""The handshake: one record per ``connect()`` call, why a Hello is refused, checks of what a peer
+registered, and the rate limit on Hellos that would admit a new peer."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvbridge.agent.context import AgentContext
+from kvbridge.backends.base import PeerInfo
+from kvbridge.errors import IncompatiblePeer, ProtocolError
+from kvbridge.geometry import PoolLayout
+from kvbridge.handshake import check_compatible
+from kvbridge.slicing import target_ranks
+from kvbridge.wire import Hello
+
+
+class HandshakeState(enum.Enum):
+    WAITING = "waiting"
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+
+
+@dataclass(slots=True, kw_only=True)
+class HandshakeTarget:
+    """One prefill rank a ``connect()`` call shakes hands with."""
+
+    rank: int
+    address: str
+    state: HandshakeState = HandshakeState.WAITING
+    agent: str = ""          # the prefill agent's name once accepted
+    reason: str = ""         # why it refused
+
+
+@dataclass(slots=True, kw_only=True)
+class Handshake:
+    """The state of one ``connect()`` call: its targets by address."""
+
+    instance: str
+    targets: dict[str, HandshakeTarget] = field(default_factory=dict)
+    next_hello: float = 0.0
+
+    @property
+    def refused(self) -> HandshakeTarget | None:
+        return next((t for t in self.targets.values() if t.state is HandshakeState.REFUSED), None)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.targets) and all(t.state is HandshakeState.ACCEPTED for t in self.targets.values())
+
+    @property
+    def silent(self) -> list[str]:
+        return [a for a, t in self.targets.items() if t.state is HandshakeState.WAITING]
+
+
+class HelloBudget:
+    """A token bucket: Hellos that would admit a new peer (or incarnation), ``per_s`` with a ``burst``."""
+
+    def __init__(self, per_s: float, burst: float) -> None:
+        self.per_s, self._burst = per_s, burst
+        self._tokens, self._refill = burst, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._refill) * self.per_s)
+        self._refill = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+def refusal(ctx: AgentContext, hello: Hello) -> str:
+    """Why a prefill rank refuses a decode's Hello, or "" to accept it."""
+    if hello.backend != ctx.backend_name:
+        return f"backend differs: prefill uses {ctx.backend_name!r}, decode {hello.backend!r}"
+    try:
+        check_compatible(ctx.layout, hello.layout)
+    except IncompatiblePeer as exc:
+        return str(exc)
+    if ctx.layout.tp_rank not in target_ranks(ctx.layout.tp_size, hello.layout.tp_size, hello.layout.tp_rank):
+        return (f"decode rank {hello.layout.tp_rank}/{hello.layout.tp_size} does not read from prefill "
+                f"rank {ctx.layout.tp_rank}/{ctx.layout.tp_size}")
+    return ""
+
+
+def check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:
+    for comp in layout.components:
+        remote = info.component(comp.name)
+        if len(remote.regions) != len(comp.buffers):
+            raise ProtocolError(f"peer {info.name} registered {len(remote.regions)} regions for {comp.name}, "
+                                f"its layout has {len(comp.buffers)} buffers")
+        for geom, region in zip(comp.buffers, remote.regions):
+            if region.nbytes != geom.nbytes:
+                raise ProtocolError(f"peer {info.name}: region of {geom.name} is {region.nbytes} B, its geometry "
+                                    f"says {geom.nbytes} B")
