@@ -433,50 +433,34 @@ class TestClaimsChunked(TestSlot):
 '''
 
 
-def test_state_type_that_ignores_tp_fails_coverage_and_reassembly(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "IgnoresTP and (cover or reassembly)")
-    result.assert_outcomes(failed=2)
-    out = result.stdout.str()
-    assert "of each item are written" in out and "(expected once)" in out
-    assert "differ from the reference reshard" in out
-
-
-def test_state_type_that_returns_partial_plans_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "PartialPlans and unsupported")
-    result.assert_outcomes(failed=1)
-    assert "instead of raising UnsupportedTopology" in result.stdout.str()
-
-
-def test_state_type_wrongly_claiming_chunked_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "TestClaimsChunked and (consistent or end_to_end)")
+@pytest.mark.parametrize(("selection", "outcomes", "expected"), [
+    pytest.param("IgnoresTP and (cover or reassembly)", {"failed": 2},
+                 ["of each item are written", "(expected once)", "differ from the reference reshard"],
+                 id="ignores-tp-fails-coverage-and-reassembly"),
+    pytest.param("PartialPlans and unsupported", {"failed": 1}, ["instead of raising UnsupportedTopology"],
+                 id="partial-plans-fail"),
     # the end-to-end run alone cannot tell (one slot moves either way); the consistency check does
-    result.assert_outcomes(failed=1, passed=1)
+    pytest.param("TestClaimsChunked and (consistent or end_to_end)", {"failed": 1, "passed": 1},
+                 ["'slot' claims chunked = True, but its component 's' is indexed by slot"],
+                 id="wrongly-claiming-chunked-fails"),
+    pytest.param("TestPairsItsOwnWay and consistent", {"failed": 1},
+                 ["claims chunked = True and overrides pair_indices, which the agent never calls"],
+                 id="chunked-with-its-own-pairing-fails"),
+    pytest.param("TestAcceptsAnything and (refused or built or end_to_end)", {"failed": 1, "passed": 2},
+                 ["'kv'.check_component accepted its component indexed by slot instead of page"],
+                 id="check-component-accepting-everything-fails"),
+    pytest.param("TestSlot and (consistent or refused or end_to_end or built)", {"passed": 4}, [],
+                 id="correct-slot-state-passes"),
+])
+def test_broken_state_types_fail_the_kit_checks(pytester: pytest.Pytester, selection: str,
+                                                outcomes: dict[str, int], expected: list[str]) -> None:
+    """Each deliberately broken state type of BROKEN_STATES fails exactly the kit checks meant to catch it."""
+    pytester.makepyfile(test_testkit_factory=_factory_source())
+    result = run_kit(pytester, BROKEN_STATES, "-k", selection)
+    result.assert_outcomes(**outcomes)
     out = result.stdout.str()
-    assert "'slot' claims chunked = True, but its component 's' is indexed by slot" in out
-
-
-def test_chunked_state_type_with_its_own_pairing_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "TestPairsItsOwnWay and consistent")
-    result.assert_outcomes(failed=1)
-    assert "claims chunked = True and overrides pair_indices, which the agent never calls" in result.stdout.str()
-
-
-def test_check_component_that_accepts_everything_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "TestAcceptsAnything and (refused or built or end_to_end)")
-    result.assert_outcomes(failed=1, passed=2)
-    out = result.stdout.str()
-    assert "'kv'.check_component accepted its component indexed by slot instead of page" in out
-
-
-def test_a_correct_slot_state_passes_the_new_checks(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", "TestSlot and (consistent or refused or end_to_end or built)")
-    result.assert_outcomes(passed=4)
+    for text in expected:
+        assert text in out
 
 
 def test_shrinking_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
