@@ -112,28 +112,34 @@ def run_kit(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunRes
     return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rsxX", *args)
 
 
-def test_backend_that_drops_every_other_descriptor_fails_byte_checks(pytester: pytest.Pytester) -> None:
-    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestDrops and (single_component or delivery and pt2-dt1)")
-    result.assert_outcomes(failed=2)
+def expect_kit(pytester: pytest.Pytester, source: str, selection: str, expected: list[str],
+               **outcomes: int) -> str:
+    """Run the kit tests of ``source`` that ``-k selection`` picks; check their outcomes and that every
+    ``expected`` text is in the report. Returns the report."""
+    result = run_kit(pytester, source, "-k", selection)
+    result.assert_outcomes(**outcomes)
     out = result.stdout.str()
-    assert "'drops-every-other' a single send:" in out and "bytes differ (first in item" in out
-    assert "'drops-every-other' delivered wrong bytes" in out
-    assert "bytes of the request's pages differ from the reference reshard" in out
+    for text in expected:
+        assert text in out, f"{text!r} is not in the report:\n{out[-3000:]}"
+    return out
+
+
+def test_backend_that_drops_every_other_descriptor_fails_byte_checks(pytester: pytest.Pytester) -> None:
+    expect_kit(pytester, BROKEN_BACKENDS, "TestDrops and (single_component or delivery and pt2-dt1)",
+               ["'drops-every-other' a single send:", "bytes differ (first in item",
+                "'drops-every-other' delivered wrong bytes",
+                "bytes of the request's pages differ from the reference reshard"], failed=2)
 
 
 def test_backend_that_never_notifies_fails_with_the_reason(pytester: pytest.Pytester) -> None:
-    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestSilent and (notify_completion or delivery and pt1-dt1)")
-    result.assert_outcomes(failed=2)
-    out = result.stdout.str()
-    assert "notify_completion returned True but the peer drained nothing" in out
-    assert "their completion notices did not reach the decode ranks" in out
+    expect_kit(pytester, BROKEN_BACKENDS, "TestSilent and (notify_completion or delivery and pt1-dt1)",
+               ["notify_completion returned True but the peer drained nothing",
+                "their completion notices did not reach the decode ranks"], failed=2)
 
 
 def test_backend_that_reports_done_before_the_data_landed_fails(pytester: pytest.Pytester) -> None:
-    result = run_kit(pytester, BROKEN_BACKENDS, "-k", "TestEarly and (single_component or delivery and pt1-dt1)")
-    result.assert_outcomes(failed=2)
-    out = result.stdout.str()
-    assert "differ" in out
+    out = expect_kit(pytester, BROKEN_BACKENDS, "TestEarly and (single_component or delivery and pt1-dt1)",
+                     ["differ"], failed=2)
     # the bytes land 0.3 s after DONE: both checks look again and name the cause
     assert out.count("PREMATURE DONE: the bytes were wrong when") >= 2, out[-3000:]
     assert "when the handle polled DONE" in out and "when the decode ranks reported Success" in out
@@ -355,19 +361,19 @@ class PartialPlans(KVState):
             return ComponentSlice(tuple(Segments.empty() for _ in dst.buffers))
 
 
-class TestIgnoresTP(StateTypeTests):
+class _KVTests(StateTypeTests):
+    """The kit over paged KV components (not collected: a subclass names the broken state type)."""
+    def component_factory(self, draw):
+        return kv_factory(draw)
+
+
+class TestIgnoresTP(_KVTests):
     spec = StateTypeSpec(name="kv", factory=IgnoresTP)
     max_examples = 25
 
-    def component_factory(self, draw):
-        return kv_factory(draw)
 
-
-class TestPartialPlans(StateTypeTests):
+class TestPartialPlans(_KVTests):
     spec = StateTypeSpec(name="kv", factory=PartialPlans)
-
-    def component_factory(self, draw):
-        return kv_factory(draw)
 
 
 class AcceptsAnything(KVState):
@@ -406,18 +412,12 @@ def slot_factory(draw):
         BufferGeometry(name="s.pos", num_items=n, item_shape=(1,), dtype=DType.INT64)), index_kind=IndexKind.SLOT)
 
 
-class TestAcceptsAnything(StateTypeTests):
+class TestAcceptsAnything(_KVTests):
     spec = StateTypeSpec(name="kv", factory=AcceptsAnything)
 
-    def component_factory(self, draw):
-        return kv_factory(draw)
 
-
-class TestPairsItsOwnWay(StateTypeTests):
+class TestPairsItsOwnWay(_KVTests):
     spec = StateTypeSpec(name="kv", factory=PairsItsOwnWay)
-
-    def component_factory(self, draw):
-        return kv_factory(draw)
 
 
 class TestSlot(StateTypeTests):
@@ -456,11 +456,7 @@ def test_broken_state_types_fail_the_kit_checks(pytester: pytest.Pytester, selec
                                                 outcomes: dict[str, int], expected: list[str]) -> None:
     """Each deliberately broken state type of BROKEN_STATES fails exactly the kit checks meant to catch it."""
     pytester.makepyfile(test_testkit_factory=_factory_source())
-    result = run_kit(pytester, BROKEN_STATES, "-k", selection)
-    result.assert_outcomes(**outcomes)
-    out = result.stdout.str()
-    for text in expected:
-        assert text in out
+    expect_kit(pytester, BROKEN_STATES, selection, expected, **outcomes)
 
 
 def test_shrinking_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
