@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.demo.model import RequestShape
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import (
@@ -67,6 +68,21 @@ def _layout(role: Role, rank: int, tp: int, window: int, region_pages: int) -> P
                       tp_rank=rank, page_size=preset.page_size, model=preset.model)
 
 
+def _one_rank(role: Role, bootstrap: str, seed: int, region_pages: int, **extra: float) -> WorkerConfig:
+    """A 1-rank dense-gqa loopback worker of one request (window 1)."""
+    return WorkerConfig(role=role, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa", backend="loopback",
+                        bootstrap=bootstrap, requests=1, seed=seed, window=1, region_pages=region_pages,
+                        timeout_s=60, **extra)
+
+
+def _this_side(child: WorkerConfig) -> tuple[RequestShape, PoolLayout, HostPool]:
+    """The child's request, and the layout and shared pool of the rank this process plays against it."""
+    request = make_requests(child.seed, 1, 16, child.region_pages)[0]
+    role = Role.DECODE if child.role is Role.PREFILL else Role.PREFILL
+    layout = _layout(role, 0, 1, 1, child.region_pages)
+    return request, layout, HostPool(layout, shared=True)
+
+
 _QUEUES: list[object] = []
 
 
@@ -96,12 +112,8 @@ def _wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
 
 def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(role=Role.DECODE, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
-                       backend="loopback", bootstrap=server.address, requests=1, seed=3, window=1,
-                       region_pages=8, timeout_s=60)
-    request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
-    layout = _layout(Role.PREFILL, 0, 1, 1, cfg.region_pages)
-    pool = HostPool(layout, shared=True)
+    cfg = _one_rank(Role.DECODE, server.address, seed=3, region_pages=8)
+    request, layout, pool = _this_side(cfg)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
                           instance=INSTANCE, config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
@@ -109,9 +121,7 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
     try:
         sender = agent.sender(request.room)
         _wait(lambda: sender.poll() >= KVPoll.WaitingForInput, 30)
-        items = allocate_items(WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1,
-                                            preset="dense-gqa", backend="loopback", bootstrap="", requests=1,
-                                            seed=3, window=1, region_pages=8, timeout_s=60), request)
+        items = allocate_items(_one_rank(Role.PREFILL, "", seed=3, region_pages=8), request)
         if len(items) > 1:
             sender.send(items[:1])
         _kill(child)
@@ -129,13 +139,8 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
 
 def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
-                       backend="loopback", bootstrap=server.address, requests=1, seed=5, window=1,
-                       region_pages=8, timeout_s=60, pace_s=30.0)
-    requests = make_requests(cfg.seed, 1, 16, cfg.region_pages)
-    request = requests[0]
-    layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
-    pool = HostPool(layout, shared=True)
+    cfg = _one_rank(Role.PREFILL, server.address, seed=5, region_pages=8, pace_s=30.0)
+    request, layout, pool = _this_side(cfg)
     child = _child(cfg)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
                           config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
@@ -167,12 +172,8 @@ def test_unsupported_topology_is_refused_before_starting() -> None:
 
 def test_garbage_frames_do_not_kill_a_peer_process() -> None:
     server = BootstrapServer().start()
-    cfg = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa",
-                       backend="loopback", bootstrap=server.address, requests=1, seed=9, window=1,
-                       region_pages=4, timeout_s=60)
-    request = make_requests(cfg.seed, 1, 16, cfg.region_pages)[0]
-    layout = _layout(Role.DECODE, 0, 1, 1, cfg.region_pages)
-    pool = HostPool(layout, shared=True)
+    cfg = _one_rank(Role.PREFILL, server.address, seed=9, region_pages=4)
+    request, layout, pool = _this_side(cfg)
     child = _child(cfg)
     link = ZmqLink(bootstrap=server.address)
     agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=link)
