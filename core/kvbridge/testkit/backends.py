@@ -121,29 +121,15 @@ class _BackendKit(KitTests):
     #: the pair the fault-injection tests use (must be in tp_pairs or is added to the shared world)
     fault_pair: ClassVar[tuple[int, int]] = (2, 1)
 
-    _specs: ClassVar[dict[type, BackendSpec | str]] = {}
+    _kvbridge_name_attr: ClassVar[str] = "backend"
 
     # ---------------------------------------------------------------- subject
     @classmethod
-    def _kvbridge_resolve(cls) -> BackendSpec | str:
-        """The spec, or the reason it cannot be had (a string)."""
-        cached = _BackendKit._specs.get(cls)
-        if cached is None:
-            if cls.spec is not None:
-                cached = cls.spec
-            elif not cls.backend:
-                cached = f"{cls.__name__} names no backend: set `backend = \"<name>\"` or `spec = <BackendSpec>`"
-            else:
-                try:
-                    cached = installed_registry().backend_spec(cls.backend)
-                except PluginError as exc:
-                    cached = str(exc)
-            _BackendKit._specs[cls] = cached
-        return cached
-
-    @classmethod
-    def _kvbridge_subject(cls) -> str:
-        return cls.spec.name if cls.spec is not None else cls.backend
+    def _kvbridge_lookup(cls, name: str) -> BackendSpec | str:
+        try:
+            return installed_registry().backend_spec(name)
+        except PluginError as exc:
+            return str(exc)
 
     @classmethod
     def _kvbridge_capabilities(cls) -> frozenset[str]:
@@ -180,9 +166,7 @@ class _BackendKit(KitTests):
     @classmethod
     def backend_spec(cls) -> BackendSpec:
         """The spec under test (skips the class when the backend is unavailable)."""
-        spec = cls._kvbridge_resolve()
-        if isinstance(spec, str):
-            pytest.skip(spec)
+        spec: BackendSpec = cls._kvbridge_spec_or_skip()
         return spec
 
     @pytest.fixture(scope="class")

@@ -70,6 +70,9 @@ def override_problems(cls: type) -> list[str]:
     return problems
 
 
+_RESOLVED: dict[type, Any] = {}   # kit class -> its spec, or why it has none
+
+
 class KitTests:
     """Base of the kit's test classes (see the module docstring)."""
 
@@ -86,9 +89,42 @@ class KitTests:
     shared_fixtures: ClassVar[tuple[str, ...]] = ("kv_world",)
 
     # ---------------------------------------------------------------- subclass interface
+    #: the class attribute that names the installed plugin under test (the alternative to ``spec``)
+    _kvbridge_name_attr: ClassVar[str] = ""
+
+    @classmethod
+    def _kvbridge_lookup(cls, name: str) -> Any:
+        """The installed spec called ``name``, or why there is none (a string)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _kvbridge_resolve(cls) -> Any:
+        """The spec under test (``spec``, else the installed one named), or why it cannot be had (a string)."""
+        cached = _RESOLVED.get(cls)
+        if cached is None:
+            attr = cls._kvbridge_name_attr
+            if getattr(cls, "spec", None) is not None:
+                cached = cls.spec  # type: ignore[attr-defined]
+            elif not getattr(cls, attr, ""):
+                cached = (f"{cls.__name__} names no {attr.replace('_', ' ')}: set `{attr} = \"<name>\"` "
+                          "or `spec = ...`")
+            else:
+                cached = cls._kvbridge_lookup(getattr(cls, attr))
+            _RESOLVED[cls] = cached
+        return cached
+
+    @classmethod
+    def _kvbridge_spec_or_skip(cls) -> Any:
+        """The spec under test; skips the calling test (or class-scoped fixture) when it cannot be had."""
+        spec = cls._kvbridge_resolve()
+        if isinstance(spec, str):
+            pytest.skip(spec)
+        return spec
+
     @classmethod
     def _kvbridge_subject(cls) -> str:
-        raise NotImplementedError
+        spec = getattr(cls, "spec", None)
+        return spec.name if spec is not None else str(getattr(cls, cls._kvbridge_name_attr, ""))
 
     @classmethod
     def _kvbridge_capabilities(cls) -> frozenset[str]:

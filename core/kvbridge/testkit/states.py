@@ -143,7 +143,7 @@ class StateTypeTests(KitTests):
     max_examples: ClassVar[int] = 40
     e2e_examples: ClassVar[int] = 6
 
-    _specs: ClassVar[dict[type, StateTypeSpec | str]] = {}
+    _kvbridge_name_attr: ClassVar[str] = "state_type"
 
     # ---------------------------------------------------------------- what the plugin author provides
     def component_factory(self, draw: Callable[..., Any]) -> ComponentFactory:
@@ -164,28 +164,13 @@ class StateTypeTests(KitTests):
 
     # ---------------------------------------------------------------- subject
     @classmethod
-    def _kvbridge_resolve(cls) -> StateTypeSpec | str:
-        cached = StateTypeTests._specs.get(cls)
-        if cached is None:
-            if cls.spec is not None:
-                cached = cls.spec
-            elif not cls.state_type:
-                cached = f"{cls.__name__} names no state type: set `state_type = \"<name>\"` or `spec = ...`"
-            else:
-                records = [r for r in installed_registry().records()
-                           if r.kind is PluginKind.STATE and r.name == cls.state_type]
-                if not records or not isinstance(records[0].spec, StateTypeSpec):
-                    cached = f"'{cls.state_type}' is not an installed state type"
-                elif records[0].reason:
-                    cached = f"'{cls.state_type}' is unavailable here: {records[0].reason}"
-                else:
-                    cached = records[0].spec
-            StateTypeTests._specs[cls] = cached
-        return cached
-
-    @classmethod
-    def _kvbridge_subject(cls) -> str:
-        return cls.spec.name if cls.spec is not None else cls.state_type
+    def _kvbridge_lookup(cls, name: str) -> StateTypeSpec | str:
+        records = [r for r in installed_registry().records() if r.kind is PluginKind.STATE and r.name == name]
+        if not records or not isinstance(records[0].spec, StateTypeSpec):
+            return f"'{name}' is not an installed state type"
+        if records[0].reason:
+            return f"'{name}' is unavailable here: {records[0].reason}"
+        return records[0].spec
 
     @classmethod
     def _kvbridge_capabilities(cls) -> frozenset[str]:
