@@ -37,6 +37,9 @@ _EXPORTS = {
     # paged KV ranks for backend tests
     "Model": "kvbridge.testkit.rig",
     "Rig": "kvbridge.testkit.rig",
+    "connected_backends": "kvbridge.testkit.rig",
+    "connected_ranks": "kvbridge.testkit.rig",
+    "page_plan": "kvbridge.testkit.rig",
     "make_rank": "kvbridge.testkit.rig",
     "peer_info": "kvbridge.testkit.rig",
     "plan_for": "kvbridge.testkit.rig",
@@ -46,10 +49,10 @@ _EXPORTS = {
 }
 
 __all__ = ["TP_SIZES", "BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault",
-           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome",
-           "RequestItems", "Rig", "StateTypeTests", "assert_identity_at_equal_tp", "kit_registry",
-           "make_rank", "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard",
-           "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
+           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
+           "Rig", "StateTypeTests", "assert_identity_at_equal_tp", "connected_backends", "connected_ranks",
+           "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for", "reference_heads", "requires",
+           "run_backend_reshard", "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,8 @@ fancy indexing, which share no code with kvbridge.slicing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,8 @@ from kvbridge.slicing import buffer_segments
 from kvbridge.state.kv import KVState, kv_component
 from kvbridge.testkit.reshard import COMPONENT, run_reshard, wait
 
-__all__ = ["COMPONENT", "Model", "Rig", "make_rank", "peer_info", "plan_for", "reference_heads",
-           "run_backend_reshard", "transfer", "wait"]
+__all__ = ["COMPONENT", "Model", "Rig", "connected_backends", "connected_ranks", "make_rank", "peer_info", "plan_for",
+           "page_plan", "reference_heads", "run_backend_reshard", "transfer", "wait"]
 
 
 def reference_heads(total: int, tp: int, rank: int) -> np.ndarray:
@@ -71,6 +72,39 @@ def make_rank(model: Model, tp: int, rank: int, num_pages: int, backend: Any,
                                shard=ShardAxis(axis=1, total=model.heads)) for b in range(model.buffers)]
     registered = backend.register_buffers(COMPONENT, [region_of(a) for a in arrays])
     return Rig(backend, arrays, geometry, registered)
+
+
+_ALONE = Rank(0, 1)   # the one rank of TP 1
+
+
+def connected_ranks(model: Model, src_backend: Any, dst_backend: Any, *, fill: int | Sequence[int] = 1,
+                    src_rank: Rank = _ALONE, dst_rank: Rank = _ALONE) -> tuple[Rig, Rig, str]:
+    """A prefill rank on ``src_backend`` and a decode rank on ``dst_backend``, the sender already knowing the
+    receiver (as peer ``"d"``): returns (src, dst, peer id). Every source buffer holds ``fill`` (one value
+    for all, or one per buffer); the decode pool is zero."""
+    values = [fill] * model.buffers if isinstance(fill, int) else list(fill)
+    logical = [np.full((model.src_pages, model.page, model.heads, model.head_dim), v, np.uint16) for v in values]
+    src = make_rank(model, src_rank.size, src_rank.rank, model.src_pages, src_backend, logical)
+    dst = make_rank(model, dst_rank.size, dst_rank.rank, model.dst_pages, dst_backend, None)
+    return src, dst, src_backend.add_peer(peer_info("d", dst))
+
+
+@contextmanager
+def connected_backends(model: Model, make_backend: Callable[[str], Any], *, fill: int | Sequence[int] = 1
+                       ) -> Iterator[tuple[Rig, Rig, str]]:
+    """:func:`connected_ranks` (TP 1 each) on two new backends, ``make_backend("p")`` and
+    ``make_backend("d")``, both closed on leaving."""
+    src_backend, dst_backend = make_backend("p"), make_backend("d")
+    try:
+        yield connected_ranks(model, src_backend, dst_backend, fill=fill)
+    finally:
+        src_backend.close()
+        dst_backend.close()
+
+
+def page_plan(src: Rig, dst: Rig, pages: int) -> TransferPlan:
+    """The plan of pages 0 to ``pages - 1`` of a TP 1 source onto the same pages of a TP 1 destination."""
+    return plan_for(src, dst, _ALONE, _ALONE, np.arange(pages), np.arange(pages))
 
 
 def plan_for(src: Rig, dst: Rig, src_rank: Rank, dst_rank: Rank, src_idx: np.ndarray,

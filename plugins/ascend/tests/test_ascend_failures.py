@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion, Rank
+from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
+from kvbridge.testkit import connected_backends, page_plan
 from kvbridge_ascend import standin
 from kvbridge_ascend.backend import AscendBackend, AscendOptions, Protocol, Role
 from kvbridge_ascend.codes import SmemCode
@@ -19,9 +20,7 @@ from kvbridge_ascend.testing import (
     STANDIN_STORE,
     Model,
     Rig,
-    make_rank,
     peer_info,
-    plan_for,
     standin_backend,
     transfer,
     wait,
@@ -38,26 +37,17 @@ def _fresh_stores() -> Any:
 
 @pytest.fixture
 def pair() -> Any:
-    src_be, dst_be = standin_backend(name="p"), standin_backend(name="d")
-    fill = [np.full((MODEL.src_pages, MODEL.page, MODEL.heads, MODEL.head_dim), 7, np.uint16)] * MODEL.buffers
-    src = make_rank(MODEL, 1, 0, MODEL.src_pages, src_be, fill)
-    dst = make_rank(MODEL, 1, 0, MODEL.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
-    yield src, dst, peer
-    standin.reset()   # let any held writer go before closing
-    src_be.close()
-    dst_be.close()
-
-
-def _plan(src: Rig, dst: Rig, pages: int = 4) -> TransferPlan:
-    return plan_for(src, dst, Rank(0, 1), Rank(0, 1), np.arange(pages), np.arange(pages))
+    """A prefill rig and a decode rig (TP 1 each), the sender already knowing the receiver."""
+    with connected_backends(MODEL, lambda name: standin_backend(name=name), fill=7) as ranks:
+        yield ranks
+        standin.reset()   # let any held writer go before closing
 
 
 # ------------------------------------------------------------------------------ backend refusals
 def test_out_of_bounds_destination_is_refused_before_posting(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst, peer = pair
     monkeypatch.setattr(src.backend._te, "batch_transfer_sync_write", lambda *a: pytest.fail("posted"))
-    plan = _plan(src, dst)
+    plan = page_plan(src, dst, 4)
     # every destination moved to just past the end of the highest registered region: outside all of them
     # wherever the allocator placed the arrays (a fixed shift could land in another registered region)
     beyond = max(r.addr + r.nbytes for r in dst.registered.remote().regions)
@@ -69,12 +59,12 @@ def test_out_of_bounds_destination_is_refused_before_posting(pair: Any, monkeypa
 def test_unregistered_source_unknown_peer_and_foreign_memory_are_refused(pair: Any) -> None:
     src, dst, peer = pair
     with pytest.raises(RegionError, match="unknown peer 'nobody'"):
-        src.backend.send_component(transfer(src, dst, "nobody", _plan(src, dst)))
+        src.backend.send_component(transfer(src, dst, "nobody", page_plan(src, dst, 4)))
     with pytest.raises(RegionError, match="cuda region"):
         src.backend.register_buffers("kv", [MemoryRegion(0x1000, 64, DeviceKind.CUDA, 0)])
     src.backend.deregister_buffers(src.registered)
     with pytest.raises(RegionError, match="not registered with this ascend backend"):
-        src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+        src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
 
 
 def test_a_peer_in_another_config_store_is_refused(pair: Any) -> None:
@@ -90,7 +80,7 @@ def test_send_returns_while_the_engine_write_is_still_blocked(pair: Any) -> None
     src, dst, peer = pair
     standin.hold(src.backend.session_id)
     started = time.monotonic()
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     assert time.monotonic() - started < 0.5
     assert src.backend.poll(handle) == Poll.pending() and not dst.arrays[0].any()
     standin.release(src.backend.session_id)
@@ -101,7 +91,7 @@ def test_send_returns_while_the_engine_write_is_still_blocked(pair: Any) -> None
 def test_close_waits_for_a_running_write(pair: Any) -> None:
     src, dst, peer = pair
     standin.hold(src.backend.session_id)
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     src.backend.release(handle)
     threading.Timer(0.1, standin.release, (src.backend.session_id,)).start()
     src.backend.close()
@@ -112,15 +102,16 @@ def test_close_waits_for_a_running_write(pair: Any) -> None:
 def test_injected_failure_fails_the_handle_with_the_return_code_and_is_not_sticky(pair: Any) -> None:
     src, dst, peer = pair
     standin.fail_next_writes(src.backend.session_id, 1, SmemCode.TIMEOUT)
-    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, _plan(src, dst))))
+    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4))))
     assert result.state is HandleState.FAILED and "returned -2004 (SMEM_TIMEOUT)" in result.reason
-    assert wait(src.backend, src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))) == Poll.done()
+    again = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
+    assert wait(src.backend, again) == Poll.done()
 
 
 def test_dead_peer_fails_with_not_connected(pair: Any) -> None:
     src, dst, peer = pair
     standin.kill(dst.backend.session_id)
-    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, _plan(src, dst))))
+    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4))))
     assert result.state is HandleState.FAILED and "SMEM_NOT_CONNECTED" in result.reason
     assert dst.backend.session_id in result.reason
 
@@ -128,14 +119,14 @@ def test_dead_peer_fails_with_not_connected(pair: Any) -> None:
 def test_a_peer_that_left_the_store_fails_with_not_exist(pair: Any) -> None:
     src, dst, peer = pair
     dst.backend._te.unInitialize()
-    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, _plan(src, dst))))
+    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4))))
     assert "SMEM_NOT_EXIST" in result.reason
 
 
 def test_removed_peer_fails_its_pending_handles(pair: Any) -> None:
     src, dst, peer = pair
     standin.hold(src.backend.session_id)
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     src.backend.remove_peer(peer)
     assert "was removed" in src.backend.poll(handle).reason
     standin.release(src.backend.session_id)

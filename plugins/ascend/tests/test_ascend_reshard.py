@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
+from kvbridge.testkit import connected_ranks
 from kvbridge_ascend import standin
 from kvbridge_ascend.backend import AscendBackend
 from kvbridge_ascend.testing import (
     Model,
-    make_rank,
-    peer_info,
     plan_for,
     run_reshard,
     standin_backend,
@@ -53,14 +52,11 @@ def test_device_rdma_protocol_and_two_workers_are_byte_exact() -> None:
 def test_max_batch_splits_the_call_but_not_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Model(heads=4)
     src_be, dst_be = standin_backend(name="p", options={"max_batch": "5"}), standin_backend(name="d")
-    fill = [np.full((model.src_pages, model.page, 4, model.head_dim), b + 1, np.uint16) for b in range(model.buffers)]
-    src = make_rank(model, 1, 0, model.src_pages, src_be, fill)
-    dst = make_rank(model, 2, 1, model.dst_pages, dst_be, None)
+    src, dst, peer = connected_ranks(model, src_be, dst_be, fill=range(1, model.buffers + 1), dst_rank=Rank(1, 2))
     calls: list[int] = []
     real = src_be._te.batch_transfer_sync_write
     monkeypatch.setattr(src_be._te, "batch_transfer_sync_write",
                         lambda s, a, b, n, flags=0: calls.append(len(n)) or real(s, a, b, n, flags))
-    peer = src_be.add_peer(peer_info("d", dst))
     pages = np.array([0, 2, 4, 6, 8, 10, 12])
     plan = plan_for(src, dst, Rank(0, 1), Rank(1, 2), pages, np.arange(7))
     assert wait(src_be, src_be.send_component(transfer(src, dst, peer, plan))) == Poll.done()

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import PluginUnavailableError, RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion, Rank
+from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.planner import TransferPlan
+from kvbridge.testkit import connected_backends, connected_ranks, page_plan
 from kvbridge_mori import standin
 from kvbridge_mori.backend import MoriBackend
-from kvbridge_mori.testing import Model, Rig, make_rank, peer_info, plan_for, transfer, wait
+from kvbridge_mori.testing import Model, peer_info, transfer, wait
 
 MODEL = Model()
 
@@ -27,19 +28,8 @@ def _fresh_fabric() -> Any:
 @pytest.fixture
 def pair() -> Any:
     """A prefill rig and a decode rig (TP 1 each), the sender already knowing the receiver."""
-    src_be = MoriBackend(name="p", api=standin)
-    dst_be = MoriBackend(name="d", api=standin)
-    fill = [np.full((MODEL.src_pages, MODEL.page, MODEL.heads, MODEL.head_dim), 7, np.uint16)] * MODEL.buffers
-    src = make_rank(MODEL, 1, 0, MODEL.src_pages, src_be, fill)
-    dst = make_rank(MODEL, 1, 0, MODEL.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
-    yield src, dst, peer
-    src_be.close()
-    dst_be.close()
-
-
-def _plan(src: Rig, dst: Rig, pages: int = 4) -> TransferPlan:
-    return plan_for(src, dst, Rank(0, 1), Rank(0, 1), np.arange(pages), np.arange(pages))
+    with connected_backends(MODEL, lambda name: MoriBackend(name=name, api=standin), fill=7) as ranks:
+        yield ranks
 
 
 def _shifted(plan: TransferPlan, *, src: int = 0, dst: int = 0) -> TransferPlan:
@@ -50,7 +40,7 @@ def _shifted(plan: TransferPlan, *, src: int = 0, dst: int = 0) -> TransferPlan:
 def test_out_of_bounds_destination_is_refused_before_posting(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst, peer = pair
     monkeypatch.setattr(src.backend._engine, "batch_write", lambda *a: pytest.fail("posted"))
-    plan = _plan(src, dst)
+    plan = page_plan(src, dst, 4)
     past_end = dst.arrays[0].nbytes - int(plan.nbytes[0]) + 1
     with pytest.raises(RegionError, match=r"destination \(kv\) descriptor 0 .* outside buffer 0"):
         src.backend.send_component(transfer(src, dst, peer, _shifted(plan, dst=past_end)))
@@ -58,14 +48,14 @@ def test_out_of_bounds_destination_is_refused_before_posting(pair: Any, monkeypa
 
 def test_out_of_bounds_source_is_refused(pair: Any) -> None:
     src, dst, peer = pair
-    plan = _plan(src, dst)
+    plan = page_plan(src, dst, 4)
     with pytest.raises(RegionError, match=r"source \(kv\)"):
         src.backend.send_component(transfer(src, dst, peer, _shifted(plan, src=src.arrays[0].nbytes)))
 
 
 def test_a_descriptor_straddling_two_buffers_is_refused(pair: Any) -> None:
     src, dst, peer = pair
-    plan = _plan(src, dst)
+    plan = page_plan(src, dst, 4)
     lying = TransferPlan(plan.src_addr, plan.dst_addr, plan.nbytes, np.zeros_like(plan.buffer))  # all "buffer 0"
     with pytest.raises(RegionError, match="outside buffer 0"):
         src.backend.send_component(transfer(src, dst, peer, lying))
@@ -74,10 +64,10 @@ def test_a_descriptor_straddling_two_buffers_is_refused(pair: Any) -> None:
 def test_unregistered_source_and_unknown_peer_are_refused(pair: Any) -> None:
     src, dst, peer = pair
     with pytest.raises(RegionError, match="unknown peer 'nobody'"):
-        src.backend.send_component(transfer(src, dst, "nobody", _plan(src, dst)))
+        src.backend.send_component(transfer(src, dst, "nobody", page_plan(src, dst, 4)))
     src.backend.deregister_buffers(src.registered)
     with pytest.raises(RegionError, match="not registered with this mori backend"):
-        src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+        src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
 
 
 def test_non_host_non_gpu_memory_is_refused() -> None:
@@ -116,31 +106,31 @@ def test_missing_engine_is_reported_as_unavailable_with_the_install_hint() -> No
 def test_injected_failure_fails_the_handle_with_the_engine_reason(pair: Any) -> None:
     src, dst, peer = pair
     standin.fail_next_writes(src.backend.engine_key, 1, message="link flap on mlx5_2")
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     result = wait(src.backend, handle)
     assert result.state is HandleState.FAILED
     assert "ERR_RDMA_OP: link flap on mlx5_2" in result.reason and "entry 0" in result.reason
-    again = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    again = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     assert wait(src.backend, again) == Poll.done()
 
 
 def test_peer_memory_gone_fails_with_remote_access_error(pair: Any) -> None:
     src, dst, peer = pair
     dst.backend.deregister_buffers(dst.registered)
-    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, _plan(src, dst))))
+    result = wait(src.backend, src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4))))
     assert result.state is HandleState.FAILED and "remote access error" in result.reason
 
 
 def test_peer_death_fails_pending_handles_and_later_sends(pair: Any) -> None:
     src, dst, peer = pair
     standin.pause(src.backend.engine_key)
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     assert src.backend.poll(handle) == Poll.pending()
     standin.kill(dst.backend.engine_key, "node rebooted")
     result = src.backend.poll(handle)
     assert result.state is HandleState.FAILED
     assert "peer engine" in result.reason and "node rebooted" in result.reason
-    later = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    later = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     assert src.backend.poll(later).state is HandleState.FAILED
     standin.resume(src.backend.engine_key)
     assert src.backend.poll(handle) == result   # sticky
@@ -149,11 +139,9 @@ def test_peer_death_fails_pending_handles_and_later_sends(pair: Any) -> None:
 def test_peer_death_without_failure_events_surfaces_as_an_rdma_error() -> None:
     src_be = MoriBackend(name="p", api=standin.legacy)
     dst_be = MoriBackend(name="d", api=standin.legacy)
-    src = make_rank(MODEL, 1, 0, MODEL.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * MODEL.buffers)
-    dst = make_rank(MODEL, 1, 0, MODEL.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
+    src, dst, peer = connected_ranks(MODEL, src_be, dst_be)
     standin.kill(dst_be.engine_key)
-    result = wait(src_be, src_be.send_component(transfer(src, dst, peer, _plan(src, dst))))
+    result = wait(src_be, src_be.send_component(transfer(src, dst, peer, page_plan(src, dst, 4))))
     assert result.state is HandleState.FAILED and "transport retry counter exceeded" in result.reason
     src_be.close()
 
@@ -161,7 +149,7 @@ def test_peer_death_without_failure_events_surfaces_as_an_rdma_error() -> None:
 def test_removed_peer_fails_its_pending_handles(pair: Any) -> None:
     src, dst, peer = pair
     standin.pause(src.backend.engine_key)
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     src.backend.remove_peer(peer)
     assert "was removed" in src.backend.poll(handle).reason
     standin.resume(src.backend.engine_key)
@@ -170,7 +158,7 @@ def test_removed_peer_fails_its_pending_handles(pair: Any) -> None:
 def test_release_in_flight_keeps_statuses_alive_until_close(pair: Any) -> None:
     src, dst, peer = pair
     standin.pause(src.backend.engine_key)
-    handle = src.backend.send_component(transfer(src, dst, peer, _plan(src, dst)))
+    handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
     statuses = list(handle.statuses)
     src.backend.release(handle)
     assert src.backend._parked == [statuses]

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
+from kvbridge.testkit import connected_backends, connected_ranks, page_plan
 from kvbridge_mori import standin
 from kvbridge_mori.backend import BatchForm, MoriBackend
-from kvbridge_mori.testing import Model, make_rank, peer_info, plan_for, run_reshard, transfer, wait
+from kvbridge_mori.testing import Model, peer_info, plan_for, run_reshard, transfer, wait
 
 
 @pytest.fixture(autouse=True)
@@ -49,13 +50,10 @@ def test_one_list_form_call_per_component_with_one_entry_per_buffer(monkeypatch:
     model = Model(heads=4, layers=3)
     src_be = MoriBackend(name="p", api=standin)
     dst_be = MoriBackend(name="d", api=standin)
-    fill = [np.full((model.src_pages, model.page, 4, model.head_dim), b, np.uint16) for b in range(model.buffers)]
-    src = make_rank(model, 2, 1, model.src_pages, src_be, fill)
-    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
+    src, dst, peer = connected_ranks(model, src_be, dst_be, fill=range(model.buffers), src_rank=Rank(1, 2))
     calls: list[tuple[Any, ...]] = []
     real = src_be._engine.batch_write
     monkeypatch.setattr(src_be._engine, "batch_write", lambda *a: calls.append(a) or real(*a))
-    peer = src_be.add_peer(peer_info("d", dst))
     plan = plan_for(src, dst, Rank(1, 2), Rank(0, 1), np.array([1, 2, 3, 9]), np.array([4, 5, 6, 0]))
     handle = src_be.send_component(transfer(src, dst, peer, plan))
     assert wait(src_be, handle) == Poll.done()
@@ -75,53 +73,39 @@ def test_one_list_form_call_per_component_with_one_entry_per_buffer(monkeypatch:
 
 
 def test_pending_until_the_engine_completes() -> None:
-    model = Model()
-    src_be, dst_be = MoriBackend(name="p", api=standin), MoriBackend(name="d", api=standin)
-    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
-    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
-    standin.pause(src_be.engine_key)
-    handle = src_be.send_component(transfer(src, dst, peer, plan_for(src, dst, Rank(0, 1), Rank(0, 1),
-                                                                     np.arange(4), np.arange(4))))
-    assert src_be.poll(handle) == Poll.pending()
-    assert not dst.arrays[0].any()
-    standin.resume(src_be.engine_key)
-    assert wait(src_be, handle) == Poll.done()
-    assert dst.arrays[0][:4].all()
-    src_be.close()
-    dst_be.close()
+    with connected_backends(Model(), _make()) as (src, dst, peer):
+        standin.pause(src.backend.engine_key)
+        handle = src.backend.send_component(transfer(src, dst, peer, page_plan(src, dst, 4)))
+        assert src.backend.poll(handle) == Poll.pending()
+        assert not dst.arrays[0].any()
+        standin.resume(src.backend.engine_key)
+        assert wait(src.backend, handle) == Poll.done()
+        assert dst.arrays[0][:4].all()
 
 
 def test_receiver_confirms_landing_through_inbound_status() -> None:
     model = Model()
-    src_be, dst_be = MoriBackend(name="p", api=standin), MoriBackend(name="d", api=standin)
-    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
-    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
-    dst_be.add_peer(peer_info("p", src))
-    plan = plan_for(src, dst, Rank(0, 1), Rank(0, 1), np.arange(3), np.arange(3))
-    handle = src_be.send_component(transfer(src, dst, peer, plan))
-    assert wait(src_be, handle) == Poll.done()
-    uids = src_be.transfer_uids(handle)
-    assert len(uids) == model.buffers
-    assert all(dst_be.inbound_status("p", uid) == Poll.done() for uid in uids)
-    assert dst_be.inbound_status("p", uids[0]) is None          # popped once
-    assert src_be.notify_completion(peer, b"room 1 kv") is False  # notices go through the control plane
-    assert dst_be.drain_notifications() == []
-    src_be.close()
-    dst_be.close()
+    with connected_backends(model, _make()) as (src, dst, peer):
+        src_be, dst_be = src.backend, dst.backend
+        dst_be.add_peer(peer_info("p", src))
+        plan = page_plan(src, dst, 3)
+        handle = src_be.send_component(transfer(src, dst, peer, plan))
+        assert wait(src_be, handle) == Poll.done()
+        uids = src_be.transfer_uids(handle)
+        assert len(uids) == model.buffers
+        assert all(dst_be.inbound_status("p", uid) == Poll.done() for uid in uids)
+        assert dst_be.inbound_status("p", uids[0]) is None          # popped once
+        assert src_be.notify_completion(peer, b"room 1 kv") is False  # notices go through the control plane
+        assert dst_be.drain_notifications() == []
 
 
 def test_inbound_status_is_absent_without_notifications() -> None:
     model = Model()
     src_be = MoriBackend(name="p", api=standin, options={"enable_notification": "false"})
     dst_be = MoriBackend(name="d", api=standin)
-    src = make_rank(model, 1, 0, model.src_pages, src_be, [np.ones((16, 4, 4, 8), np.uint16)] * model.buffers)
-    dst = make_rank(model, 1, 0, model.dst_pages, dst_be, None)
-    peer = src_be.add_peer(peer_info("d", dst))
+    src, dst, peer = connected_ranks(model, src_be, dst_be)
     dst_be.add_peer(peer_info("p", src))
-    handle = src_be.send_component(transfer(src, dst, peer, plan_for(src, dst, Rank(0, 1), Rank(0, 1),
-                                                                     np.arange(2), np.arange(2))))
+    handle = src_be.send_component(transfer(src, dst, peer, page_plan(src, dst, 2)))
     assert wait(src_be, handle) == Poll.done()
     assert dst_be.inbound_status("p", src_be.transfer_uids(handle)[0]) is None
     src_be.close()
