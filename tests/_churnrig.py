@@ -24,12 +24,13 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from _childproc import TaggedChild
 
 _TAG = "CHURNRIG "
 HERE = Path(__file__).resolve()
@@ -38,52 +39,24 @@ INSTANCE = "churn-prefill"
 # ============================================================================ parent side
 
 
-class Child:
+class Child(TaggedChild):
     """One rank process; events are read by a thread; every wait is bounded."""
 
     def __init__(self, label: str) -> None:
-        self.label = label
-        self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
-        env.setdefault("GLOG_minloglevel", "1")
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        self.proc = subprocess.Popen([sys.executable, str(HERE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, env=env)
-        self.pid = self.proc.pid
         self._cond = threading.Condition()
         self._items: list[dict[str, Any]] = []
         self._closed = False
-        self._reader = threading.Thread(target=self._read, name=f"churnrig-{label}", daemon=True)
-        self._reader.start()
+        super().__init__(label, HERE, _TAG, env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
 
-    def _read(self) -> None:
-        out = self.proc.stdout
-        assert out is not None
-        try:
-            for raw in out:
-                text = raw.decode(errors="replace").rstrip("\n")
-                if text.startswith(_TAG):
-                    with self._cond:
-                        self._items.append(json.loads(text[len(_TAG):]))
-                        self._cond.notify_all()
-        except (OSError, ValueError):
-            pass
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+    def _event(self, item: dict[str, Any]) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
 
-    def send(self, **command: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def stderr(self) -> str:
-        try:
-            self.log.seek(0)
-            return self.log.read().decode(errors="replace")[-3000:]
-        except (OSError, ValueError):
-            return "<closed>"
+    def _eof(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def wait(self, event: str, timeout_s: float) -> dict[str, Any]:
         """The first not yet consumed ``event`` (consumed by this call)."""
@@ -130,13 +103,7 @@ class Child:
 
         if self.proc.poll() is None:
             self.kill9()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-        self._reader.join(timeout=5)
+        self._close_pipes()
         reap_segments(self.pid)
         self.log.close()
 

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _childproc import TaggedChild
 
 _TAG = "FAULTRIG "
 HERE = Path(__file__).resolve()
@@ -85,44 +85,18 @@ class Events:
                 self._cond.wait(min(left, 0.1))
 
 
-class Child:
+class Child(TaggedChild):
     """One rank process. ``start`` it early; ``job()`` gives it its identity; ``kill()`` in a finally."""
 
     def __init__(self, label: str, argv: list[str] | None = None) -> None:
-        self.label = label
         self.events = Events()
-        self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(HERE), *(argv or [])], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env)
-        self.pid = self.proc.pid
-        self._reader = threading.Thread(target=self._read, name=f"faultrig-{label}", daemon=True)
-        self._reader.start()
+        super().__init__(label, HERE, _TAG, argv or [])
 
-    def _read(self) -> None:
-        out = self.proc.stdout
-        assert out is not None
-        try:
-            for raw in out:
-                text = raw.decode(errors="replace").rstrip("\n")
-                if text.startswith(_TAG):
-                    self.events.push(json.loads(text[len(_TAG):]))
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.events.close()
+    def _event(self, item: dict[str, Any]) -> None:
+        self.events.push(item)
 
-    def send(self, **command: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def stderr(self) -> str:
-        try:
-            self.log.seek(0)
-            return self.log.read().decode(errors="replace")[-3000:]
-        except (OSError, ValueError):
-            return "<closed>"
+    def _eof(self) -> None:
+        self.events.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -161,13 +135,7 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
-        self._reader.join(timeout=5)
+        self._close_pipes()
         self.log.close()
 
 
