@@ -23,6 +23,9 @@ _EXPORTS = {
     "RequestItems": "kvbridge.testkit.states",
     "shard_buffer": "kvbridge.testkit.states",
     "Fault": "kvbridge.testkit.faults",
+    # registry checks of a state-type plugin
+    "assert_state_type_installed": "kvbridge.testkit.discovery",
+    "composed_types": "kvbridge.testkit.discovery",
     "FaultInjector": "kvbridge.testkit.faults",
     "CheckedBackend": "kvbridge.testkit.checked",
     "kit_registry": "kvbridge.testkit.checked",
@@ -48,11 +51,12 @@ _EXPORTS = {
     "transfer": "kvbridge.testkit.rig",
 }
 
-__all__ = ["TP_SIZES", "BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault",
-           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
-           "Rig", "StateTypeTests", "assert_identity_at_equal_tp", "connected_backends", "connected_ranks",
-           "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for", "reference_heads", "requires",
-           "run_backend_reshard", "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
+__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault", "FaultInjector",
+           "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig",
+           "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed",
+           "composed_types", "connected_backends", "connected_ranks", "kit_registry", "make_rank", "page_plan",
+           "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard", "run_reshard",
+           "shard_buffer", "shardable", "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

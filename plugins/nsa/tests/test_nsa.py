@@ -12,12 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis
-from kvbridge.registry import Registry
-from kvbridge.specs import PluginStatus
+from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, Rank, ShardAxis
 from kvbridge.state.kv import KVState
 from kvbridge_nsa import NSAState, PageRange, indexer_pages, nsa_component
-from kvbridge.testkit.reshard import TP_SIZES, run_reshard
+from kvbridge.testkit import TP_SIZES, assert_state_type_installed, composed_types, run_reshard
 
 STATE = NSAState()
 NUM_PAGES = 12
@@ -225,15 +223,10 @@ def mla_kv() -> Component:
 
 
 def test_entry_point_discovery() -> None:
-    registry = Registry.build(env={})
-    record = next(r for r in registry.records() if r.name == "nsa")
-    assert record.distribution == "kvbridge-nsa" and record.status is PluginStatus.AVAILABLE
-    assert isinstance(registry.state_type("nsa"), NSAState)
+    assert_state_type_installed("nsa", "kvbridge-nsa", NSAState)
 
 
 def test_compose_mla_kv_then_indexer_in_declared_order() -> None:
-    registry = Registry.build(entry_points=False, plugins=[kvbridge.state.kv, kvbridge_nsa])
-    layout = PoolLayout(components=(mla_kv(), make(1)), tp_size=4, tp_rank=2, page_size=64)
-    assert [type(t) for t in registry.compose(layout)] == [KVState, NSAState]
-    layout = PoolLayout(components=(make(1), mla_kv()), tp_size=4, tp_rank=2, page_size=64)
-    assert [type(t) for t in registry.compose(layout)] == [NSAState, KVState]
+    plugins = [kvbridge.state.kv, kvbridge_nsa]
+    assert composed_types(plugins, (mla_kv(), make(1)), tp_size=4, tp_rank=2, page_size=64) == [KVState, NSAState]
+    assert composed_types(plugins, (make(1), mla_kv()), tp_size=4, tp_rank=2, page_size=64) == [NSAState, KVState]

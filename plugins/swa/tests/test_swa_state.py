@@ -9,8 +9,8 @@ import pytest
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis
 from kvbridge.registry import Registry
-from kvbridge.specs import PluginStatus
-from kvbridge.state.kv import KVState
+from kvbridge.state.kv import KVState, kv_component
+from kvbridge.testkit import assert_state_type_installed, composed_types
 from kvbridge_swa import SWAState, swa_component
 
 STATE = SWAState()
@@ -111,32 +111,24 @@ def test_pair_indices_validates_integer_lists() -> None:
 
 
 # ----------------------------------------------------------------------------- registry
-def kv_component() -> Component:
-    def buf(name: str) -> BufferGeometry:
-        return BufferGeometry(name=name, num_items=32, item_shape=(16, 4, 8), dtype=DType.BFLOAT16,
-                              shard=ShardAxis(axis=1, total=8))
-
-    return Component(name="kv", state_type="kv", buffers=(buf("kv.k.1"), buf("kv.v.1")))
+def kv() -> Component:
+    return kv_component(layers=[1], page_size=16, kv_heads=8, head_dim=8, tp=2, dtype="bfloat16", num_pages=32)
 
 
 def test_entry_point_discovery() -> None:
-    registry = Registry.build(env={})
-    record = next(r for r in registry.records() if r.name == "swa")
-    assert record.distribution == "kvbridge-swa" and record.status is PluginStatus.AVAILABLE
-    assert isinstance(registry.state_type("swa"), SWAState)
+    assert_state_type_installed("swa", "kvbridge-swa", SWAState)
 
 
 def test_compose_kv_swa_mamba_in_declared_order() -> None:
     kvbridge_mamba = pytest.importorskip("kvbridge_mamba")
-    registry = Registry.build(entry_points=False, plugins=[kvbridge.state.kv, kvbridge_mamba, kvbridge_swa])
     mamba = kvbridge_mamba.mamba_component("linear", layers=[3], conv_groups=(8, 8, 16), kernel=4, heads=4,
                                            head_dim=2, state=2, tp=2, dtype="bfloat16", num_slots=9)
-    layout = PoolLayout(components=(kv_component(), comp(), mamba), tp_size=2, tp_rank=1, page_size=16)
-    assert [type(t) for t in registry.compose(layout)] == [KVState, SWAState, kvbridge_mamba.MambaState]
+    assert composed_types([kvbridge.state.kv, kvbridge_mamba, kvbridge_swa], (kv(), comp(), mamba), tp_size=2,
+                          tp_rank=1, page_size=16) == [KVState, SWAState, kvbridge_mamba.MambaState]
 
 
 def test_compose_refuses_a_window_less_component() -> None:
     registry = Registry.build(entry_points=False, plugins=[kvbridge.state.kv, kvbridge_swa])
-    layout = PoolLayout(components=(kv_component(), with_options(comp(), {})), tp_size=2, tp_rank=0, page_size=16)
+    layout = PoolLayout(components=(kv(), with_options(comp(), {})), tp_size=2, tp_rank=0, page_size=16)
     with pytest.raises(GeometryError, match="window"):
         registry.compose(layout)
