@@ -6,7 +6,6 @@ which is the cross-process check that notices are ordered after the data.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -20,8 +19,8 @@ import pytest
 from kvbridge.backends.base import HandleState, PeerInfo
 from kvbridge.geometry import Rank, region_of
 from kvbridge_mooncake.testing import (
-    KVShape, PeerSetup, decode_peer, plan_between, raw_plan, reference_reshard, shard, sink_peer, transfer,
-    unavailable_reason, wait_all,
+    KVShape, PeerSetup, decode_peer, plan_between, raw_plan, reference_reshard, shard, sink_peer, spawn_peer,
+    transfer, unavailable_reason, wait_all,
 )
 
 NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -39,10 +38,7 @@ def test_two_process_reshard_with_notice() -> None:
     from kvbridge_mooncake.backend import MooncakeBackend
 
     shape, pt, dt = KVShape(heads=4, layers=2, pages=16, page=8, head_dim=16), 2, 1
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_peer, args=(child,), daemon=True)
-    proc.start()
+    parent, child, proc = spawn_peer(decode_peer)
     try:
         with MooncakeBackend(name="prefill-2p") as prefill:
             setup = PeerSetup(shape_heads=shape.heads, layers=shape.layers, pages=shape.pages,
@@ -101,10 +97,7 @@ def test_stalled_peer_times_out_then_the_same_peer_works_again(monkeypatch: pyte
     from kvbridge_mooncake.backend import MooncakeBackend
 
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")   # Mooncake's minimum; read when an engine is built
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=sink_peer, args=(child,), daemon=True)
-    proc.start()
+    parent, child, proc = spawn_peer(sink_peer)
     pid = proc.pid
     assert pid is not None
     try:

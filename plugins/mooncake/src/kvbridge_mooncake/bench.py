@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ from kvbridge.plugin import (
     plan_transfer,
     region_of,
 )
-from kvbridge_mooncake.testing import KVShape, heads_of
+from kvbridge_mooncake.testing import KVShape, heads_of, spawn_peer
 
 _PIPE_WAIT_S = 60.0
 _RAW_SYNC_CHUNK = 1024
@@ -291,10 +290,7 @@ def run_bench(scenarios: Sequence[Scenario] | None = None, *, repeats: int = 5,
     from kvbridge_mooncake.backend import MooncakeBackend
 
     scenarios = list(scenarios or default_scenarios())
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child,), daemon=True)
-    proc.start()
+    parent, _child, proc = spawn_peer(_decode_side)
     try:
         with MooncakeBackend(name="bench-prefill") as backend:
             results = [_run_scenario(sc, backend, parent, repeats, seed + i)

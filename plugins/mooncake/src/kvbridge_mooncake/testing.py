@@ -7,8 +7,9 @@ kvbridge.slicing, which the tests use only to *build* plans.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,16 @@ from kvbridge.plugin import (
     region_of,
 )
 from kvbridge_mooncake.availability import probe
+
+
+def spawn_peer(target: Callable[[Any], None]) -> tuple[Any, Any, Any]:
+    """Start ``target(conn)`` in a spawned daemon process; returns (this end of the pipe, the child's end,
+    the process). The caller joins (or kills) the process and closes its end."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
+    proc.start()
+    return parent, child, proc
 
 
 def unavailable_reason() -> str | None:
