@@ -84,7 +84,8 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.bench import send_request
+    from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
 
     if not CPU:
@@ -98,12 +99,7 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     try:
         src, _ = _pages(placement)
         for room in range(1, REPEAT + 1):
-            sender = agent.sender(room)
-            while sender.poll() < KVPoll.WaitingForInput:
-                agent.link_wait(0.001)
-            sender.send(src, last=True)
-            while not sender.safe_to_reuse:
-                agent.link_wait(0.0005)
+            sender = send_request(agent, room, src, poll_s=0.0005)
             results.put(("sent", rank, room, sender.poll().name, *sender.stats))
             sender.clear()
         time.sleep(2)

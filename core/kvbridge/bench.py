@@ -110,10 +110,24 @@ def _control_layout() -> PoolLayout:
                       page_size=_PAGE, model="bench")
 
 
+def send_request(agent: Any, room: int, pages: np.ndarray, poll_s: float = 0.001) -> Any:
+    """Send ``pages`` as the one chunk of ``room`` through the prefill ``agent`` once the decode side asked
+    for it; returns the room's sender when its buffers are safe to reuse (not yet cleared)."""
+    from kvbridge.wire import KVPoll
+
+    sender = agent.sender(room)
+    while sender.poll() < KVPoll.WaitingForInput:
+        agent.link_wait(poll_s)
+    sender.send(pages, last=True)
+    while not sender.safe_to_reuse:
+        agent.link_wait(poll_s)
+    return sender
+
+
 def _serve_prefill(bootstrap: str, requests: int, n_pages: int) -> None:
     """The prefill engine of the control benchmark (a separate process): answer each room when ready."""
     from kvbridge.agent import TransferAgent
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
 
     layout = _control_layout()
@@ -123,13 +137,7 @@ def _serve_prefill(bootstrap: str, requests: int, n_pages: int) -> None:
     with TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL,
                        link=ZmqLink(bootstrap=bootstrap), instance="bench") as pre:
         for room in range(1, requests + 1):
-            sender = pre.sender(room)
-            while sender.poll() < KVPoll.WaitingForInput:
-                pre.link_wait(0.001)
-            sender.send(pages, last=True)
-            while not sender.safe_to_reuse:
-                pre.link_wait(0.001)
-            sender.clear()
+            send_request(pre, room, pages).clear()
         time.sleep(0.5)   # let the last notices drain before saying goodbye
 
 
