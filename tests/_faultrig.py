@@ -417,7 +417,9 @@ def _child_main() -> int:
                 receiver = agent.receiver(cmd["room"], job["instance"])
                 receivers[cmd["room"]] = receiver
                 receiver.send_metadata({c.name: np.asarray(cmd["dst"], np.int64) for c in agent.layout.components})
-                threading.Thread(target=_watch, args=(receiver, cmd["room"], stop, snapshot, cmd.get("snap_dir", "")),
+                snap_dir = cmd.get("snap_dir", "")      # no directory given: no snapshots (never the cwd)
+                threading.Thread(target=_watch, args=(receiver, cmd["room"], stop, snapshot if snap_dir else None,
+                                                      snap_dir),
                                  daemon=True).start()
             elif what == "connect":
                 _connect(agent, job)
