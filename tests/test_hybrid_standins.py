@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 import test_hybrid as th
-from kvbridge_ascend import standin as ascend_standin
-from kvbridge_ascend.testing import STANDIN_SPEC as ASCEND_STANDIN
-from kvbridge_mori import standin as mori_standin
-from kvbridge_mori.testing import STANDIN_SPEC as MORI_STANDIN
 
 from kvbridge.agent import TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.plugin import BackendSpec, hookimpl
 from kvbridge.registry import Registry
 from kvbridge.wire import KVPoll, Role
+from kvbridge_ascend import standin as ascend_standin
+from kvbridge_ascend.testing import STANDIN_SPEC as ASCEND_STANDIN
+from kvbridge_mori import standin as mori_standin
+from kvbridge_mori.testing import STANDIN_SPEC as MORI_STANDIN
 
 
 class _StandIns:
