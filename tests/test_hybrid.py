@@ -83,29 +83,36 @@ class Hybrid:
             agent.close()
 
 
+def build_hybrid(registry: Registry, models: tuple[Any, ...], pt: int, dt: int, *, backend: str = "loopback",
+                 decode_models: tuple[Any, ...] | None = None, connect: bool = True) -> Hybrid:
+    """Prefill ranks (TP ``pt``, progress threads running) and decode ranks (TP ``dt``) in this process, on a
+    LocalHub, over ``backend``; their buffers hold patterns no transfer produces."""
+    hub = LocalHub()
+    d_models = decode_models or models
+    src = [background(11 + r, models, pt, r) for r in range(pt)]
+    dst = [background(97 + r, d_models, dt, r) for r in range(dt)]
+    pre = [TransferAgent(layout=layout(models, pt, r), buffers=src[r], role=Role.PREFILL, link=hub.link(f"p{r}"),
+                         instance="hy", registry=registry, backend=backend) for r in range(pt)]
+    dec = [TransferAgent(layout=layout(d_models, dt, r), buffers=dst[r], role=Role.DECODE, link=hub.link(f"d{r}"),
+                         registry=registry, backend=backend) for r in range(dt)]
+    want = [{k: [b.copy() for b in v] for k, v in bufs.items()} for bufs in dst]
+    h = Hybrid(models, pt, dt, pre, dec, src, dst, want)
+    for a in pre:
+        a.start(0.002)
+    if connect:
+        for d in dec:
+            d.connect("hy", timeout_s=10)
+    return h
+
+
 @pytest.fixture
 def make_hybrid(registry: Registry) -> Iterator[Callable[..., Hybrid]]:
     made: list[Hybrid] = []
 
     def make(models: tuple[Any, ...], pt: int, dt: int, *, decode_models: tuple[Any, ...] | None = None,
              connect: bool = True) -> Hybrid:
-        hub = LocalHub()
-        d_models = decode_models or models
-        src = [background(11 + r, models, pt, r) for r in range(pt)]
-        dst = [background(97 + r, d_models, dt, r) for r in range(dt)]
-        pre = [TransferAgent(layout=layout(models, pt, r), buffers=src[r], role=Role.PREFILL, link=hub.link(f"p{r}"),
-                             instance="hy", registry=registry) for r in range(pt)]
-        dec = [TransferAgent(layout=layout(d_models, dt, r), buffers=dst[r], role=Role.DECODE, link=hub.link(f"d{r}"),
-                             registry=registry) for r in range(dt)]
-        h = Hybrid(models, pt, dt, pre, dec, src, dst,
-                   [{k: [b.copy() for b in v] for k, v in bufs.items()} for bufs in dst])
-        made.append(h)
-        for a in pre:
-            a.start(0.002)
-        if connect:
-            for d in dec:
-                d.connect("hy", timeout_s=10)
-        return h
+        made.append(build_hybrid(registry, models, pt, dt, decode_models=decode_models, connect=connect))
+        return made[-1]
 
     yield make
     for h in made:

@@ -17,10 +17,9 @@ import pytest
 import test_hybrid as th
 
 from kvbridge.agent import TransferAgent
-from kvbridge.links import LocalHub
 from kvbridge.plugin import BackendSpec, hookimpl
 from kvbridge.registry import Registry
-from kvbridge.wire import KVPoll, Role
+from kvbridge.wire import KVPoll
 from kvbridge_ascend import standin as ascend_standin
 from kvbridge_ascend.testing import STANDIN_SPEC as ASCEND_STANDIN
 from kvbridge_mori import standin as mori_standin
@@ -46,21 +45,8 @@ def make_pool(registry: Registry) -> Iterator[Callable[..., th.Hybrid]]:
     made: list[th.Hybrid] = []
 
     def make(backend: str, pt: int, dt: int) -> th.Hybrid:
-        hub, models = LocalHub(), th.GQA_POOL
-        src = [th.background(11 + r, models, pt, r) for r in range(pt)]
-        dst = [th.background(97 + r, models, dt, r) for r in range(dt)]
-        pre = [TransferAgent(layout=th.layout(models, pt, r), buffers=src[r], role=Role.PREFILL, backend=backend,
-                             link=hub.link(f"p{r}"), instance="hy", registry=registry) for r in range(pt)]
-        dec = [TransferAgent(layout=th.layout(models, dt, r), buffers=dst[r], role=Role.DECODE, backend=backend,
-                             link=hub.link(f"d{r}"), registry=registry) for r in range(dt)]
-        h = th.Hybrid(models, pt, dt, pre, dec, src, dst,
-                      [{k: [b.copy() for b in v] for k, v in bufs.items()} for bufs in dst])
-        made.append(h)
-        for agent in pre:
-            agent.start(0.002)
-        for agent in dec:
-            agent.connect("hy", timeout_s=10)
-        return h
+        made.append(th.build_hybrid(registry, th.GQA_POOL, pt, dt, backend=backend))
+        return made[-1]
 
     yield make
     for h in made:
