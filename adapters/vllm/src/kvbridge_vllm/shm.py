@@ -16,6 +16,7 @@ import mmap
 import os
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.hostpool import reap_segments
 
 __all__ = ["SEGMENT_PREFIX", "reap", "remap_to_shm"]
 
@@ -70,12 +71,4 @@ def remap_to_shm(addr: int, nbytes: int, tag: str) -> str:
 
 def reap(pid: int) -> list[str]:
     """Unlink the segments process ``pid`` made (for a test or supervisor cleaning up after a kill)."""
-    gone = []
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"{SEGMENT_PREFIX}{pid}-"):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-    return gone
+    return reap_segments(pid, SEGMENT_PREFIX)
