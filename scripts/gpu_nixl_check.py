@@ -39,7 +39,7 @@ def _sync(index: int) -> None:
         torch.cuda.synchronize(index)
 
 
-def _layout(tp: int, rank: int):  # noqa: ANN202
+def _layout(tp: int, rank: int):
     from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 
     bufs = tuple(BufferGeometry(name=f"{t}.{l}", num_items=POOL, item_shape=(PAGE, HEADS // tp, HEAD_DIM),
@@ -49,7 +49,7 @@ def _layout(tp: int, rank: int):  # noqa: ANN202
                       tp_rank=rank, page_size=PAGE, model="gpu-check")
 
 
-def _tensors(device: int, heads: int, seed: int | None):  # noqa: ANN202
+def _tensors(device: int, heads: int, seed: int | None):
     import torch
 
     out = []
@@ -63,15 +63,14 @@ def _tensors(device: int, heads: int, seed: int | None):  # noqa: ANN202
     return out
 
 
-def _registry():  # noqa: ANN202
+def _registry():
     import kvbridge_nixl
-
     from kvbridge.registry import Registry
 
     return Registry.build(plugins=[kvbridge_nixl])
 
 
-def _pages(placement: str):  # noqa: ANN202
+def _pages(placement: str):
     import numpy as np
 
     if placement == "contiguous":

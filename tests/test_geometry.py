@@ -9,8 +9,16 @@ import torch
 
 from kvbridge.errors import GeometryError, UnsupportedTopology
 from kvbridge.geometry import (
-    BufferGeometry, Component, DeviceKind, DType, MemoryRegion, PoolLayout, ShardAxis, geometry_of,
-    owned_range, region_of,
+    BufferGeometry,
+    Component,
+    DeviceKind,
+    DType,
+    MemoryRegion,
+    PoolLayout,
+    ShardAxis,
+    geometry_of,
+    owned_range,
+    region_of,
 )
 
 HEADS8 = ShardAxis(axis=1, total=8)

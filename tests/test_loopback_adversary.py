@@ -282,7 +282,7 @@ def test_a_peer_segment_in_dev_shm_is_written_exactly_and_only_there(prefill: Pr
     """The cross-process path (a peer that is not proven local): its segment is mapped and written in bounds."""
     seg = GuardedBuffer(SIZE, memory="shm")
     try:
-        from mmap import ALLOCATIONGRANULARITY   # the guard before the data is not page-aligned: offset != 0
+        from mmap import ALLOCATIONGRANULARITY  # the guard before the data is not page-aligned: offset != 0
 
         offset = 256
         assert offset % ALLOCATIONGRANULARITY

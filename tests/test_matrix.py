@@ -14,8 +14,8 @@ import zlib
 
 import numpy as np
 import pytest
-
 from _kvcase import KVModel, post_component
+
 from kvbridge.backends.base import PeerInfo, TransferBackend
 from kvbridge.errors import GeometryError, UnsupportedTopology
 from kvbridge.geometry import Component, PoolLayout, Rank, region_of

@@ -17,7 +17,13 @@ from kvbridge.demo.model import RequestShape
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import (
-    INSTANCE, SEGMENT_PREFIX, WorkerConfig, allocate_items, make_requests, reap_segments, run_worker,
+    INSTANCE,
+    SEGMENT_PREFIX,
+    WorkerConfig,
+    allocate_items,
+    make_requests,
+    reap_segments,
+    run_worker,
 )
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import HostPool

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
+
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
 from kvbridge.testkit import BackendTests, StateTypeTests
 from kvbridge.testkit.plugin import hardware_decision
@@ -461,6 +462,7 @@ def test_broken_state_types_fail_the_kit_checks(pytester: pytest.Pytester, selec
 
 def test_shrinking_can_be_turned_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     from hypothesis import Phase
+
     from kvbridge.testkit import plugin
 
     monkeypatch.delenv(plugin.NO_SHRINK_ENV, raising=False)
@@ -558,6 +560,7 @@ def test_third_party_distribution_runs_the_kit(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ core gaps found
 def test_an_engine_exception_in_send_fails_the_room_with_its_reason() -> None:
     import numpy as np
+
     from kvbridge.agent import AgentConfig
     from kvbridge.backends.loopback import LoopbackBackend
     from kvbridge.specs import BackendSpec, Capability

@@ -25,12 +25,19 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from _kvcase import post_component
 
 from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import GeometryError, IncompatiblePeer
-from _kvcase import post_component
 from kvbridge.geometry import (
-    BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis, region_of,
+    BufferGeometry,
+    Component,
+    DType,
+    IndexKind,
+    PoolLayout,
+    Rank,
+    ShardAxis,
+    region_of,
 )
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_agent import kv_buffers, kv_layout
 
 from kvbridge.agent import TransferAgent
 from kvbridge.errors import ProtocolError
@@ -18,10 +19,9 @@ def _envelope(body: object) -> list[object]:
     """A protocol-2 envelope around a raw body: version, sender, address, incarnations, sequence."""
     return [PROTOCOL_VERSION, "fuzz", "fuzz-address", 1, 0, 1, body]
 
-from test_agent import kv_buffers, kv_layout
-
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
 )

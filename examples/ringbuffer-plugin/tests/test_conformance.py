@@ -7,6 +7,7 @@ kvbridge itself will. Run with ``pytest tests/`` (the kit's pytest plugin loads 
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
 from kvbridge.testkit import StateTypeTests
 

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import pytest
+
 from kvbridge_ascend import standin
 
 real = pytest.importorskip("memfabric_hybrid", reason="memfabric-hybrid is not installed")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import IncompatiblePeer, PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion

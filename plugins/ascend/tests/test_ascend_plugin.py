@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvbridge_ascend
 import pytest
+
+import kvbridge_ascend
 from kvbridge.backends.base import TransferBackend
 from kvbridge.specs import Capability
 from kvbridge_ascend import standin

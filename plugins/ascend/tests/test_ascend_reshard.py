@@ -7,9 +7,10 @@ import os
 import socket
 from typing import Any
 
-import kvbridge_ascend
 import numpy as np
 import pytest
+
+import kvbridge_ascend
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
 from kvbridge.testkit import connected_ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
 from kvbridge.testkit import StateTypeTests
 from kvbridge_mamba import mamba_component
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, Rank, ShardAxis
 from kvbridge.planner import BufferPair, plan_transfer
-from kvbridge_mamba import MambaState, mamba_component
 from kvbridge.testkit.reshard import run_reshard
+from kvbridge_mamba import MambaState, mamba_component
 
 STATE = MambaState()
 

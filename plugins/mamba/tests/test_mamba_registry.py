@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 import kvbridge.state.kv
 import kvbridge_mamba
-import pytest
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import Component, IndexKind, PoolLayout
 from kvbridge.registry import Registry

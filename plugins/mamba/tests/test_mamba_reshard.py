@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
 from kvbridge.slicing import ComponentSlice, Segments
-from kvbridge_mamba import MambaState, mamba_component
 from kvbridge.testkit.reshard import TP_SIZES, assert_identity_at_equal_tp, run_reshard, shardable
+from kvbridge_mamba import MambaState, mamba_component
 
 STATE = MambaState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))

@@ -11,14 +11,26 @@ import numpy as np
 import pytest
 
 from kvbridge.backends.base import (
-    HandleState, PeerInfo, RegionWire, RegisteredBuffers, RemoteBuffers, TransferBackend,
+    HandleState,
+    PeerInfo,
+    RegionWire,
+    RegisteredBuffers,
+    RemoteBuffers,
+    TransferBackend,
 )
 from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion, Rank, region_of
 from kvbridge.planner import TransferPlan
 from kvbridge_mooncake.backend import MooncakeBackend
 from kvbridge_mooncake.testing import (
-    KVShape, drain_until, plan_between, raw_plan, reference_reshard, shard, transfer, unavailable_reason,
+    KVShape,
+    drain_until,
+    plan_between,
+    raw_plan,
+    reference_reshard,
+    shard,
+    transfer,
+    unavailable_reason,
     wait_all,
 )
 

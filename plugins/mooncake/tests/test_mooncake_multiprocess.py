@@ -19,8 +19,18 @@ import pytest
 from kvbridge.backends.base import HandleState, PeerInfo
 from kvbridge.geometry import Rank, region_of
 from kvbridge_mooncake.testing import (
-    KVShape, PeerSetup, decode_peer, plan_between, raw_plan, reference_reshard, shard, sink_peer, spawn_peer,
-    transfer, unavailable_reason, wait_all,
+    KVShape,
+    PeerSetup,
+    decode_peer,
+    plan_between,
+    raw_plan,
+    reference_reshard,
+    shard,
+    sink_peer,
+    spawn_peer,
+    transfer,
+    unavailable_reason,
+    wait_all,
 )
 
 NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
 from kvbridge_mori import standin
 
 ENUMS = {

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import PluginUnavailableError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion

@@ -6,8 +6,9 @@ import importlib.metadata as md
 import subprocess
 import sys
 
-import kvbridge_mori
 import pytest
+
+import kvbridge_mori
 from kvbridge.backends.base import TransferBackend
 from kvbridge.specs import Capability
 from kvbridge_mori import standin

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvbridge.backends.base import Poll
 from kvbridge.geometry import Rank
 from kvbridge.testkit import connected_backends, connected_ranks, page_plan

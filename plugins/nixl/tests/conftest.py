@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import kvbridge_nixl
 import pytest
+
+import kvbridge_nixl
 
 _AVAILABLE = kvbridge_nixl.probe()
 if not _AVAILABLE.available:

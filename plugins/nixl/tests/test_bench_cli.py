@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 import pytest
+
 from kvbridge_nixl import bench
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+
 from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
 from kvbridge.errors import RegionError
 from kvbridge.geometry import Rank

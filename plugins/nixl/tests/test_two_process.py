@@ -10,6 +10,7 @@ import platform
 from collections.abc import Callable
 
 import pytest
+
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.testing import run_two_process
 

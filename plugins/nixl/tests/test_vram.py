@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.testing import run_reshard, run_two_process
 

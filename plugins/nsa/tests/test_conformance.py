@@ -4,6 +4,7 @@ from position 0 (prefill may list more pages than decode needs)."""
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
 from kvbridge.testkit import RequestItems, StateTypeTests
 from kvbridge_nsa import nsa_component
 

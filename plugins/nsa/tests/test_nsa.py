@@ -5,17 +5,18 @@ from __future__ import annotations
 import itertools
 from functools import partial
 
-import kvbridge.state.kv
-import kvbridge_nsa
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import kvbridge.state.kv
+import kvbridge_nsa
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, Rank, ShardAxis
 from kvbridge.state.kv import KVState
-from kvbridge_nsa import NSAState, PageRange, indexer_pages, nsa_component
 from kvbridge.testkit import TP_SIZES, assert_state_type_installed, composed_types, run_reshard
+from kvbridge_nsa import NSAState, PageRange, indexer_pages, nsa_component
 
 STATE = NSAState()
 NUM_PAGES = 12

@@ -4,6 +4,7 @@ lists that start at different positions on the two sides (paired by position).""
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
 from kvbridge.testkit import RequestItems, StateTypeTests
 from kvbridge_swa import swa_component
 

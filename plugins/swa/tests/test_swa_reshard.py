@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from kvbridge.errors import UnsupportedTopology
 from kvbridge.geometry import Component, Rank
-from kvbridge_swa import SWAState, swa_component, window_pages
 from kvbridge.testkit.reshard import TP_SIZES, assert_identity_at_equal_tp, run_reshard, shardable
+from kvbridge_swa import SWAState, swa_component, window_pages
 
 STATE = SWAState()
 PAIRS = list(itertools.product(TP_SIZES, TP_SIZES))

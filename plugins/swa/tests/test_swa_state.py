@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import kvbridge.state.kv
-import kvbridge_swa
 import numpy as np
 import pytest
+
+import kvbridge.state.kv
+import kvbridge_swa
 from kvbridge.errors import GeometryError, IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, Rank, ShardAxis
 from kvbridge.registry import Registry

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbridge.errors import GeometryError
 from kvbridge_swa import PageRange, SWAState, align_by_position, max_window_pages, swa_component, window_pages
 
