@@ -11,6 +11,7 @@ way on the decode side.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -148,7 +149,6 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
                     recv.add(r)
             if len(sent) == pt and len(recv) == dt:
                 break
-            import time
             time.sleep(0.005)
         assert len(sent) == pt and len(recv) == dt, (sent, recv)
         for w in decode:
@@ -171,15 +171,23 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_failed_load_reports_blocks() -> None:
-    """A decode whose prefill instance never appears reports every block of the request as a load error."""
+    """A decode whose prefill instance never appears reports every block of the request as a load error, once
+    the handshake's time is up, without ever blocking the step that asked for the load."""
     hub = LocalHub()
     pool = pool_layout(allocate("cpu", HEADS), kind="cpu", total_kv_heads=HEADS, tp_size=1, tp_rank=0,
                        block_size=BLOCK)
     w = WorkerSide(settings=Settings(connect_timeout_s=0.3), pool=pool, produce=False, consume=True, instance="",
                    link_factory=lambda: hub.link("d"))
     try:
+        started = time.monotonic()
         w.load("req", LoadSpec(room=1, instance="nobody", block_ids=(3, 5), prefix_len=0))
-        assert w.finished([]) == (set(), {"req"})
+        assert time.monotonic() - started < 0.2, "load() blocked the engine's step on the handshake"
+        done: set[str] = set()
+        while not done and time.monotonic() - started < 10:
+            done = w.finished([])[1]
+            time.sleep(0.02)
+        assert done == {"req"}
+        assert 0.3 <= time.monotonic() - started < 5, "the load did not fail when the handshake timed out"
         assert w.load_errors() == {3, 5}
         assert w.load_errors() == set()
     finally:

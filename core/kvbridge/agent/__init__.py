@@ -30,6 +30,7 @@ Modules, one concern each (all internal except the names exported here):
 
 from kvbridge.agent.config import AgentConfig
 from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.handshake import Handshake
 from kvbridge.agent.transfer_agent import TransferAgent
 
-__all__ = ["AgentConfig", "Receiver", "Sender", "TransferAgent"]
+__all__ = ["AgentConfig", "Handshake", "Receiver", "Sender", "TransferAgent"]

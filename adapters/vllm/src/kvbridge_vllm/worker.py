@@ -3,8 +3,10 @@
 A prefill worker opens a ``Sender`` per request once the step that computed its last prompt token has run
 (``wait_for_save``), sends the whole request (every block after the decode's prefix) when the decode's
 request arrived, and reports the request done once ``safe_to_reuse`` and vLLM has finished it. A decode
-worker connects to the prefill instance once, opens a ``Receiver`` per request, and reports it done on
-Success, or its blocks as load errors on Failure (once no write can still land in them).
+worker starts a handshake with a prefill instance the first time a request names it (never blocking the
+engine's step: the room waits until the handshake completes, and fails if it is refused or times out),
+opens a ``Receiver`` per request, and reports it done on Success, or its blocks as load errors on Failure
+(once no write can still land in them).
 
 Layer-wise posting is not in the core yet: the whole request is posted at once.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.agent import Receiver, Sender, TransferAgent
+from kvbridge.agent import Handshake, Receiver, Sender, TransferAgent
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import Link
 from kvbridge.wire import KVPoll, Role
@@ -67,6 +69,7 @@ class _Sending:
 class _Receiving:
     receiver: Receiver | None
     blocks: np.ndarray
+    instance: str = ""
     failed: str = ""
     flip_layer: int = -1
 
@@ -83,7 +86,7 @@ class WorkerSide:
                                                      secret=settings.secret_bytes))
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, _Receiving] = {}
-        self._connected: set[str] = set()
+        self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
         self._load_errors: set[int] = set()
         # Sends wait for the decode's request, which arrives after vLLM finished the prefill request (maybe
         # while the engine is idle): a thread posts them, get_finished() reports them.
@@ -167,9 +170,7 @@ class WorkerSide:
             raise KVBridgeError(f"request {req_id}: this worker does not consume KV (kv_role)")
         blocks = np.asarray(spec.block_ids, dtype=np.int64)
         try:
-            if spec.instance not in self._connected:
-                self.decode.connect(spec.instance, timeout_s=self.settings.connect_timeout_s)
-                self._connected.add(spec.instance)
+            self._handshake(spec.instance)
             receiver = self.decode.receiver(spec.room, spec.instance)
             receiver.send_metadata({KV_COMPONENT: blocks}, prefix_len=spec.prefix_len)
         except (KVBridgeError, TimeoutError) as exc:
@@ -177,7 +178,39 @@ class WorkerSide:
                         spec.instance, exc)
             self._receiving[req_id] = _Receiving(receiver=None, blocks=blocks, failed=str(exc))
             return
-        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks, flip_layer=spec.flip_layer)
+        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks, instance=spec.instance,
+                                             flip_layer=spec.flip_layer)
+
+    def _handshake(self, instance: str) -> None:
+        """Start a handshake with ``instance`` unless one is under way or done. It never blocks vLLM's step:
+        the agent's progress thread completes it while the request's room waits (Bootstrapping)."""
+        assert self.decode is not None
+        with self.decode.context.lock:
+            current = self._shakes.get(instance)
+            if current is not None and current[0].refused is None and (
+                    current[0].done or time.monotonic() < current[1]):
+                return
+        timeout = self.settings.connect_timeout_s
+        shake = self.decode.connect_async(instance, timeout_s=timeout)
+        self._shakes[instance] = (shake, time.monotonic() + timeout)
+
+    def _handshake_failure(self, instance: str) -> str:
+        """Why the handshake with ``instance`` cannot complete ("" while it can)."""
+        assert self.decode is not None
+        entry = self._shakes.get(instance)
+        if entry is None:
+            return ""
+        shake, deadline = entry
+        with self.decode.context.lock:
+            if shake.done:
+                return ""
+            refused = shake.refused
+            if refused is not None:
+                return f"prefill instance {instance!r} refused the handshake: {refused.reason}"
+        if time.monotonic() > deadline:
+            return (f"handshake with prefill instance {instance!r} did not complete in "
+                    f"{self.settings.connect_timeout_s} s")
+        return ""
 
     # ------------------------------------------------------------------ every step
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
@@ -212,6 +245,11 @@ class WorkerSide:
                 del self._receiving[req_id]
                 continue
             status = recv.receiver.poll()
+            if status == KVPoll.Bootstrapping:
+                reason = self._handshake_failure(recv.instance)
+                if reason:
+                    recv.receiver.abort(reason)
+                    status = recv.receiver.poll()
             if status == KVPoll.Success:
                 self.dump(f"decode-room{recv.receiver.room}", recv.blocks)
                 self.flip(recv.blocks, recv.flip_layer)
