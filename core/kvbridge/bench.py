@@ -6,6 +6,9 @@
   262,016 descriptors and 143 ms / 4,194,304 descriptors, shared/DESIGN.md section 10).
 * ``control``: control-plane overhead of a 128-token request end to end (two agents over real ZMQ
   sockets, loopback backend), p50/p99, against a ZMQ PUSH/PULL round trip and a memcpy of the bytes.
+* ``transfer``: kvbridge end to end through the agent (GPU when CUDA is present, host otherwise) against
+  raw NIXL and a plain copy of the same bytes, per page size, TP pair, page layout and placement; 128-token
+  latency; layer-wise streaming with simulated compute; JSON and PNG plots (``kvbridge.bench_transfer``).
 * ``--backend NAME``: the backend plugin's own benchmark, the entry its spec names (``BackendSpec.bench``),
   e.g. kvbridge over NIXL against raw NIXL and memcpy.
 """
@@ -285,6 +288,13 @@ def main_control() -> int:
           f"progress thread (poll reads kept state), {p['poll_all_ms_no_thread']:.2f} ms without it (each poll "
           "runs one progress step)")
     return 0
+
+
+def main_transfer(args: Any) -> int:
+    """``kvbridge bench transfer`` with the parsed command line (see ``kvbridge.bench_transfer``)."""
+    from kvbridge.bench_transfer import main
+
+    return main(args)
 
 
 def main_backend(name: str, registry: Registry | None = None) -> int:

@@ -44,13 +44,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from kvbridge import bench
+    from kvbridge.bench_transfer import TRANSFER_ARGS
 
+    if args.what == "transfer":
+        return bench.main_transfer(args)
+    given = [name for name in TRANSFER_ARGS if getattr(args, name) is not None]
+    if given:
+        flags = ", ".join("--" + {"json_path": "json"}.get(n, n).replace("_", "-") for n in given)
+        print(f"kvbridge bench: {flags} apply to `kvbridge bench transfer` only", file=sys.stderr)
+        return 2
     if args.backend:
         return bench.main_backend(args.backend)
     return {"planner": bench.main_planner, "control": bench.main_control}[args.what]()
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvbridge.bench_transfer import add_arguments as add_transfer_arguments
+
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list installed backends and state types, and whether they run here")
@@ -69,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dump", default=None, metavar="DIR", help="write decode buffers and indices as .npy")
     d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="benchmarks, printed as ratios against a baseline of the same run")
-    b.add_argument("what", nargs="?", choices=("planner", "control"), default="planner")
-    b.add_argument("--backend", default=None, help="run this backend plugin's benchmark instead")
+    b.add_argument("what", nargs="?", choices=("planner", "control", "transfer"), default="planner",
+                   help="planner, control, or transfer (kvbridge end to end vs raw NIXL and a copy; JSON, plots)")
+    b.add_argument("--backend", default=None,
+                   help="run this backend plugin's benchmark instead; with `transfer`: the backend kvbridge uses "
+                        "(default nixl when usable, else loopback)")
+    add_transfer_arguments(b)
     b.set_defaults(func=_bench)
     return parser
 
