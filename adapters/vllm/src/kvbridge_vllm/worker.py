@@ -140,6 +140,8 @@ class WorkerSide:
             state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
                                                      blocks=np.asarray(spec.block_ids, dtype=np.int64))
             self.dump(f"prefill-room{spec.room}", state.blocks)
+            log.debug("kvbridge: request %s (room %d): %d blocks computed, waiting for the decode's request", req_id,
+                      spec.room, len(state.blocks))
             self._advance_send(req_id, state)
 
     def _advance_send(self, req_id: str, state: _Sending) -> None:
@@ -159,6 +161,8 @@ class WorkerSide:
                 return
         skip = state.sender.decode_prefix_len // self.block_size
         state.sent = True
+        log.debug("kvbridge: request %s (room %d): sending %d blocks after the decode's %d cached", req_id,
+                  state.sender.room, len(state.blocks) - skip, skip)
         try:
             state.sender.send(state.blocks[skip:], last=True)
         except KVBridgeError as exc:
@@ -169,6 +173,8 @@ class WorkerSide:
         if self.decode is None:
             raise KVBridgeError(f"request {req_id}: this worker does not consume KV (kv_role)")
         blocks = np.asarray(spec.block_ids, dtype=np.int64)
+        log.debug("kvbridge: request %s (room %d): loading %d blocks from %r after a %d-token prefix", req_id,
+                  spec.room, len(blocks), spec.instance, spec.prefix_len)
         try:
             self._handshake(spec.instance)
             receiver = self.decode.receiver(spec.room, spec.instance)
@@ -251,6 +257,7 @@ class WorkerSide:
                     recv.receiver.abort(reason)
                     status = recv.receiver.poll()
             if status == KVPoll.Success:
+                log.debug("kvbridge: request %s (room %d): loaded", req_id, recv.receiver.room)
                 self.dump(f"decode-room{recv.receiver.room}", recv.blocks)
                 self.flip(recv.blocks, recv.flip_layer)
             elif status == KVPoll.Failed:
