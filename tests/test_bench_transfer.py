@@ -1,0 +1,168 @@
+"""``kvbridge bench transfer`` on the CPU: the smoke run CI can afford (small sizes, seconds), its JSON
+fields and its plots. No timing is asserted: only that every number exists and every byte was verified."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge import bench_transfer as bt
+from kvbridge.bench_plots import MISSING, write_plots
+from kvbridge.cli import main as cli_main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _kvbridge(*args: str, timeout: float = 240, shm_run: str | None = None) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("kvbridge")
+    cmd = [str(script)] if script.exists() else [shutil.which("kvbridge") or "kvbridge"]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS")}
+    if shm_run:
+        env["KVBRIDGE_SHM_RUN"] = shm_run       # the run tag in the names of its /dev/shm segments
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    done = _kvbridge("bench", "transfer", "--quick", "--device", "cpu", "--layerwise", "--json", str(out / "r.json"),
+                     "--plots", str(out / "plots"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, json.loads((out / "r.json").read_text()), out
+
+
+def test_quick_run_writes_every_field(quick: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    done, result, _ = quick
+    machine = result["machine"]
+    assert machine["device"] == "cpu" and machine["cpus"] >= 1 and machine["cpu"]
+    assert machine["date"] and machine["command"].startswith("kvbridge bench transfer --quick")
+    assert "kvbridge" in machine["versions"] and "numpy" in machine["versions"]
+    assert result["settings"]["backend"] in ("nixl", "loopback")
+    cases = result["cases"]
+    assert {(c["prefill_tp"], c["decode_tp"], c["placement"]) for c in cases} == {
+        (1, 1, "scattered"), (1, 1, "contiguous"), (2, 1, "scattered")}
+    for c in cases:
+        assert c["error"] is None, c["error"]
+        assert c["verified"] is True, c["case"]
+        assert c["bytes"] == c["tokens"] * c["layers"] * 2 * bt.HEADS * bt.ROW > 0
+        assert c["descriptors"] >= 1 and len(c["seconds"]) == 2 and all(s > 0 for s in c["seconds"])
+        assert c["gbps"] > 0 and c["copy_gbps"] > 0 and c["vs_copy"] > 0
+        assert (c["raw_nixl_gbps"] is None) == (c["vs_raw_nixl"] is None)
+        assert c["case"] in done.stdout
+    contiguous = next(c for c in cases if c["placement"] == "contiguous")
+    scattered = next(c for c in cases if c["placement"] == "scattered" and c["prefill_tp"] == 1)
+    assert contiguous["descriptors"] < scattered["descriptors"]      # adjacent pages merge
+    assert result["baselines"] and all(b["copy"]["gbps"] > 0 for b in result["baselines"])
+    lat = result["latency"]
+    assert lat["error"] is None and lat["tokens"] == 128 and not lat["failed"]
+    assert lat["p50_ms"] > 0 and lat["control_rtt_ms"] > 0 and lat["raw_transfer_ms"] > 0
+    assert lat["bound_ms"] > lat["control_rtt_ms"] + lat["raw_transfer_ms"]
+    assert "p50" in done.stdout and "kvb/raw" in done.stdout
+
+
+def test_quick_run_layerwise(quick: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    done, result, _ = quick
+    lw = result["layerwise"]
+    assert lw["error"] is None, lw["error"]
+    assert lw["available"] is bt.layerwise_supported()
+    at_end = lw["modes"]["at_end"]
+    assert lw["verified_at_end"] is True and len(at_end["tail_s"]) == 2
+    assert len(at_end["timeline"]["groups"]) == lw["layers"]
+    assert lw["one_group_transfer_s"] > 0 and lw["compute_per_layer_s"] > 0
+    if lw["available"]:
+        assert lw["verified_layerwise"] is True and lw["tail_over_one_group"] > 0
+        assert len(lw["modes"]["layerwise"]["timeline"]["groups"]) == lw["layers"]
+    else:
+        assert lw["reason"] == bt.NOT_AVAILABLE and "layer-wise: not available in this build" in done.stdout
+        assert "layerwise" not in lw["modes"]
+
+
+def test_quick_run_plots(quick: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    _, result, out = quick
+    names = {"cpu-throughput-vs-page.png", "cpu-throughput-vs-tp.png", "cpu-layerwise-timeline.png"}
+    if not _has_matplotlib():
+        assert result["plots"] == [] and MISSING in result["notes"]
+        return
+    assert {Path(p).name for p in result["plots"]} == names
+    for name in names:
+        assert (out / "plots" / name).read_bytes()[:8] == PNG
+
+
+def test_loopback_head_major_one_to_two(tmp_path: Path) -> None:
+    """The /dev/shm path of the loopback backend, one prefill rank feeding two decode ranks, head-major."""
+    tag = f"bt{secrets.token_hex(4)}"
+    done = _kvbridge("bench", "transfer", "--quick", "--device", "cpu", "--backend", "loopback", "--tp-pairs", "1-2",
+                     "--layouts", "head-major", "--placements", "scattered", "--latency-requests", "5",
+                     "--json", str(tmp_path / "r.json"), shm_run=tag)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    [case] = result["cases"]
+    assert result["settings"]["backend"] == "loopback" and result["layerwise"] is None
+    assert case["verified"] is True and (case["prefill_tp"], case["decode_tp"], case["layout"]) == (1, 2, "head-major")
+    assert not list(Path("/dev/shm").glob(f"kvbridge-bench-{tag}-*"))       # every pool unlinked its segments
+
+
+def test_plots_without_matplotlib_say_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert write_plots({"machine": {}, "cases": []}, tmp_path) == ([], MISSING)
+
+
+def test_transfer_flags_are_refused_by_the_other_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "planner", "--sizes", "1GiB", "--quick"]) == 2
+    assert "--sizes, --quick apply to `kvbridge bench transfer` only" in capsys.readouterr().err
+
+
+def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "transfer", "--tp-pairs", "3-1"]) == 2
+    assert "8 KV heads must split evenly" in capsys.readouterr().err
+    assert cli_main(["bench", "transfer", "--layouts", "diagonal"]) == 2
+    assert "choose from token-major, head-major" in capsys.readouterr().err
+
+
+def test_parsing_and_case_sizes() -> None:
+    assert bt.parse_size("64MiB") == 64 << 20 and bt.parse_size("1GiB") == 1 << 30
+    assert bt.parse_size("512k") == 512 << 10
+    assert bt.parse_tp_pairs("1-1, 4-2") == ((1, 1), (4, 2))
+    with pytest.raises(ValueError):
+        bt.parse_size("lots")
+    r = bt.resolve_options(bt.Options(sizes=(1 << 30,), page_tokens=(16, 64)), "cuda", "nixl")
+    cases = bt.sweep_cases(r)
+    assert len(cases) == 2 * 4 * 2 + 2 * 2       # pages x pairs x layouts scattered, + contiguous for 1-1
+    assert {c.nbytes for c in cases} == {1 << 30} and all(c.layers == 32 and c.pool_tokens == 32768 for c in cases)
+    src, dst = bt.placement_pages(cases[0])
+    assert len(set(src.tolist())) == len(src) == cases[0].pages and dst.max() < cases[0].pool_pages
+
+
+def test_gpu_link_reads_the_topology_matrix() -> None:
+    topo = ("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\n"
+            "GPU0\t X \tNV18\t0-31\t0\n"
+            "GPU1\tNV18\t X \t0-31\t0\n")
+    assert bt.gpu_link(topo) == "NV18" and bt.gpu_link(topo, 1, 0) == "NV18"
+    assert bt.gpu_link(None) is None and bt.gpu_link("GPU0\n") is None
+
+
+def test_main_returns_non_zero_on_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = {"cases": [{"error": "boom"}], "latency": None, "layerwise": None}
+    monkeypatch.setattr(bt, "run", lambda opts, out: result)
+    monkeypatch.setattr(bt, "format_report", lambda r: "")
+    args = argparse.Namespace(**{name: None for name in bt.TRANSFER_ARGS}, backend=None)
+    assert bt.main(args) == 1
+    result["cases"] = [{"error": "skipped: past the 1 s budget"}]
+    assert bt.main(args) == 0
