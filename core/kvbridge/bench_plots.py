@@ -20,6 +20,13 @@ MISSING = ("matplotlib is not installed: no plots (pip install 'kvbridge[bench]'
            "the JSON is written anyway")
 
 
+def _size(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def _title(result: dict[str, Any]) -> str:
     m = result["machine"]
     if m["device"] == "cuda":
@@ -92,7 +99,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
         pages = sorted({c["page_tokens"] for c in at_pair})
         fig, ax = plt.subplots(figsize=(8, 4.5))
         _bars(ax, [f"{p}-token pages" for p in pages], _series(at_pair, lambda c: c["page_tokens"], pages))
-        ax.set_title(f"Throughput vs page size: {size / 2**30:.3g} GiB requests, TP {pair[0]}->{pair[1]}\n{title}",
+        ax.set_title(f"Throughput vs page size: {_size(size)} requests, TP {pair[0]}->{pair[1]}\n{title}",
                      fontsize=9)
         written.append(_save(fig, out / f"{prefix}throughput-vs-page.png", plt))
 
@@ -104,7 +111,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
               _series(at_page, lambda c: (c["prefill_tp"], c["decode_tp"]), keys))
         shared = sorted({c["shared_gpu"] for c in at_page if c.get("shared_gpu")})
         note = "\n(" + "; ".join(shared) + ")" if shared else ""
-        ax.set_title(f"Throughput vs TP pair: {size / 2**30:.3g} GiB requests, {page}-token pages\n{title}{note}",
+        ax.set_title(f"Throughput vs TP pair: {_size(size)} requests, {page}-token pages\n{title}{note}",
                      fontsize=9)
         written.append(_save(fig, out / f"{prefix}throughput-vs-tp.png", plt))
 

@@ -125,7 +125,8 @@ class Options:
     timeout_s: float = 300.0
     budget_s: float | None = None              # throughput cases starting later than this are skipped
     plugins: tuple[str, ...] = ()              # extra plugin modules (a source tree without entry points)
-    extra_cases: tuple[Case, ...] = ()         # appended to the sweep (scripts/gpu_transfer_bench.py)
+    extra_cases: tuple[Case, ...] = ()         # measured before the sweep (scripts/gpu_transfer_bench.py)
+    last_cases: tuple[Case, ...] = ()          # measured after it (slow ones: the time budget may skip them)
     command: str = ""
 
 
@@ -1149,7 +1150,9 @@ def machine_info(device: str, devices: tuple[str, str], command: str) -> dict[st
         "command": command, "cpu": cpu or platform.processor(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "platform": platform.platform(),
         "versions": _version("kvbridge", "torch", "numpy", "nixl", "nixl-cu12", "nixl-cu13", "pyzmq", "matplotlib"),
-        "git": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]),
+        # a copy of the tree without .git (a GPU host): KVBRIDGE_REV=<commit> names what was measured
+        "git": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
+        or os.environ.get("KVBRIDGE_REV"),
         "device": device, "devices": list(devices),
     }
     if device == "cuda":
@@ -1214,7 +1217,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
     device, why = detect_device(opts.device)
     backend = choose_backend(opts.backend, device, opts.plugins)
     r = resolve_options(opts, device, backend)
-    cases = sweep_cases(r) + list(opts.extra_cases)
+    cases = list(opts.extra_cases) + sweep_cases(r) + list(opts.last_cases)
     devices = _devices(device)
     command = opts.command or " ".join(["kvbridge", *sys.argv[1:]])
     result: dict[str, Any] = {"kind": "kvbridge bench transfer", "machine": machine_info(device, devices, command),
@@ -1222,7 +1225,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
                                            "device_reason": why, "layer_group": opts.layer_group,
                                            "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
                               "cases": [], "baselines": [], "latency": None, "layerwise": None,
-                              "host_staging": None, "plots": [], "notes": []}
+                              "host_staging": None, "goals": [], "plots": [], "notes": []}
     m = result["machine"]
     print(f"kvbridge bench transfer: {device} ({why}), backend {backend}, {len(cases)} cases", file=out)
     if device == "cuda":
@@ -1263,6 +1266,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
         ranks.close()
         server.close()
     result["host_staging"] = _host_staging()
+    result["goals"] = goals(result)
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -1281,6 +1285,50 @@ def _host_staging() -> dict[str, Any]:
             "gather_vs_memcpy": gather / memcpy, "scatter_vs_memcpy": scatter / memcpy}
 
 
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 14's goals against this run: (goal, target, measured worst case, met). The targets are GPU
+    targets; on a host run the same ratios are shown for orientation only."""
+    rows = [c for c in result["cases"] if not c["error"] and c.get("group") == "sweep"]
+    out: list[dict[str, Any]] = []
+
+    def worst(goal: str, target: float, picked: list[dict[str, Any]]) -> None:
+        vals = [c for c in picked if c.get("vs_raw_nixl") is not None]
+        if not vals:
+            return
+        low = min(vals, key=lambda c: c["vs_raw_nixl"])
+        out.append({"goal": goal, "target": f">= {target} x raw NIXL (1 descriptor)",
+                    "measured": f"{low['vs_raw_nixl']:.3f} x (worst: {low['case']}; {len(vals)} cases)",
+                    "met": bool(low["vs_raw_nixl"] >= target)})
+
+    worst("same TP, scattered pages", 0.8,
+          [c for c in rows if c["prefill_tp"] == c["decode_tp"] and c["placement"] == "scattered"])
+    worst("hetero TP, scattered pages", 0.8,
+          [c for c in rows if c["prefill_tp"] != c["decode_tp"] and c["placement"] == "scattered"])
+    worst("same TP, contiguous pages", 0.9, [c for c in rows if c["placement"] == "contiguous"])
+    lat = result.get("latency")
+    if lat and not lat.get("error"):
+        out.append({"goal": "128-token request latency p50", "target": "<= control RTT + raw transfer + 0.2 ms",
+                    "measured": f"{lat['p50_ms']:.3f} ms vs {lat['bound_ms']:.3f} ms",
+                    "met": bool(lat["p50_ms"] <= lat["bound_ms"])})
+    lw = result.get("layerwise")
+    if lw and not lw.get("error"):
+        if lw.get("tail_over_one_group") is not None:
+            out.append({"goal": "layer-wise tail after the last layer's compute",
+                        "target": "<= 1.5 x one layer group's transfer",
+                        "measured": f"{lw['tail_over_one_group']:.2f} x",
+                        "met": bool(lw["tail_over_one_group"] <= 1.5)})
+        else:
+            out.append({"goal": "layer-wise tail after the last layer's compute",
+                        "target": "<= 1.5 x one layer group's transfer", "measured": lw["reason"], "met": False})
+    hs = result.get("host_staging")
+    if hs and "error" not in hs:
+        ratio = min(hs["gather_vs_memcpy"], hs["scatter_vs_memcpy"])
+        out.append({"goal": "host staging gather and scatter", "target": ">= 0.7 x memcpy",
+                    "measured": f"{hs['gather_vs_memcpy']:.2f} x / {hs['scatter_vs_memcpy']:.2f} x",
+                    "met": bool(ratio >= 0.7)})
+    return out
+
+
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -1291,17 +1339,18 @@ def format_report(result: dict[str, Any]) -> str:
     head = f"{m['device']}: " + (f"{m.get('gpus')} link {m.get('link')}" if m["device"] == "cuda" else
                                  f"{m['cpu']} x {m['cpus']}")
     lines.append(f"kvbridge bench transfer, {m['date']}, backend {result['settings']['backend']}; {head}")
-    lines.append(f"{'case':<52} {'descs':>8} {'kvbridge':>9} {'raw NIXL':>9} {'copy':>8} {'kvb/raw':>8} "
+    w = max([len(c["case"]) for c in result["cases"]] + [40])
+    lines.append(f"{'case':<{w}} {'descs':>9} {'kvbridge':>9} {'raw NIXL':>9} {'copy':>8} {'kvb/raw':>8} "
                  f"{'kvb/copy':>8} {'ok':>3}")
-    lines.append(f"{'':<52} {'/request':>8} {'GB/s':>9} {'GB/s':>9} {'GB/s':>8} {'':>8} {'':>8}")
+    lines.append(f"{'':<{w}} {'/request':>9} {'GB/s':>9} {'GB/s':>9} {'GB/s':>8} {'':>8} {'':>8}")
     notes = []
     for c in result["cases"]:
         if c["error"]:
             word = "SKIPPED" if c["error"].startswith("skipped") else "FAILED"
-            lines.append(f"{c['case']:<52} {word}: {c['error'].splitlines()[0][:120]}")
+            lines.append(f"{c['case']:<{w}} {word}: {c['error'].splitlines()[0][:120]}")
             continue
         ok = "yes" if c.get("verified") else "NO"
-        lines.append(f"{c['case']:<52} {c['descriptors']:>8,} {c['gbps']:>9.2f} {_f(c['raw_nixl_gbps']):>9} "
+        lines.append(f"{c['case']:<{w}} {c['descriptors']:>9,} {c['gbps']:>9.2f} {_f(c['raw_nixl_gbps']):>9} "
                      f"{c['copy_gbps']:>8.2f} {_f(c['vs_raw_nixl'], '.3f'):>8} {c['vs_copy']:>8.3f} {ok:>3}")
         if c["shared_gpu"] and c["shared_gpu"] not in notes:
             notes.append(c["shared_gpu"])
@@ -1340,6 +1389,12 @@ def format_report(result: dict[str, Any]) -> str:
                      f"({hs['gather_vs_memcpy']:.2f}x / {hs['scatter_vs_memcpy']:.2f}x)")
     elif hs:
         lines.append(f"host staging: {hs['error']}")
+    rows = goals(result)
+    if rows:
+        where = "" if m["device"] == "cuda" else " (GPU targets; host figures for orientation only)"
+        lines.append(f"issue 14 goals{where}:")
+        for g in rows:
+            lines.append(f"  [{'met' if g['met'] else 'NOT met'}] {g['goal']}: {g['target']}; measured {g['measured']}")
     return "\n".join(lines)
 
 
