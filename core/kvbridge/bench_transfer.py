@@ -59,6 +59,7 @@ LAYER_PARAMS = 218_103_808                 # Llama-3-8B layer: attention 4096x(4
 HIDDEN = 4096
 LAYOUTS = ("token-major", "head-major")
 PLACEMENTS = ("scattered", "contiguous")
+TORCH_ENV = "KVBRIDGE_BENCH_TORCH"         # "1": torch tensors on the host too (dry run of the GPU code)
 SLOW_S = 2.0                               # a warm-up round this slow: one timed round only
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 NOT_AVAILABLE = "layer-wise: not available in this build (Sender.send takes no layers=)"
@@ -282,7 +283,8 @@ def _host_block(seed: int, rank: int, nbuf: int, pool: int, item: int) -> np.nda
     return np.frombuffer(bytearray(rng.bytes(nbuf * pool * item)), np.uint8).reshape(nbuf, pool, item)
 
 
-def _cuda_block(seed: int, rank: int, nbuf: int, pool: int, item: int, device: str) -> Any:
+def _torch_block(seed: int, rank: int, nbuf: int, pool: int, item: int, device: str) -> Any:
+    """The same for a torch tensor on ``device`` (regenerated on the same device, it is the same bytes)."""
     import torch
 
     out = torch.empty((nbuf, pool, item), dtype=torch.uint8, device=device)
@@ -304,6 +306,8 @@ class _Rank:
         self.timeout_s: float = spec["timeout_s"]
         self.registry = _registry(spec["plugins"])
         self.cuda = self.device.startswith("cuda")
+        # torch tensors: on a GPU, or on the host as a dry run of the GPU code paths (KVBRIDGE_BENCH_TORCH=1)
+        self.use_torch = self.cuda or (os.environ.get(TORCH_ENV) == "1" and self.backend != "loopback")
         if self.cuda:
             import torch
 
@@ -361,15 +365,15 @@ class _Rank:
         default = AgentConfig().staging_bytes
         staging_bytes = default if case.staging_bytes is None else case.staging_bytes
         staging = None
-        if self.cuda:
+        if self.use_torch:
             import torch
 
             if prefill:
-                self.data = _cuda_block(case.seed, self.rank, nbuf, case.pool_pages, item, self.device)
+                self.data = _torch_block(case.seed, self.rank, nbuf, case.pool_pages, item, self.device)
             else:
                 self.data = torch.zeros((nbuf, case.pool_pages, item), dtype=torch.uint8, device=self.device)
             buffers = [self.data[b] for b in range(nbuf)]
-            torch.cuda.synchronize()
+            self._sync()
         elif self.backend == "loopback":       # a peer process writes into our pool: /dev/shm
             from kvbridge.hostpool import HostPool
             from kvbridge.shmnames import segment_prefix
@@ -498,13 +502,13 @@ class _Rank:
         assert case is not None
         pages = np.asarray(msg["pages"])
         buffers = self.pool.buffers["kv"] if self.pool is not None else [self.data[b] for b in range(2 * case.layers)]
-        if self.cuda:
+        if self.use_torch:
             import torch
 
             idx = torch.as_tensor(pages, device=self.device)
             for buf in buffers:
                 buf[idx] = 0
-            torch.cuda.synchronize()
+            self._sync()
         else:
             for buf in buffers:
                 buf[pages] = 0
@@ -534,10 +538,10 @@ class _Rank:
             block: Any
             s_idx: Any
             d_idx: Any
-            if self.cuda:
+            if self.use_torch:
                 import torch
 
-                block = _cuda_block(case.seed, p, nbuf, case.pool_pages, item, self.peer_device)
+                block = _torch_block(case.seed, p, nbuf, case.pool_pages, item, self.peer_device)
                 s_idx = torch.as_tensor(src, device=self.peer_device)
                 d_idx = torch.as_tensor(dst, device=self.device)
             else:
@@ -546,7 +550,7 @@ class _Rank:
             for b in range(nbuf):
                 got = _heads_of(buffers[b][d_idx], case, d_hi - d_lo, lo - d_lo, hi - d_lo)
                 want = _heads_of(block[b][s_idx], case, p_hi - p_lo, lo - p_lo, hi - p_lo)
-                if self.cuda:
+                if self.use_torch:
                     import torch
 
                     ok = ok and bool(torch.equal(got, want.to(self.device)))
@@ -634,12 +638,13 @@ class _Rank:
         dst = self._alloc(nbytes, msg["dst_device"])
         for _ in range(msg["repeats"] + 1):
             t0 = time.perf_counter()
-            if self.cuda:
-                import torch
-
+            if self.use_torch:
                 dst.copy_(src)
-                torch.cuda.synchronize(src.device)
-                torch.cuda.synchronize(dst.device)
+                if self.cuda:
+                    import torch
+
+                    torch.cuda.synchronize(src.device)
+                    torch.cuda.synchronize(dst.device)
             else:
                 np.copyto(dst, src)
             seconds.append(time.perf_counter() - t0)
@@ -648,11 +653,12 @@ class _Rank:
         conn.send({"seconds": seconds[1:]})
 
     def _alloc(self, nbytes: int, device: str, fill: int = 0) -> Any:
-        if device.startswith("cuda"):
+        if self.use_torch:
             import torch
 
             out = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
-            torch.cuda.synchronize(out.device)
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
             return out
         arr = np.empty(nbytes, np.uint8)
         arr.fill(fill)
@@ -695,18 +701,20 @@ class _Rank:
 
     # -- simulated compute (layer-wise)
     def op_prepare_compute(self, conn: Any, msg: dict[str, Any]) -> None:
+        """Prefill: ``rows x cols`` @ ``cols x cols`` matmuls, ``reps`` per layer (``dtype``: bfloat16 on GPU)."""
         x: Any
-        if self.cuda:
+        rows, cols = msg["rows"], msg["cols"]
+        if self.use_torch:
             import torch
 
-            x = torch.randn((msg["tokens"], HIDDEN), dtype=torch.bfloat16, device=self.device)
-            w = torch.randn((HIDDEN, HIDDEN), dtype=torch.bfloat16, device=self.device) / 64
+            dtype = getattr(torch, msg["dtype"])
+            x = torch.randn((rows, cols), dtype=dtype, device=self.device)
+            w = torch.randn((cols, cols), dtype=dtype, device=self.device) / 64
             self.compute = (x, w, torch.empty_like(x), msg["reps"])
         else:
-            n = msg["n"]
             rng = np.random.default_rng(1)
-            x = rng.standard_normal((n, n), dtype=np.float32)
-            self.compute = (x, x.copy(), np.empty_like(x), msg["reps"])
+            x = rng.standard_normal((rows, cols), dtype=np.float32)
+            self.compute = (x, rng.standard_normal((cols, cols), dtype=np.float32), np.empty_like(x), msg["reps"])
         t0 = time.perf_counter()
         self._compute(1)
         self._compute(1)
@@ -714,12 +722,13 @@ class _Rank:
 
     def _compute(self, layers: int) -> None:
         x, w, y, reps = self.compute
-        if self.cuda:
+        if self.use_torch:
             import torch
 
             for _ in range(layers * reps):
                 torch.mm(x, w, out=y)
-            torch.cuda.current_stream().synchronize()   # the layer's KV is written: it may travel
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()   # the layer's KV is written: it may travel
         else:
             for _ in range(layers * reps):
                 np.matmul(x, w, out=y)
@@ -1047,11 +1056,11 @@ class Bench:
         gpu = self.r.device == "cuda"
         if gpu:
             reps = max(1, round(LAYER_PARAMS / (HIDDEN * HIDDEN) / case.prefill_tp))
-            compute = {"tokens": case.tokens, "reps": reps}
+            compute = {"rows": case.tokens, "cols": HIDDEN, "reps": reps, "dtype": "bfloat16"}
             out["compute"] = (f"{reps} x bf16 matmul [{case.tokens} x {HIDDEN}] @ [{HIDDEN} x {HIDDEN}] per layer "
                               f"and prefill rank (a Llama-3-8B layer over the request's tokens / TP)")
         else:
-            compute = {"n": 384, "reps": 1}
+            compute = {"rows": 384, "cols": 384, "reps": 1, "dtype": "float32"}
             out["compute"] = "one float32 384 x 384 matmul per layer (a stand-in: CPU, not a real layer's size)"
         try:
             pre, dec, instance, _ = self._open(case)
