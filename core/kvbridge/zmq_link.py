@@ -84,8 +84,9 @@ def _unseal(secret: bytes | None, purpose: bytes, frame: bytes) -> bytes:
 class BootstrapServer:
     """Answers publish/lookup requests for prefill instances on one ROUTER socket (a daemon thread)."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:0", *, secret: bytes | None = None) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    def __init__(self, address: str = "tcp://127.0.0.1:0", *, secret: bytes | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
@@ -166,12 +167,15 @@ class ZmqLink:
     """A process's control mailbox (PULL), per-peer outgoing queues drained by one sender thread, and
     the bootstrap client (with periodic re-publication).
 
-    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost.
+    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost. ``context``:
+    the ZMQ context whose I/O thread carries the frames (default: the process's shared instance); an engine
+    that pins its threads to cores may give kvbridge its own, made where its I/O thread is not pinned.
     """
 
     def __init__(self, *, bootstrap: str, host: str = "127.0.0.1", timeout_s: float = 2.0,
-                 secret: bytes | None = None, queue_frames: int = 4096, republish_s: float = 2.0) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+                 secret: bytes | None = None, queue_frames: int = 4096, republish_s: float = 2.0,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)

@@ -1,23 +1,18 @@
 """End to end with real vLLM 0.32 engines on CPU (tiny random Llama made at test time, 2 KV heads x 64, bf16).
 
 Instances live side by side, each its own process: a single-instance reference, a loopback prefill/decode
-pair and a NIXL pair (TP 1 -> 1); with KVBRIDGE_VLLM_HETERO=1 (not yet passing) also a TP 2 instance that both
-produces and consumes KV over loopback (with the loopback pair: prefill TP 2 -> decode TP 1 and TP 1 -> TP 2).
-At equal TP every comparison is of greedy token ids: decode's 16 generated tokens after the transfer must
-equal the reference's for every prompt.
+pair and a NIXL pair (TP 1 -> 1); hetero TP is test_vllm_hetero's. Every comparison is of greedy token ids:
+decode's 16 generated tokens after the transfer must equal the reference's for every prompt.
 Also: a prompt whose first two blocks decode already holds in its prefix cache (only the rest travels,
 checked in the dumped blocks), a fault hook that negates one layer of the arrived KV (tokens must then differ:
 the comparison can fail), and a prefill killed while decode waits for its KV (decode reports the blocks as
 load errors, vLLM fails that request, and serves the next).
-Hetero TP compares bytes, not tokens (TP 2 and TP 1 greedy outputs differ slightly in bf16): every block decode
-received equals the prefill's blocks of those tokens resharded by heads (both sides dumped per rank).
 
 Needs ``.venv-vllm`` (made by scripts/setup.sh); slow on a 2-core host (each engine takes ~1-2 min to start).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -41,13 +36,6 @@ def prompt(seed: int, length: int) -> list[int]:
 
 PROMPTS = [prompt(i, n) for i, n in enumerate(LENGTHS)]
 PREFIX_PROMPT = PROMPTS[4] + prompt(99, 45)            # PROMPTS[4]'s 64 tokens (2 blocks) are cached on decode
-# NOT YET PASSING, so off unless KVBRIDGE_VLLM_HETERO=1: on this 2-core host the TP 2 instance's two mp workers
-# spin at ~60-70 % CPU each even while idle, the five TP 1 engines starve, and decode TP 1's handshake with the
-# TP 2 prefill did not complete in 30 s (its ranks saw the Hello; the decode's heartbeats reached them > 10 s
-# late). Not yet told apart: starvation only, or also a connector/agent fault on the TP 2 -> 1 path.
-HETERO_ON = os.environ.get("KVBRIDGE_VLLM_HETERO") == "1"
-HETERO_LENGTHS = [5, 32, 33, 77, 130]
-HETERO = [prompt(200 + i, n) for i, n in enumerate(HETERO_LENGTHS)]   # new to every instance: whole prompts travel
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +56,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         instances["d"] = Instance("d", base | {"role": "kv_consumer", "extra": lo}, tmp)
         instances["pn"] = Instance("pn", base | {"role": "kv_producer", "extra": nx}, tmp)
         instances["dn"] = Instance("dn", base | {"role": "kv_consumer", "extra": nx}, tmp)
-        if HETERO_ON:   # TP 2, both roles, on p's bootstrap server (p serves it; this one waits for it)
-            instances["tp2"] = Instance("tp2", base | {"role": "kv_both", "extra": lo | {
-                "serve_bootstrap": False, "bootstrap_timeout_s": START_S, "peer_timeout_s": 10.0}}, tmp, tp=2)
         started = time.monotonic()
         for inst in instances.values():
             assert inst.answer(START_S - (time.monotonic() - started))["ready"]
@@ -126,34 +111,6 @@ def test_corrupted_layer_changes_tokens(cluster: dict[str, Any]) -> None:
     _, dec = disagg(cluster["p"], cluster["d"], prompts, extra={"kvbridge_flip_layer": 1})
     differ = [o["tokens"] != want for o, want in zip(dec, cluster["want"][5:8])]
     assert all(differ), f"corrupted KV went unnoticed: {differ}"
-
-
-def _dump(cluster: dict[str, Any], side: str, room: int, tp: int) -> np.ndarray:
-    """One side's blocks of ``room`` as ``[layers, blocks, bytes of every head]``: the ranks' dumps joined by
-    heads (a CPU block is (heads, 2*block, head_size), heads outermost, so each rank's bytes are a slice)."""
-    ranks = [np.load(cluster["dumps"] / f"{side}-room{room}-rank{r}.npy") for r in range(tp)]
-    return np.concatenate(ranks, axis=2)
-
-
-@pytest.mark.skipif(not HETERO_ON, reason="hetero TP with real vLLM does not pass yet on 2 cores; "
-                    "KVBRIDGE_VLLM_HETERO=1 runs it")
-@pytest.mark.parametrize(("src", "dst"), [("tp2", "d"), ("p", "tp2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_hetero_tp_bytes_equal_resharded(cluster: dict[str, Any], src: str, dst: str) -> None:
-    """Prefill TP 2 -> decode TP 1 and TP 1 -> TP 2 (loopback): decode's blocks, joined over its ranks, equal
-    the prefill's joined over its ranks, byte for byte, for every prompt; decode then generates every token."""
-    tp = {"p": 1, "d": 1, "tp2": 2}
-    pre, dec = disagg(cluster[src], cluster[dst], HETERO)
-    compared = 0
-    for i, (p, o) in enumerate(zip(pre, dec)):
-        assert o["finish"] == "length" and len(o["tokens"]) == TOKENS, (i, o)
-        room = p["params"]["room"]
-        sent, got = _dump(cluster, "prefill", room, tp[src]), _dump(cluster, "decode", room, tp[dst])
-        blocks = -(-HETERO_LENGTHS[i] // BLOCK)
-        assert sent.shape == got.shape and sent.shape[1] == blocks, (i, sent.shape, got.shape)
-        assert got.any(), f"prompt {i}: decode's blocks are all zero"
-        assert np.array_equal(got, sent), f"prompt {i} ({HETERO_LENGTHS[i]} tokens): decode's KV differs"
-        compared += got.size
-    print(f"{src} -> {dst}: {len(HETERO)} prompts, {compared} KV bytes equal")
 
 
 def test_prefill_killed_mid_transfer(cluster: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,6 +46,7 @@ from kvbridge.zmq_link import BootstrapServer
 from kvbridge_vllm.layout import pool_layout
 from kvbridge_vllm.settings import Settings
 from kvbridge_vllm.shm import remap_to_shm
+from kvbridge_vllm.threads import unpinned
 from kvbridge_vllm.worker import LoadSpec, SaveSpec, WorkerSide
 
 if TYPE_CHECKING:
@@ -138,6 +140,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # worker side
         self.worker: WorkerSide | None = None
         self._bootstrap: BootstrapServer | None = None
+        self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
         self._segment = ""          # the /dev/shm segment now backing the KV cache (loopback decode)
 
     # ================================================================== scheduler side
@@ -237,14 +240,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
         pool = pool_layout(kv_caches, kind=kind, total_kv_heads=model.get_total_num_kv_heads(),
                            tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank, block_size=self.block_size,
                            model=os.path.basename(str(model.model).rstrip("/")))
-        if self.produce and tp_rank == 0 and self.settings.serve_bootstrap is not False:
-            self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes).start()
-        elif self.settings.serve_bootstrap:
-            self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes).start()
-        elif self.produce:      # our ranks publish themselves there at once; decode looks up only per request
+        serve = self.settings.serve_bootstrap or (self.produce and tp_rank == 0
+                                                  and self.settings.serve_bootstrap is not False)
+        if not serve and self.produce:   # our ranks publish themselves there at once; decode looks up per request
             _wait_for_port(self.settings.bootstrap, self.settings.bootstrap_timeout_s)
-        self.worker = WorkerSide(settings=self.settings, pool=pool, produce=self.produce, consume=self.consume,
-                                 instance=self.instance)
+        with unpinned():      # kvbridge's threads (and its ZMQ I/O thread) off the core vLLM pinned this worker to
+            self._zmq = zmq.Context()
+            if serve:
+                self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes,
+                                                  context=self._zmq).start()
+            self.worker = WorkerSide(settings=self.settings, pool=pool, produce=self.produce, consume=self.consume,
+                                     instance=self.instance, zmq_context=self._zmq)
         log.info("kvbridge: %s rank %d/%d registered %d layers (%s, %d blocks), backend %s, instance %s",
                  "prefill" if self.produce else "decode", tp_rank, parallel.tensor_parallel_size, len(pool.layers),
                  kind, pool.num_blocks, self.settings.backend, self.instance)
@@ -259,8 +265,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or self.worker is None:
             return
-        for req_id, spec in meta.loads.items():
-            self.worker.load(req_id, spec)
+        if not meta.loads:
+            return
+        with unpinned():      # a first request to an instance starts its handshake's lookup thread
+            for req_id, spec in meta.loads.items():
+                self.worker.load(req_id, spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return      # loads are asynchronous: vLLM schedules the request once get_finished reports it
@@ -291,6 +300,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if self._bootstrap is not None:
             self._bootstrap.close()
             self._bootstrap = None
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
         if self._segment:       # peers that mapped it keep their mapping; new ones cannot open it any more
             try:
                 os.unlink(f"/dev/shm/{self._segment}")

@@ -76,14 +76,14 @@ class _Receiving:
 
 class WorkerSide:
     """Owns the agents of one worker. ``link_factory`` builds each agent's control link (tests pass a
-    ``LocalHub``'s); by default a ``ZmqLink`` to the settings' bootstrap server."""
+    ``LocalHub``'s); by default a ``ZmqLink`` to the settings' bootstrap server on ``zmq_context``."""
 
     def __init__(self, *, settings: Settings, pool: KVPool, produce: bool, consume: bool, instance: str,
-                 link_factory: Any = None) -> None:
+                 link_factory: Any = None, zmq_context: Any = None) -> None:
         self.settings, self.pool, self.instance = settings, pool, instance
         self.block_size = pool.layout.page_size
         make_link = link_factory or (lambda: ZmqLink(bootstrap=settings.bootstrap, host=settings.host,
-                                                     secret=settings.secret_bytes))
+                                                     secret=settings.secret_bytes, context=zmq_context))
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, _Receiving] = {}
         self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
