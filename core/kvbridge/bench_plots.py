@@ -56,7 +56,7 @@ def _bars(ax: Any, categories: list[str], series: dict[str, list[float | None]])
     every = [v for values in series.values() for v in values if v]
     if every and max(every) / min(every) > 30:
         ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -64,7 +64,8 @@ def _series(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any], ke
             ) -> dict[str, list[float | None]]:
     """kvbridge per (layout, placement), then raw NIXL and copy, each as one value per key."""
     out: dict[str, list[float | None]] = {}
-    combos = sorted({(c["layout"], c["placement"]) for c in rows}, key=lambda lp: (lp[1] != "scattered", lp[0]))
+    seen = list(dict.fromkeys((c["layout"], c["placement"]) for c in rows))      # the run's order
+    combos = sorted(seen, key=lambda lp: (lp[1] != "scattered", seen.index(lp)))
     for layout, placement in combos:
         pick = {key(c): c["gbps"] for c in rows if (c["layout"], c["placement"]) == (layout, placement)}
         out[f"kvbridge {layout}, {placement}"] = [pick.get(k) for k in keys]
@@ -97,7 +98,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
 
         at_pair = [c for c in same if (c["prefill_tp"], c["decode_tp"]) == pair]
         pages = sorted({c["page_tokens"] for c in at_pair})
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = plt.subplots(figsize=(10, 4.5))
         _bars(ax, [f"{p}-token pages" for p in pages], _series(at_pair, lambda c: c["page_tokens"], pages))
         ax.set_title(f"Throughput vs page size: {_size(size)} requests, TP {pair[0]}->{pair[1]}\n{title}",
                      fontsize=9)
@@ -106,7 +107,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
         page = pages[0] if pages else rows[0]["page_tokens"]
         at_page = [c for c in same if c["page_tokens"] == page]
         keys = list(dict.fromkeys((c["prefill_tp"], c["decode_tp"]) for c in at_page))
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = plt.subplots(figsize=(10, 4.5))
         _bars(ax, [f"TP {p}->{d}" for p, d in keys],
               _series(at_page, lambda c: (c["prefill_tp"], c["decode_tp"]), keys))
         shared = sorted({c["shared_gpu"] for c in at_page if c.get("shared_gpu")})

@@ -1163,6 +1163,7 @@ def machine_info(device: str, devices: tuple[str, str], command: str) -> dict[st
         "git": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
         or os.environ.get("KVBRIDGE_REV"),
         "device": device, "devices": list(devices),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,   # other jobs at the start
     }
     if device == "cuda":
         gpus = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
