@@ -22,12 +22,14 @@ from kvbridge.cli import main as cli_main
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _kvbridge(*args: str, timeout: float = 240, shm_run: str | None = None) -> subprocess.CompletedProcess[str]:
+def _kvbridge(*args: str, timeout: float = 240, shm_run: str | None = None,
+              extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("kvbridge")
     cmd = [str(script)] if script.exists() else [shutil.which("kvbridge") or "kvbridge"]
     env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS")}
     if shm_run:
         env["KVBRIDGE_SHM_RUN"] = shm_run       # the run tag in the names of its /dev/shm segments
+    env.update(extra_env or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
@@ -39,11 +41,22 @@ def _has_matplotlib() -> bool:
     return True
 
 
+def _torch_pools() -> dict[str, str]:
+    """With torch and NIXL installed, the quick run keeps its pools in torch tensors (KVBRIDGE_BENCH_TORCH=1):
+    the GPU branch (torch pools, verification, scrub, copy, matmul compute) then runs here too; the numpy
+    branch runs in the loopback test."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return {}
+    return {bt.TORCH_ENV: "1"} if "nixl" in bt._registry(()).backend_names() else {}
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
     done = _kvbridge("bench", "transfer", "--quick", "--device", "cpu", "--layerwise", "--json", str(out / "r.json"),
-                     "--plots", str(out / "plots"))
+                     "--plots", str(out / "plots"), extra_env=_torch_pools())
     assert done.returncode == 0, done.stdout + done.stderr
     return done, json.loads((out / "r.json").read_text()), out
 
