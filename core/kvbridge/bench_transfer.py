@@ -81,6 +81,7 @@ class Case:
     pool_tokens: int
     repeats: int
     staging_bytes: int | None = None   # None: the agent's default
+    staging_mode: str | None = None    # AgentConfig.staging ("auto", "always", "never"), where the build has it
     warmup: bool = True                # an extra first round (verified, not timed)
     label: str = ""
     seed: int = 0
@@ -117,6 +118,7 @@ class Options:
     pool_tokens: int | None = None
     repeats: int | None = None
     staging_mib: int | None = None
+    staging_mode: str | None = None
     layerwise: bool = False
     layer_group: int = 1
     latency_requests: int | None = None
@@ -188,6 +190,7 @@ class Resolved:
     layerwise_rounds: int
     poll_s: float
     staging_bytes: int | None
+    staging_mode: str | None
     pool_tokens: int | None
 
 
@@ -210,6 +213,7 @@ def resolve_options(opts: Options, device: str, backend: str) -> Resolved:
                     repeats=opts.repeats or repeats, latency_requests=opts.latency_requests or latency,
                     layerwise_rounds=2 if quick else 3, poll_s=poll,
                     staging_bytes=None if opts.staging_mib is None else opts.staging_mib << 20,
+                    staging_mode=opts.staging_mode,
                     pool_tokens=opts.pool_tokens)
 
 
@@ -229,7 +233,8 @@ def sweep_cases(r: Resolved) -> list[Case]:
                             continue
                         cases.append(Case(group="sweep", tokens=tokens, page=page, layers=r.layers, prefill_tp=pt,
                                           decode_tp=dt, layout=layout, placement=placement, pool_tokens=pool,
-                                          repeats=r.repeats, staging_bytes=r.staging_bytes))
+                                          repeats=r.repeats, staging_bytes=r.staging_bytes,
+                                          staging_mode=r.staging_mode))
     return cases
 
 
@@ -393,8 +398,13 @@ class _Rank:
                 self.data = np.empty((nbuf, case.pool_pages, item), np.uint8)
                 self.data.fill(0)              # pre-touch
             buffers = [self.data[b] for b in range(nbuf)]
+        extra: dict[str, Any] = {}
+        if case.staging_mode is not None:
+            if "staging" not in {f.name for f in dataclasses.fields(AgentConfig)}:
+                raise ValueError(f"staging mode {case.staging_mode!r}: this build's AgentConfig has no staging=")
+            extra["staging"] = case.staging_mode
         config = AgentConfig(peer_timeout_s=max(30.0, self.timeout_s / 4), bootstrap_timeout_s=self.timeout_s,
-                             waiting_timeout_s=self.timeout_s, staging_bytes=staging_bytes)
+                             waiting_timeout_s=self.timeout_s, staging_bytes=staging_bytes, **extra)
         role = Role.PREFILL if prefill else Role.DECODE
         self.agent = TransferAgent(layout=layout, buffers={"kv": buffers}, role=role, backend=self.backend,
                                    registry=self.registry,
@@ -650,6 +660,10 @@ class _Rank:
             seconds.append(time.perf_counter() - t0)
         del src, dst
         self._sync()
+        if self.cuda:
+            import torch
+
+            torch.cuda.empty_cache()       # 2 x nbytes, one of them on the decode side's GPU
         conn.send({"seconds": seconds[1:]})
 
     def _alloc(self, nbytes: int, device: str, fill: int = 0) -> Any:
@@ -934,7 +948,8 @@ class Bench:
                 "page_tokens": case.page, "layers": case.layers, "prefill_tp": case.prefill_tp,
                 "decode_tp": case.decode_tp, "layout": case.layout, "placement": case.placement,
                 "pool_tokens": case.pool_tokens, "pages": case.pages, "bytes": case.nbytes,
-                "staging_bytes": case.staging_bytes, "shared_gpu": self._shared(case), "error": None}
+                "staging_bytes": case.staging_bytes, "staging_mode": case.staging_mode,
+                "shared_gpu": self._shared(case), "error": None}
 
     def throughput(self, case: Case) -> dict[str, Any]:
         row = self.describe(case)
@@ -1019,7 +1034,7 @@ class Bench:
 
         case = Case(group="latency", tokens=128, page=16, layers=self.r.layers, prefill_tp=1, decode_tp=1,
                     layout="token-major", placement="scattered", pool_tokens=4096, repeats=requests,
-                    staging_bytes=self.r.staging_bytes)
+                    staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode)
         out: dict[str, Any] = {"tokens": 128, "page_tokens": 16, "layers": case.layers, "bytes": case.nbytes,
                                "requests": requests, "error": None}
         try:
@@ -1456,6 +1471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-tokens", type=int, default=None, help="tokens the pool holds (GPU default max(32k, 1.25x))")
     g.add_argument("--repeats", type=int, default=None, help="timed rounds per case (after one verified warm-up)")
     g.add_argument("--staging-mib", type=int, default=None, help="staging area per rank (default: the agent's)")
+    g.add_argument("--staging-mode", default=None, choices=("auto", "always", "never"),
+                   help="AgentConfig.staging, where the build has it (default: the agent's)")
     g.add_argument("--layerwise", action="store_true", default=None,
                    help="also the layer-wise streaming case (simulated per-layer compute)")
     g.add_argument("--layer-group", type=int, default=None, help="layers per layer-wise post (default 1)")
@@ -1469,13 +1486,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRANSFER_ARGS = ("device", "sizes", "page_tokens", "tp_pairs", "layouts", "placements", "layers", "pool_tokens",
-                 "repeats", "staging_mib", "layerwise", "layer_group", "latency_requests", "json_path", "plots",
-                 "quick", "timeout", "plugin")
+                 "repeats", "staging_mib", "staging_mode", "layerwise", "layer_group", "latency_requests",
+                 "json_path", "plots", "quick", "timeout", "plugin")
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
     opts = Options(device=args.device or "auto", backend=args.backend, layers=args.layers,
                    pool_tokens=args.pool_tokens, repeats=args.repeats, staging_mib=args.staging_mib,
+                   staging_mode=args.staging_mode,
                    layerwise=bool(args.layerwise), layer_group=args.layer_group or 1,
                    latency_requests=args.latency_requests, json_path=args.json_path, plots=args.plots,
                    quick=bool(args.quick), timeout_s=args.timeout or 300.0, plugins=tuple(args.plugin or ()))
