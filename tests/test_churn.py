@@ -25,7 +25,7 @@ from kvbridge.registry import Registry
 from kvbridge.testkit.pools import SHM_PREFIX
 from kvbridge.zmq_link import BootstrapServer
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 
 LONG = os.environ.get("KVBRIDGE_LONG_TESTS") == "1"
 RESTARTS = int(os.environ.get("KVBRIDGE_CHURN_RESTARTS", "100" if LONG else "30"))

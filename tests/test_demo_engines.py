@@ -14,7 +14,7 @@ import pytest
 from kvbridge.demo.run import run_demo
 from kvbridge.registry import Registry
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 
 PAIRS = [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)]
 _AVAILABLE = Registry.build().backend_names()

@@ -21,7 +21,7 @@ from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import SEGMENT_PREFIX, make_requests
 from kvbridge.errors import UnsupportedTopology
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 
 for _plugin in ("kvbridge_mamba", "kvbridge_swa", "kvbridge_nsa"):
     pytest.importorskip(_plugin)

@@ -55,7 +55,7 @@ from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.pools import SHM_PREFIX, GuardedBuffer
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.kvbridge_multiprocess, pytest.mark.timeout(120)]
 
 HEARTBEAT_S = 0.1
 PEER_TIMEOUT_S = 1.0

@@ -30,7 +30,7 @@ from kvbridge.hostpool import HostPool
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 
 
 def _shm() -> set[str]:

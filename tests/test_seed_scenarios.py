@@ -49,7 +49,7 @@ from kvbridge.shmnames import segment_prefix
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 pytest.importorskip("kvbridge_mamba")
 
 _AVAILABLE = Registry.build().backend_names()

@@ -25,7 +25,7 @@ from _churnrig import process_stats, shm_segments
 from kvbridge.demo.run import Summary, run_demo
 from kvbridge.hostpool import SEGMENT_PREFIX
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 
 LONG = os.environ.get("KVBRIDGE_LONG_TESTS") == "1"
 REQUESTS = int(os.environ.get("KVBRIDGE_SOAK_REQUESTS", "10000" if LONG else "1000"))

@@ -493,9 +493,9 @@ def test_markers_work_under_strict_markers(pytester: pytest.Pytester) -> None:
     pytester.makepyfile('''
 import pytest
 
-@pytest.mark.multiprocess
-@pytest.mark.requires("notifications")
-@pytest.mark.hardware("cuda")
+@pytest.mark.kvbridge_multiprocess
+@pytest.mark.kvbridge_requires("notifications")
+@pytest.mark.kvbridge_hardware("cuda")
 def test_marked():
     pass
 ''')

@@ -68,7 +68,7 @@ _ROOMS = itertools.count(10_000)
 
 def requires(capability: Capability | str) -> pytest.MarkDecorator:
     """Mark a test as needing a declared capability (skipped otherwise)."""
-    return pytest.mark.requires(getattr(capability, "value", capability))
+    return pytest.mark.kvbridge_requires(getattr(capability, "value", capability))
 
 
 def _pairs(attribute: str) -> Any:
@@ -719,7 +719,7 @@ class MultiProcessBackendTests(_BackendKit):
     #: seconds a child process may take to start, import the engine and connect
     spawn_timeout_s: ClassVar[float] = 60.0
 
-    @pytest.mark.multiprocess
+    @pytest.mark.kvbridge_multiprocess
     @requires(Capability.MULTI_PROCESS)
     @_pairs("multiprocess_tp_pairs")
     def test_multiprocess_byte_exact(self, backend_spec: BackendSpec, backend_options: dict[str, str],
@@ -736,7 +736,7 @@ class MultiProcessBackendTests(_BackendKit):
                         bound_s=self.room_timeout_s, spawn_timeout_s=self.spawn_timeout_s,
                         waiting_timeout_s=self.waiting_timeout_s, tracker=self._kvbridge_tracker())
 
-    @pytest.mark.multiprocess
+    @pytest.mark.kvbridge_multiprocess
     @requires(Capability.MULTI_PROCESS)
     def test_peer_death_fails_rooms_within_the_bound(self, backend_spec: BackendSpec,
                                                      backend_options: dict[str, str],
@@ -760,7 +760,7 @@ class HardwareBackendTests(_BackendKit):
     _kvbridge_kit_class: ClassVar[bool] = True
     hardware_tp_pairs: ClassVar[Sequence[tuple[int, int]]] = ((1, 1), (2, 1), (1, 2))
 
-    @pytest.mark.hardware("cuda")
+    @pytest.mark.kvbridge_hardware("cuda")
     @requires(Capability.CUDA_MEMORY)
     @_pairs("hardware_tp_pairs")
     def test_cuda_byte_exact(self, kit_registry: Registry, backend_spec: BackendSpec,

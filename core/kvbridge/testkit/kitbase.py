@@ -18,6 +18,7 @@ import pytest
 
 from kvbridge.testkit.checked import Tracker
 from kvbridge.testkit.leaks import Snapshot, prime_process_singletons
+from kvbridge.testkit.plugin import MARK_HARDWARE, MARK_REQUIRES
 
 __all__ = ["KitTests", "kit_tests", "override_problems"]
 
@@ -153,7 +154,7 @@ class KitTests:
         declared = cls._kvbridge_capabilities()
         name = getattr(item, "name", "")
         original = getattr(item, "originalname", name)
-        needed = [getattr(c, "value", c) for mark in item.iter_markers("requires") for c in mark.args]
+        needed = [getattr(c, "value", c) for mark in item.iter_markers(MARK_REQUIRES) for c in mark.args]
         defined_in = kit_tests(cls).get(original, (None, None))[0]
         needed += list(defined_in.__dict__.get("_kvbridge_tier_requires", ())) if defined_in is not None else []
         for value in dict.fromkeys(needed):
@@ -184,7 +185,7 @@ class KitTests:
         if not self.check_leaks:
             yield
             return
-        prime_process_singletons(cuda=request.node.get_closest_marker("hardware") is not None
+        prime_process_singletons(cuda=request.node.get_closest_marker(MARK_HARDWARE) is not None
                                  and self._kvbridge_uses_cuda(request.config))
         tracker = self._kvbridge_tracker()
         tracker.new_violations()                         # earlier ones were reported where they happened

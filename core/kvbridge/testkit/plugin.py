@@ -1,5 +1,8 @@
 """pytest11 entry point of the kvbridge conformance kit: options, markers and the hooks that apply them.
 
+Markers (registered in every run, namespaced, inert on tests that do not use them):
+``kvbridge_multiprocess``, ``kvbridge_hardware(kind)``, ``kvbridge_requires(capability)``.
+
 Cheap to load (every pytest run in an environment with kvbridge installed loads it): it imports only
 pytest; the kit's classes decide their own skips and expected failures, lazily, at collection.
 
@@ -25,10 +28,17 @@ import pytest
 if TYPE_CHECKING:
     from hypothesis import Phase, settings
 
+# Every marker, option and environment variable of the kit carries the ``kvbridge`` prefix: the plugin loads
+# into every pytest run of an environment where kvbridge is installed, and must not claim names (``hardware``,
+# ``requires``) that the project under test may use for its own markers. The hooks below act only on tests that
+# carry these markers or belong to a kit class; any other test is left as it is.
+MARK_MULTIPROCESS = "kvbridge_multiprocess"
+MARK_HARDWARE = "kvbridge_hardware"
+MARK_REQUIRES = "kvbridge_requires"
 MARKERS = (
-    "multiprocess: starts peer processes (real sockets on the loopback interface)",
-    "hardware(kind): needs accelerator memory of that kind ('cuda'); see --kvbridge-hardware",
-    "requires(capability): skipped unless the plugin's spec declares the capability",
+    f"{MARK_MULTIPROCESS}: kvbridge kit: starts peer processes (real sockets on the loopback interface)",
+    f"{MARK_HARDWARE}(kind): kvbridge kit: needs accelerator memory of that kind ('cuda'); see --kvbridge-hardware",
+    f"{MARK_REQUIRES}(capability): kvbridge kit: skipped unless the plugin's spec declares the capability",
 )
 
 _CUDA: bool | None = None
@@ -110,7 +120,7 @@ def cuda_present() -> bool:
 
 
 def hardware_decision(kind: str, option: str | None) -> tuple[str, str]:
-    """("run" | "skip" | "fail", reason) for a test marked ``hardware(kind)``."""
+    """("run" | "skip" | "fail", reason) for a test marked ``kvbridge_hardware(kind)``."""
     if kind != "cuda":
         return "skip", f"the kit has no {kind!r} hardware tier"
     if option == "none":
@@ -123,7 +133,7 @@ def hardware_decision(kind: str, option: str | None) -> tuple[str, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for mark in item.iter_markers("hardware"):
+    for mark in item.iter_markers(MARK_HARDWARE):
         kind = str(mark.args[0]) if mark.args else "cuda"
         verdict, reason = hardware_decision(kind, item.config.getoption("kvbridge_hardware"))
         if verdict == "skip":

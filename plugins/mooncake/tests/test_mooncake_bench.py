@@ -8,7 +8,7 @@ from kvbridge_mooncake.bench import Scenario, run_bench
 from kvbridge_mooncake.testing import unavailable_reason
 
 NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
-pytestmark = [NEEDS_MOONCAKE, pytest.mark.multiprocess]
+pytestmark = [NEEDS_MOONCAKE, pytest.mark.kvbridge_multiprocess]
 
 
 def test_bench_smoke() -> None:

@@ -34,7 +34,7 @@ from kvbridge_mooncake.testing import (
 )
 
 NEEDS_MOONCAKE = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
-pytestmark = [NEEDS_MOONCAKE, pytest.mark.multiprocess]
+pytestmark = [NEEDS_MOONCAKE, pytest.mark.kvbridge_multiprocess]
 _PIPE_WAIT_S = 30.0
 
 

@@ -14,7 +14,7 @@ import pytest
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.testing import run_two_process
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.kvbridge_multiprocess
 Factory = Callable[[str], NixlBackend]
 _SECCOMP = platform.system() == "Linux" and platform.machine() == "x86_64"
 

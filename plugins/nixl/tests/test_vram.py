@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-pytestmark = pytest.mark.hardware("cuda")
+pytestmark = pytest.mark.kvbridge_hardware("cuda")
 Factory = Callable[[str], NixlBackend]
 
 
@@ -25,7 +25,7 @@ def test_vram_reshard_in_process(backends: Factory, pt: int, dt: int) -> None:
     run_reshard(backends, pt, dt, heads=4, seed=200 + 10 * pt + dt, device="cuda")
 
 
-@pytest.mark.multiprocess
+@pytest.mark.kvbridge_multiprocess
 @pytest.mark.parametrize(("pt", "dt"), [(2, 1), (1, 2)])
 def test_vram_two_process(backends: Factory, pt: int, dt: int) -> None:
     """The prefill process writes from the last GPU (another GPU when there are several)."""
