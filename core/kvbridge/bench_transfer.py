@@ -852,19 +852,22 @@ class Ranks:
             w.send(msg)
 
     def recv(self, workers: Sequence[_Worker], timeout_s: float | None = None) -> list[dict[str, Any]]:
-        """Every worker's reply; the first error is raised once all have answered (or one timed out)."""
-        replies, errors = [], []
-        for w in workers:
-            try:
-                replies.append(w.recv(timeout_s or self.timeout_s))
-            except CaseError as exc:
-                errors.append(str(exc))
-                replies.append({})
-                if "did not answer" in str(exc) or "exited" in str(exc):
-                    break
-        if errors:
-            raise CaseError("\n".join(errors))
-        return replies
+        """One reply from each worker, in the given order, waiting on all of them at once: the first error
+        (or a worker gone, or the timeout) raises at once, without waiting for the others."""
+        from multiprocessing.connection import wait
+
+        replies: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while len(replies) < len(workers):
+            pending = {id(w.conn): i for i, w in enumerate(workers) if i not in replies}
+            ready = wait([workers[i].conn for i in pending.values()], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = ", ".join(f"{workers[i].role} rank {workers[i].rank}" for i in pending.values())
+                raise CaseError(f"no answer in {timeout_s or self.timeout_s:.0f} s from {late}")
+            for conn in ready:
+                i = pending[id(conn)]
+                replies[i] = workers[i].recv(0)
+        return [replies[i] for i in range(len(workers))]
 
     def ask(self, workers: Sequence[_Worker], msg: dict[str, Any]) -> list[dict[str, Any]]:
         self.send(workers, msg)
@@ -932,8 +935,8 @@ class Bench:
         self.ranks.send(pre, {"op": "arm", "room": room, "pages": src})
         self.ranks.recv(pre)
         self.ranks.send(pre, go)
-        got = self.ranks.recv(dec)
-        sent = self.ranks.recv(pre)
+        both = self.ranks.recv(dec + pre)
+        got, sent = both[:len(dec)], both[len(dec):]
         bad = [x["reason"] for x in got + sent if not x["ok"]]
         if bad:
             raise CaseError(f"room {room} failed: {bad[0]}")
@@ -1043,8 +1046,7 @@ class Bench:
             rooms = [1000 * self.index + k + 1 for k in range(requests)]
             self.ranks.send(pre, {"op": "serve", "rooms": rooms, "pages": src})
             self.ranks.send(dec, {"op": "latency", "rooms": rooms, "pages": dst, "instance": instance})
-            lat = self.ranks.recv(dec)[0]
-            served = self.ranks.recv(pre)[0]
+            lat, served = self.ranks.recv(dec + pre)
             self._close(pre, dec)
         except CaseError as exc:
             self._failed(out, "latency", exc)
@@ -1082,6 +1084,10 @@ class Bench:
             prep = self.ranks.ask(pre, {"op": "prepare_compute", **compute})
             out["compute_per_layer_s"] = max(p["layer_s"] for p in prep)
             src, dst = placement_pages(case)
+            whole = [self._round(pre, dec, instance, 1000 * self.index + 900 + k, src, dst,
+                                 {"mode": "whole"})["seconds"]
+                     for k in range(rounds + 1)][1:]           # the whole request, no compute: all layers' transfer
+            out["all_layers_transfer_s"] = statistics.median(whole)
             for mode, stream in (("at_end", False), ("layerwise", True)):
                 if stream and not available:
                     continue
@@ -1105,10 +1111,10 @@ class Bench:
             self._failed(out, "layer-wise", exc)
             return out
         at_end = out["modes"]["at_end"]
-        transfer = at_end["timeline"]["done"] - at_end["timeline"]["compute_end"]
-        out["all_layers_transfer_s"] = transfer
+        transfer = out["all_layers_transfer_s"]
         out["one_group_transfer_s"] = transfer * group / case.layers
-        out["one_group_transfer_note"] = "estimated: the whole request's transfer time (at_end) x group / layers"
+        out["one_group_transfer_note"] = ("estimated: the whole request's transfer time (median of rounds without "
+                                          "compute, same pages) x group / layers")
         if "layerwise" in out["modes"]:
             out["tail_over_one_group"] = out["modes"]["layerwise"]["median_tail_s"] / out["one_group_transfer_s"]
         out["at_end_tail_over_all_layers"] = at_end["median_tail_s"] / transfer if transfer > 0 else None
