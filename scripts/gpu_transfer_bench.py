@@ -4,8 +4,8 @@
 
 needs torch with CUDA, ``nixl`` + ``nixl-cu13`` (or ``nixl-cu12``, matching torch's CUDA), ``msgspec``, ``pyzmq``,
 ``pluggy``, ``numpy`` and, for the plots, ``matplotlib``; kvbridge itself comes from this source tree (no install).
-Takes 3-6 minutes; a time budget (``--budget``, default 330 s) skips the sweep's remaining cases beyond it and
-says so, so the whole run stays under 8 minutes.
+Takes 3-6 minutes; a time budget (``--budget``, default 300 s) skips the sweep's remaining cases beyond it and
+says so, and no step may take more than ``--timeout`` (90 s), so the whole run stays under 8 minutes.
 
 1. ``kvbridge bench transfer`` on the GPUs (prefill ranks on GPU 0, decode ranks on GPU 1, NIXL VRAM): the
    issue's "before" cases first (4 GiB requests of a 32-layer GQA pool, 16-token token-major pages: same TP
@@ -122,7 +122,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the JSON, PNG and markdown files")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a small dry run")
-    parser.add_argument("--budget", type=float, default=330.0, help="seconds after which sweep cases are skipped")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds after which sweep cases are skipped")
+    parser.add_argument("--timeout", type=float, default=90.0, help="seconds any one step may take")
     parser.add_argument("--skip-plugin-bench", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -134,14 +135,14 @@ def main() -> int:
     first, last = issue_cases(dry)
     opts = bt.Options(device=args.device, backend="nixl", layerwise=True, json_path=str(out / f"{tag}-transfer.json"),
                       plots=str(out), plugins=("kvbridge_nixl",), extra_cases=first, last_cases=last,
-                      budget_s=args.budget, quick=dry, latency_requests=10 if dry else None,
+                      budget_s=args.budget, timeout_s=args.timeout, quick=dry, latency_requests=10 if dry else None,
                       command="PYTHONPATH=core:plugins/nixl/src python3 " + " ".join(sys.argv))
     result = bt.run(opts)
     print(bt.format_report(result), flush=True)
     bt.write_outputs(result, opts)
     plugin: dict[str, Any] | None = None
     if not args.skip_plugin_bench:
-        if time.perf_counter() - started > args.budget + 60:
+        if time.perf_counter() - started > args.budget + 100:
             plugin = {"error": "skipped: the sweep used the time budget"}
         else:
             print("kvbridge_nixl.bench, two processes, 1 GiB as 1 and as 32,640 descriptors", flush=True)
