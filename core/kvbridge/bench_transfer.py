@@ -879,8 +879,9 @@ class Ranks:
                 w.send({"op": "quit"})
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 10          # for all of them together: a stuck rank is killed
         for w in self.prefill + self.decode:
-            w.proc.join(10)
+            w.proc.join(max(0.1, deadline - time.monotonic()))
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join(5)
