@@ -2,11 +2,15 @@
 
 Runs kvbridge end to end (TransferAgent over ZMQ, NIXL backend, VRAM registration) for a dense GQA pool
 (token-major pages, 8 KV heads): same TP with contiguous and scattered pages, and prefill TP 2 -> decode
-TP 1 with scattered pages, with the staging path (gather on GPU, one write, scatter on GPU) and without
-it (one descriptor per token row). Every transferred byte is verified on the decode GPU against data
+TP 1 with scattered pages, each through the path the cost model picks (``AgentConfig.staging="auto"``:
+contiguous pages as few large descriptors, scattered ones staged: gathered on the prefill GPU on the agent's
+own stream in pieces, written, scattered on the decode GPU) and with the descriptor path forced
+(``"never"``: one descriptor per page, or per token row across TP sizes); and a layer-wise send (the same
+pages posted once per group of layers). Every transferred byte is verified on the decode GPU against data
 regenerated from the same seeds; the bytes' throughput is compared with a torch GPU0 -> GPU1 copy.
 
     PYTHONPATH=core:plugins/nixl/src python3 scripts/gpu_nixl_check.py --out result.json
+    ... --only "tp2->1"                    (configs whose label contains the text)
     KVBRIDGE_GPU_CHECK_ON_CPU=1 ... (a small dry run of the same logic on host memory)
 """
 
@@ -22,10 +26,15 @@ LAYERS, HEADS, HEAD_DIM, PAGE, POOL, N = 32, 8, 128, 16, 2304, 2048
 CPU = os.environ.get("KVBRIDGE_GPU_CHECK_ON_CPU") == "1"
 if CPU:
     LAYERS, POOL, N = 2, 64, 32
-#: (label, prefill TP, page placement, staging bytes per rank)
-CONFIGS = (("same-tp", 1, "contiguous", 0), ("same-tp", 1, "scattered", 0),
-           ("tp2->1 staged", 2, "scattered", 5 << 30), ("tp2->1 per-token", 2, "scattered", 0))
+#: (label, prefill TP, page placement, staging bytes per rank, AgentConfig.staging, layer groups or 0)
+CONFIGS = (("same-tp contiguous auto", 1, "contiguous", 5 << 30, "auto", 0),
+           ("same-tp scattered auto", 1, "scattered", 5 << 30, "auto", 0),
+           ("same-tp scattered per-page", 1, "scattered", 0, "never", 0),
+           ("tp2->1 scattered auto", 2, "scattered", 5 << 30, "auto", 0),
+           ("tp2->1 scattered per-token", 2, "scattered", 0, "never", 0),
+           ("same-tp scattered auto layer-wise x4", 1, "scattered", 5 << 30, "auto", 4))
 REPEAT = 3
+PIECE = 64 << 20
 
 
 def _dev(index: int) -> str:
@@ -79,7 +88,24 @@ def _pages(placement: str):
     return rng.permutation(np.arange(1, POOL))[:N], rng.permutation(np.arange(1, POOL))[:N]
 
 
-def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: str, staging: int) -> None:
+def _send_layerwise(agent, room: int, pages, groups: int):
+    from kvbridge.wire import KVPoll
+
+    sender = agent.sender(room)
+    while sender.poll() < KVPoll.WaitingForInput:
+        agent.link_wait(0.0005)
+    groups = min(groups, LAYERS)
+    per = LAYERS // groups
+    for g in range(groups):
+        stop = LAYERS if g == groups - 1 else (g + 1) * per
+        sender.send(pages, last=g == groups - 1, layers=range(g * per, stop))
+    while not sender.safe_to_reuse:
+        agent.link_wait(0.0005)
+    return sender
+
+
+def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: str, staging: int, mode: str,
+            groups: int) -> None:
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
@@ -90,15 +116,17 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     if not CPU:
         torch.cuda.set_device(0)
     bufs = _tensors(0, HEADS // tp, seed=11 + rank)
-    staging = min(staging, 64 << 20) if CPU else staging
+    staging = min(staging, 64 << 20) if CPU else min(staging, 1 << 30)   # the prefill stages piece by piece
+    piece = min(PIECE, 4 << 20) if CPU else PIECE
     agent = TransferAgent(layout=_layout(tp, rank), buffers={"kv": bufs}, role=Role.PREFILL, backend="nixl",
                           registry=_registry(), link=ZmqLink(bootstrap=bootstrap), instance="gpu",
-                          config=AgentConfig(staging_bytes=staging))
+                          config=AgentConfig(staging_bytes=staging, staging=mode, staging_piece_bytes=piece))
     agent.start()
     try:
         src, _ = _pages(placement)
         for room in range(1, REPEAT + 1):
-            sender = send_request(agent, room, src, poll_s=0.0005)
+            sender = (_send_layerwise(agent, room, src, groups) if groups
+                      else send_request(agent, room, src, poll_s=0.0005))
             results.put(("sent", rank, room, sender.poll().name, *sender.stats))
             sender.clear()
         time.sleep(2)
@@ -106,7 +134,8 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
         agent.close()
 
 
-def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: int) -> None:
+def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: int, mode: str,
+           groups: int) -> None:
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
@@ -119,7 +148,7 @@ def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: 
     staging = min(staging, 64 << 20) if CPU else staging
     agent = TransferAgent(layout=_layout(1, 0), buffers={"kv": bufs}, role=Role.DECODE, backend="nixl",
                           registry=_registry(), link=ZmqLink(bootstrap=bootstrap),
-                          config=AgentConfig(staging_bytes=staging))
+                          config=AgentConfig(staging_bytes=staging, staging=mode))
     agent.start()
     try:
         agent.connect("gpu", timeout_s=120)
@@ -145,8 +174,9 @@ def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: 
             untouched = torch.ones(POOL, dtype=torch.bool, device=_dev(1))
             untouched[di] = False
             clean = all(int(b[untouched].count_nonzero()) == 0 for b in bufs)
+            staged = bool(agent.decode.rooms[room].staged) if agent.decode is not None else False
             results.put(("received", room, status.name, receiver.failure_reason, seconds, receiver.nbytes,
-                         bool(exact), bool(clean)))
+                         bool(exact), bool(clean), staged))
             receiver.clear()
     finally:
         agent.close()
@@ -168,14 +198,15 @@ def torch_baseline(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def run_config(label: str, tp: int, placement: str, staging: int) -> dict[str, object]:
+def run_config(label: str, tp: int, placement: str, staging: int, mode: str, groups: int) -> dict[str, object]:
     from kvbridge.zmq_link import BootstrapServer
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     server = BootstrapServer().start()
-    procs = [ctx.Process(target=prefill, args=(server.address, results, tp, r, placement, staging)) for r in range(tp)]
-    procs.append(ctx.Process(target=decode, args=(server.address, results, tp, placement, staging)))
+    procs = [ctx.Process(target=prefill, args=(server.address, results, tp, r, placement, staging, mode, groups))
+             for r in range(tp)]
+    procs.append(ctx.Process(target=decode, args=(server.address, results, tp, placement, staging, mode, groups)))
     for p in procs:
         p.start()
     rows: list[tuple] = []
@@ -195,7 +226,8 @@ def run_config(label: str, tp: int, placement: str, staging: int) -> dict[str, o
     sent = [r for r in rows if r[0] == "sent"]
     ok = [r for r in received if r[2] == "Success"]
     nbytes = max((r[5] for r in received), default=0)
-    return {"config": label, "prefill_tp": tp, "pages": placement, "staging": bool(staging),
+    return {"config": label, "prefill_tp": tp, "pages": placement, "staging": mode, "layer_groups": groups,
+            "staged": any(r[8] for r in received),
             "requests": len(received), "byte_exact": len(received) == REPEAT and all(r[6] and r[7] for r in received),
             "bytes_per_request": nbytes, "descriptors_per_request": sum(r[5] for r in sent) // max(1, REPEAT),
             "best_s": min((r[4] for r in ok), default=None),
@@ -206,8 +238,9 @@ def run_config(label: str, tp: int, placement: str, staging: int) -> dict[str, o
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_nixl_check.json")
+    parser.add_argument("--only", default="", help="run the configs whose label contains this text")
     args = parser.parse_args()
-    report = {"configs": [run_config(*c) for c in CONFIGS]}
+    report = {"configs": [run_config(*c) for c in CONFIGS if args.only in c[0]]}
     nbytes = max(c["bytes_per_request"] for c in report["configs"])  # type: ignore[type-var]
     report["torch_gpu0_to_gpu1_GBps"] = torch_baseline(int(nbytes)) if nbytes else None
     for c in report["configs"]:

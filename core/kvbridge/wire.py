@@ -18,7 +18,7 @@ from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3                # 3: notices name layers and staged offsets; chunk = per-component sequence
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
@@ -96,7 +96,12 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
-    """A component chunk landed (sent by the backend with the data, or by the control plane after it)."""
+    """A part of a component landed (sent by the backend with the data, or by the control plane after it).
+
+    It completes the destination items ``[first, first + count)`` of the request in the component's layers
+    ``[layer_first, layer_first + layer_count)`` (``layer_count == 0``: every layer). ``chunk`` numbers the
+    notices of one (sender rank, component) from 0; the one marked ``last`` has the highest number.
+    """
 
     room: int
     sender: int
@@ -104,9 +109,12 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unk
     chunk: int
     last: bool
     nbytes: int = 0
-    first: int = 0          # for chunked components: index of the chunk's first item in the request
-    count: int = 0          # and how many items it carries
+    first: int = 0          # index of the first destination item it completes, in the request's list
+    count: int = 0          # and how many items
     staged: bool = False    # the bytes sit in the receiver's staging area: scatter before counting
+    offset: int = 0         # staged: where, in bytes inside the receiver's reservation for (sender, component)
+    layer_first: int = 0
+    layer_count: int = 0    # 0: every layer of the component
 
 
 class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid_unknown_fields=True):
@@ -291,8 +299,10 @@ def _check_ranges(message: Message) -> None:
         if message.prefix_len < 0:
             raise ProtocolError(f"request for room {message.room}: negative prefix length {message.prefix_len}")
     if isinstance(message, Notice) and min(message.chunk, message.sender, message.nbytes, message.first,
-                                           message.count) < 0:
-        raise ProtocolError(f"notice for room {message.room}: negative chunk, sender, size or item range")
+                                           message.count, message.offset, message.layer_first,
+                                           message.layer_count) < 0:
+        raise ProtocolError(f"notice for room {message.room}: negative chunk, sender, size, item, layer or "
+                            "offset field")
     if isinstance(message, (Hello, Welcome)):
         for buffers in message.buffers:
             for i, region in enumerate(buffers.regions):

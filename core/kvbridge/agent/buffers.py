@@ -12,7 +12,7 @@ from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBac
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
 from kvbridge.registry import Registry
-from kvbridge.staging import STAGING, StagingArea, device_view, host_view
+from kvbridge.staging import STAGING, CudaStager, StagingArea, device_view, host_view, is_cuda
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -31,6 +31,15 @@ class LocalBuffers:
         self.staging: StagingArea | None = None
         self.staging_registration: RegisteredBuffers | None = None
         self._keepalive: list[Any] = []      # registered memory must outlive the registration
+        self._stager: CudaStager | None = None     # on the device of the first CUDA component
+
+    def stager(self) -> CudaStager | None:
+        """This agent's CUDA stream for gathers, scatters and engine events (None for host memory)."""
+        return self._stager
+
+    def is_cuda(self, component: str) -> bool:
+        views = self.views.get(component) or []
+        return bool(views) and is_cuda(views[0])
 
     def register(self, buffers: Mapping[str, Sequence[Any]]) -> None:
         layout = self._layout
@@ -58,6 +67,8 @@ class LocalBuffers:
                 views = [device_view(b, g.num_items, g.item_nbytes) for b, g in zip(given, comp.buffers)]
                 if all(v is not None for v in views):
                     self.views[comp.name] = views
+                    if self._stager is None:
+                        self._stager = CudaStager(getattr(views[0], "device", None))
 
     def setup_staging(self, staging: Any | None, staging_bytes: int) -> None:
         """Register the staging area (given, e.g. in /dev/shm for loopback peers in other processes, or

@@ -18,8 +18,23 @@ class AgentConfig:
     bootstrap_timeout_s: float = 30.0      # connect() / a prefill room waiting for its requests
     waiting_timeout_s: float = 120.0       # a decode room waiting for data after send_metadata
     secret: bytes | None = None            # shared secret: HMAC on every control frame
-    staging_bytes: int = 32 << 20          # host staging area for the gather/one-write/scatter path (0: off)
+    staging_bytes: int = 32 << 20          # staging area (host, or on the GPU of CUDA buffers; 0: off)
+    staging: str = "auto"                  # "auto": cost model; "always": every regular slice; "never"
+    staging_below_bytes: int | None = None  # auto stages when the average descriptor is smaller than this;
+    #                                         None: the backend's descriptor cost x the staging throughput
+    staging_piece_bytes: int = 64 << 20    # a staged write is cut into pieces of at most this much: the gather
+    #                                        of piece k+1 overlaps the write of piece k, the scatter of k too
     backend_options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvbridge.staging import MODES
+
+        if self.staging not in MODES:
+            raise ValueError(f"AgentConfig.staging={self.staging!r}; one of {', '.join(MODES)}")
+        if self.staging_piece_bytes <= 0:
+            raise ValueError(f"AgentConfig.staging_piece_bytes={self.staging_piece_bytes} must be positive")
+        if self.staging_below_bytes is not None and self.staging_below_bytes < 0:
+            raise ValueError(f"AgentConfig.staging_below_bytes={self.staging_below_bytes} must be >= 0")
 
 
 TOMBSTONES = 1 << 16        # rooms remembered after clear(), so late frames for them are ignored

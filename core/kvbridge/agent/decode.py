@@ -12,20 +12,68 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvbridge.agent.config import TICK_S
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
-from kvbridge.agent.plans import PlanCache
+from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
-from kvbridge.staging import Rows, page_layout, scatter, synchronize
+from kvbridge.staging import dest_index, scatter_rows, should_stage
 from kvbridge.wire import Abort, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 
 Key = tuple[int, str]       # (prefill rank, component)
+
+
+class Coverage:
+    """Which (item, layer) cells of one (prefill rank, component) landed; a cell counts once, whatever the
+    notices repeat or overlap. ``done``: items with every layer."""
+
+    def __init__(self, items: int, layers: int) -> None:
+        self.items, self.layers = items, layers
+        self.done = 0
+        self._full = np.zeros(items, dtype=bool)
+        self._cells: np.ndarray | None = None      # [items, layers], once a notice names only some layers
+
+    def add(self, first: int, count: int, layers: range) -> None:
+        if count <= 0:
+            return
+        block: np.ndarray
+        if len(layers) == self.layers:
+            block = np.ones(count, dtype=bool)
+        else:
+            if self._cells is None:
+                self._cells = np.zeros((self.items, self.layers), dtype=bool)
+            self._cells[first: first + count, layers.start: layers.stop] = True
+            block = np.all(self._cells[first: first + count], axis=1, keepdims=False).astype(bool, copy=False)
+        span = self._full[first: first + count]
+        self.done += int(np.count_nonzero(block & ~span))
+        span |= block
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.items
+
+    def missing_layers(self) -> list[int]:
+        """Layers some item still lacks (every layer when nothing arrived layer-wise)."""
+        if self._cells is None:
+            return list(range(self.layers)) if self.done < self.items else []
+        lacking = ~self._cells[~self._full]
+        return np.flatnonzero(lacking.any(axis=0)).tolist()
+
+
+@dataclass(slots=True, kw_only=True)
+class Scatter:
+    """A staged piece whose scatter runs on our CUDA stream: it counts once ``event`` completed."""
+
+    key: Key
+    notice: Notice
+    event: Any
+    keep: list[Any]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -37,17 +85,17 @@ class RecvRoom:
     reason: str = ""
     targets: dict[int, str] = field(default_factory=dict)            # prefill rank -> agent
     expected: set[Key] = field(default_factory=set)
-    chunked: set[str] = field(default_factory=set)
-    received: dict[Key, set[int]] = field(default_factory=dict)
+    arrived: dict[Key, set[int]] = field(default_factory=dict)       # notices seen (a scatter may still run)
+    received: dict[Key, set[int]] = field(default_factory=dict)      # notices counted
     last_chunk: dict[Key, int] = field(default_factory=dict)
-    covered: dict[Key, np.ndarray] = field(default_factory=dict)     # bool per requested item
-    covered_count: dict[Key, int] = field(default_factory=dict)
+    covered: dict[Key, Coverage] = field(default_factory=dict)
+    scattering: list[Scatter] = field(default_factory=list)
     quiesced: set[str] = field(default_factory=set)                  # prefill agents that can no longer write
     pending: tuple[dict[str, PackedIndices], int] | None = None      # metadata given while bootstrapping
     metadata_at: float | None = None
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
-    staged: dict[Key, tuple[int, int, tuple[Rows, ...]]] = field(default_factory=dict)
+    staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
 
 
 class DecodeSide(RoomTable[RecvRoom]):
@@ -61,6 +109,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         self.rooms: dict[int, RecvRoom] = {}
         self._tombstones = Tombstones()
         self._waiting: set[int] = set()      # rooms bootstrapping until their instance is reachable again
+        self._scattering: set[int] = set()   # rooms with a scatter running on our CUDA stream
         self._unsafe: set[int] = set()       # failed rooms whose writers have not all been fenced
         self._next_timeouts = 0.0
         self._next_fence = 0.0
@@ -120,6 +169,8 @@ class DecodeSide(RoomTable[RecvRoom]):
         nothing was ever requested, or every writer is fenced (acknowledged, or proven gone)."""
         with self._ctx.lock:
             state = self.get(room)
+            if state.scattering:
+                return False                         # a scatter still writes into the room's items
             if state.status is KVPoll.Success:
                 return True
             if state.status is not KVPoll.Failed:
@@ -148,26 +199,26 @@ class DecodeSide(RoomTable[RecvRoom]):
         src_layout = next(iter(peers.values())).layout
         staging_area = ctx.buffers.staging
         staging: dict[str, dict[int, int]] = {}
-        for comp_index, (comp, st) in enumerate(zip(ctx.layout.components, ctx.state_types)):
-            room.indices[comp.name] = indices[comp.name].unpack()
-            n_items = len(room.indices[comp.name])
-            if st.chunked:
-                room.chunked.add(comp.name)
+        mode = ctx.config.staging
+        for comp_index, comp in enumerate(ctx.layout.components):
+            dst_items = room.indices[comp.name] = indices[comp.name].unpack()
+            n_items = len(dst_items)
+            layers = self._plans.layers(comp_index).num_layers
             for rank, peer in peers.items():
                 segs = self._plans.slice_for(peer, comp_index)
                 if segs.is_empty:
                     continue
                 key = (rank, comp.name)
                 room.expected.add(key)
-                room.covered[key] = np.zeros(n_items, dtype=bool)
-                room.covered_count[key] = 0
-                rows = self._plans.rows_for(peer, comp_index, segs, src_layout, ctx.layout)
-                if rows is not None and staging_area is not None and n_items:
-                    nbytes = page_layout(rows)[1] * n_items
+                room.covered[key] = Coverage(n_items, layers)
+                plan = self._plans.stage_plan_for(peer, comp_index, segs, src_layout, ctx.layout)
+                if (plan is not None and staging_area is not None and n_items
+                        and should_stage(plan.rows, dst_items, mode=mode, below_bytes=self._plans.stage_below_bytes())):
+                    nbytes = plan.per_item * n_items
                     offset = staging_area.alloc(nbytes)
-                    if offset is not None:
+                    if offset is not None:           # full: plain descriptors for this one
                         staging.setdefault(comp.name, {})[rank] = offset
-                        room.staged[key] = (offset, nbytes, rows)
+                        room.staged[key] = (offset, nbytes, plan)
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
                                   staging=staging)
@@ -190,25 +241,37 @@ class DecodeSide(RoomTable[RecvRoom]):
             log.warning("%s: room %d: unexpected notice from rank %d for %s", self._ctx.name, notice.room,
                         notice.sender, notice.component)
             return
-        chunks = room.received.setdefault(key, set())
-        if notice.chunk in chunks:
+        seen = room.arrived.setdefault(key, set())
+        if notice.chunk in seen:
             return
         covered = room.covered[key]
         first, count = notice.first, notice.count
-        if first + count > len(covered):
+        layers = _layers_of(notice, covered.layers)
+        if first + count > covered.items:
             self._fail(room, f"prefill rank {notice.sender} announced {notice.component} items [{first}, "
-                             f"{first + count}) of a request for {len(covered)}")
+                             f"{first + count}) of a request for {covered.items}")
             return
-        if notice.staged:
-            self._scatter(room, notice)
-        chunks.add(notice.chunk)
-        span = covered[first: first + count]
-        room.covered_count[key] += count - int(np.count_nonzero(span))
-        span[:] = True
+        if layers is None:
+            self._fail(room, f"prefill rank {notice.sender} announced {notice.component} layers "
+                             f"[{notice.layer_first}, {notice.layer_first + notice.layer_count}) of a component "
+                             f"with {covered.layers}")
+            return
+        pending = self._scatter(room, notice, layers) if notice.staged else None
+        seen.add(notice.chunk)
+        room.status = KVPoll.Transferring
+        if pending is not None:
+            room.scattering.append(Scatter(key=key, notice=notice, event=pending[0], keep=pending[1]))
+            self._scattering.add(room.room)
+            return
+        self._count(room, key, notice, layers)
+
+    def _count(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> None:
+        """A notice's bytes sit in their items: cover them, and see whether the room is complete."""
+        room.received.setdefault(key, set()).add(notice.chunk)
+        room.covered[key].add(notice.first, notice.count, layers)
         room.nbytes += notice.nbytes
         if notice.last:
             room.last_chunk[key] = notice.chunk
-        room.status = KVPoll.Transferring
         self._check_done(room)
 
     def on_status(self, push: StatusPush, env: Envelope) -> None:
@@ -230,25 +293,64 @@ class DecodeSide(RoomTable[RecvRoom]):
             room.quiesced.add(abort.agent)
         self._fail(room, f"aborted by prefill {abort.agent}: {abort.reason}")
 
-    def _scatter(self, room: RecvRoom, notice: Notice) -> None:
-        """Move a staged chunk from our staging area into its pages (validated against the reservation)."""
+    def _scatter(self, room: RecvRoom, notice: Notice, layers: range) -> tuple[Any, list[Any]] | None:
+        """Move a staged piece from our staging area into its items (validated against the reservation): at
+        once for host memory (None), or queued on our CUDA stream (its event and the tensors it reads)."""
         ctx = self._ctx
         reserved = room.staged.get((notice.sender, notice.component))
         dst = room.indices.get(notice.component)
-        if reserved is None or dst is None or ctx.buffers.staging is None:
+        staging = ctx.buffers.staging
+        if reserved is None or dst is None or staging is None:
             raise ProtocolError(f"room {room.room}: staged notice from rank {notice.sender} for {notice.component}, "
                                 "which has no staging reservation")
-        offset, nbytes, rows = reserved
-        per_item = page_layout(rows)[1]
-        if notice.first + notice.count > len(dst) or (notice.first + notice.count) * per_item > nbytes:
-            raise ProtocolError(f"room {room.room}: staged chunk [{notice.first}, +{notice.count}) is outside the "
-                                f"{len(dst)} reserved items")
-        start = offset + notice.first * per_item
-        area = ctx.buffers.staging.array[start: start + notice.count * per_item]
-        staged = (area.reshape(notice.count, per_item) if isinstance(area, np.ndarray)
-                  else area.view(notice.count, per_item))
-        scatter(ctx.buffers.views[notice.component], rows, dst[notice.first: notice.first + notice.count], staged)
-        synchronize(staged)       # the chunk counts as delivered only once it sits in its pages
+        offset, nbytes, plan = reserved
+        size = notice.count * plan.span(layers)
+        if notice.first + notice.count > len(dst) or notice.offset + size > nbytes:
+            raise ProtocolError(f"room {room.room}: staged piece [{notice.first}, +{notice.count}) x layers "
+                                f"[{layers.start}, {layers.stop}) at {notice.offset} is outside the {nbytes} B "
+                                "reserved")
+        items = dst[notice.first: notice.first + notice.count]
+        views = ctx.buffers.views[notice.component]
+        parts, cursor = [], offset + notice.offset
+        for b in plan.layers.buffers(layers):
+            r = plan.rows[b]
+            parts.append((b, staging.view(cursor, notice.count, r.nbytes)))
+            cursor += notice.count * r.nbytes
+        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
+        if stager is None:
+            for b, part in parts:
+                scatter_rows(views[b], plan.rows[b], items, part)
+            return None
+        indices: dict[tuple[bool, int], Any] = {}
+        for b, _ in parts:
+            r = plan.rows[b]
+            if (r.dst_contiguous, r.rows) not in indices:
+                indices[r.dst_contiguous, r.rows] = stager.to_device(dest_index(r, items))
+
+        def work() -> None:
+            for b, part in parts:
+                r = plan.rows[b]
+                scatter_rows(views[b], r, items, part, index=indices[r.dst_contiguous, r.rows][0])
+
+        return stager.run(work), list(indices.values())
+
+    def poll_scatters(self) -> None:
+        """Count the staged pieces whose scatter finished on our CUDA stream (called by the progress loop)."""
+        for room_id in list(self._scattering):
+            room = self.rooms.get(room_id)
+            if room is None:
+                self._scattering.discard(room_id)
+                continue
+            finished = [item.event.query() for item in room.scattering]
+            done = [item for item, f in zip(room.scattering, finished) if f]
+            room.scattering = [item for item, f in zip(room.scattering, finished) if not f]
+            if room.status not in (KVPoll.Failed, KVPoll.Success):
+                for item in done:
+                    layers = _layers_of(item.notice, room.covered[item.key].layers)
+                    assert layers is not None                     # checked when the notice arrived
+                    self._count(room, item.key, item.notice, layers)
+            if not room.scattering:
+                self._scattering.discard(room_id)
 
     def _release_staging(self, room: RecvRoom) -> None:
         staging = self._ctx.buffers.staging
@@ -260,27 +362,29 @@ class DecodeSide(RoomTable[RecvRoom]):
     # ---------------------------------------------------------------- completion and failure (lock held)
     @staticmethod
     def _all_chunks(room: RecvRoom, key: Key) -> bool:
-        """Did the last chunk (and, for chunked components, every chunk before it) arrive?"""
+        """Were the notice marked last and every notice numbered before it counted?"""
         last = room.last_chunk.get(key)
         if last is None:
             return False
-        return key[1] not in room.chunked or len(room.received.get(key, ())) == last + 1
+        received = room.received.get(key, set())
+        return len(received) == last + 1 and max(received) == last
 
     def _delivered(self, room: RecvRoom, rank: int) -> bool:
-        return all(self._all_chunks(room, key) and room.covered_count[key] == len(room.covered[key])
+        return all(self._all_chunks(room, key) and room.covered[key].complete
                    for key in room.expected if key[0] == rank)
 
     def _check_done(self, room: RecvRoom) -> None:
         if room.status is KVPoll.Failed or room.metadata_at is None:
             return
-        short = [key for key in room.expected if self._all_chunks(room, key)
-                 and room.covered_count[key] != len(room.covered[key])]
+        short = [key for key in room.expected if self._all_chunks(room, key) and not room.covered[key].complete]
         if short:
             rank, comp = short[0]
-            self._fail(room, f"prefill rank {rank} sent {room.covered_count[(rank, comp)]} of "
-                             f"{len(room.covered[(rank, comp)])} {comp} items")
+            cov = room.covered[(rank, comp)]
+            lacking = cov.missing_layers()
+            layers = (f" (layers {lacking} missing)" if cov.layers > 1 and 0 < len(lacking) < cov.layers else "")
+            self._fail(room, f"prefill rank {rank} sent {cov.done} of {cov.items} {comp} items{layers}")
             return
-        if all(self._delivered(room, rank) for rank in room.targets):
+        if not room.scattering and all(self._delivered(room, rank) for rank in room.targets):
             room.status = KVPoll.Success
 
     def _fail(self, room: RecvRoom, reason: str) -> None:
@@ -310,6 +414,8 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._unsafe.discard(room.room)
 
     def tick(self, now: float) -> None:
+        if self._scattering:
+            self.poll_scatters()
         if now >= self._next_fence and self._unsafe:     # writers not fenced yet: ask again
             self._next_fence = now + self._ctx.config.heartbeat_interval_s
             for room_id in list(self._unsafe):
@@ -348,3 +454,11 @@ class DecodeSide(RoomTable[RecvRoom]):
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.targets.values() and (room.room in self._unsafe or room.status is not KVPoll.Failed)
                    for room in self.rooms.values())
+
+
+def _layers_of(notice: Notice, layers: int) -> range | None:
+    """The layers a notice completes (``layer_count == 0``: all), None when outside the component's."""
+    if notice.layer_count == 0:
+        return range(0, layers)
+    stop = notice.layer_first + notice.layer_count
+    return range(notice.layer_first, stop) if stop <= layers else None

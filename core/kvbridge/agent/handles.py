@@ -40,11 +40,19 @@ class Sender:
         """Tokens the decode side already holds (the first request's prefix length)."""
         return self._side.prefix_len(self.room)
 
-    def send(self, pages: np.ndarray, *, last: bool = False, state: Mapping[str, IndexArg] | None = None) -> None:
+    def send(self, pages: np.ndarray, last: bool = False, *, layers: range | None = None,
+             state: Mapping[str, IndexArg] | None = None) -> None:
         """Send one chunk: KV ``pages`` (source page ids), and on the last chunk every state component's
-        indices (``{name: indices}`` or ``{name: (indices, first_position)}``)."""
+        indices (``{name: indices}`` or ``{name: (indices, first_position)}``).
+
+        Layer-wise: ``layers=range(a, b)`` sends only those layers of the chunk's pages (layer indices of
+        the chunked components, see ``kvbridge.agent.layers``); post the same ``pages`` once per layer group
+        as the forward pass writes them, every layer exactly once, then the next chunk. The chunk counts
+        once all its layers went; ``last=True`` goes with the final group of the final chunk, and the state
+        components travel with it. Returns at once: on CUDA the writes follow the work queued so far on the
+        caller's current stream, without waiting for it."""
         normalized = {k: _split(v) for k, v in (state or {}).items()}
-        self._side.send(self.room, np.asarray(pages), last, normalized)
+        self._side.send(self.room, np.asarray(pages), last, normalized, layers)
         self._progress()
 
     @property

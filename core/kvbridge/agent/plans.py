@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.backends.base import PeerInfo
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.planner import BufferPair
-from kvbridge.slicing import ComponentSlice
-from kvbridge.staging import Rows, regular_rows
+from kvbridge.slicing import ComponentSlice, Segments
+from kvbridge.staging import DEFAULT_DESCRIPTOR_COST_US, Rows, regular_rows, stage_threshold
 from kvbridge.wire import Role
 
 if TYPE_CHECKING:
@@ -26,6 +29,30 @@ class Peer(Protocol):
     def info(self) -> PeerInfo | None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """How one (peer, component) slice is staged. A staged piece holds some layers of some items: for each
+    of its layers in order, each buffer of the layer (layer order), ``count x rows[b].nbytes`` bytes,
+    item-major. A chunk of ``count`` items occupies ``count * per_item`` bytes of the reservation at
+    ``first * per_item``, its layers one after the other (``layer_offset``)."""
+
+    rows: tuple[Rows, ...]           # per buffer index
+    layers: LayerMap
+    layer_bytes: tuple[int, ...]     # staged bytes of one item in each layer
+
+    @property
+    def per_item(self) -> int:
+        return sum(self.layer_bytes)
+
+    def layer_offset(self, layer: int) -> int:
+        """Staged bytes of one item in the layers before ``layer``."""
+        return sum(self.layer_bytes[:layer])
+
+    def span(self, layers: range) -> int:
+        """Staged bytes of one item in ``layers``."""
+        return sum(self.layer_bytes[layers.start: layers.stop])
+
+
 class PlanCache:
     """Pure functions of (our layout, the peer's layout), computed once per peer and component."""
 
@@ -34,6 +61,34 @@ class PlanCache:
         self._slices: dict[tuple[str, int], ComponentSlice] = {}
         self._pairs: dict[tuple[str, int], list[BufferPair]] = {}
         self._rows: dict[tuple[str, int], tuple[Rows, ...] | None] = {}
+        self._stage: dict[tuple[str, int], StagePlan | None] = {}
+        self._layer_pairs: dict[tuple[str, int, int, int], tuple[list[BufferPair], tuple[Segments, ...]]] = {}
+        self._layers: dict[int, LayerMap] = {}
+        self._below: float | None = None
+
+    def layers(self, comp_index: int) -> LayerMap:
+        """The layers of one of our components (the peer's are the same: buffer names must match)."""
+        found = self._layers.get(comp_index)
+        if found is None:
+            found = self._layers[comp_index] = layer_map(self._ctx.layout.components[comp_index])
+        return found
+
+    def stage_below_bytes(self) -> float:
+        """The auto cost model's threshold: stage when the average descriptor would be smaller than this."""
+        if self._below is None:
+            ctx = self._ctx
+            if ctx.config.staging_below_bytes is not None:
+                self._below = float(ctx.config.staging_below_bytes)
+            else:
+                try:
+                    cost = ctx.registry.backend_spec(ctx.backend_name).descriptor_cost_us
+                except Exception:  # noqa: BLE001 - a backend built outside the registry: the default cost
+                    cost = None
+                staging = ctx.buffers.staging
+                device = staging.device if staging is not None else None
+                self._below = stage_threshold(DEFAULT_DESCRIPTOR_COST_US if cost is None else cost,
+                                              device) if device is not None else 0.0
+        return self._below
 
     def slice_for(self, peer: Peer, comp_index: int) -> ComponentSlice:
         """What the prefill side of this pair writes for one component."""
@@ -74,10 +129,44 @@ class PlanCache:
         if key not in self._rows:
             rows = [regular_rows(seg, sb.item_nbytes, db.item_nbytes) for seg, sb, db in
                     zip(segs.buffers, src.components[comp_index].buffers, dst.components[comp_index].buffers)]
-            self._rows[key] = tuple(r for r in rows if r is not None) if all(r is not None for r in rows) else None
+            found = [r for r in rows if r is not None]
+            self._rows[key] = tuple(found) if len(found) == len(rows) else None
         return self._rows[key]
 
+    def stage_plan_for(self, peer: Peer, comp_index: int, segs: ComponentSlice, src: PoolLayout,
+                       dst: PoolLayout) -> StagePlan | None:
+        """The staging layout of a (peer, component) slice, or None when it is not regular."""
+        key = (peer.agent, comp_index)
+        if key not in self._stage:
+            rows = self.rows_for(peer, comp_index, segs, src, dst)
+            plan = None
+            if rows is not None:
+                lm = self.layers(comp_index)
+                plan = StagePlan(rows=rows, layers=lm, layer_bytes=tuple(
+                    sum(rows[b].nbytes for b in lm.layer_buffers(layer)) for layer in range(lm.num_layers)))
+            self._stage[key] = plan
+        return self._stage[key]
+
+    def layer_pairs(self, peer: Peer, comp_index: int, segs: ComponentSlice,
+                    layers: range) -> tuple[list[BufferPair], tuple[Segments, ...]]:
+        """Buffer pairs and segments of ``layers`` only (the other buffers' segments empty)."""
+        lm = self.layers(comp_index)
+        if layers.start == 0 and layers.stop == lm.num_layers:
+            return self.pairs_for(peer, comp_index, segs), segs.buffers
+        key = (peer.agent, comp_index, layers.start, layers.stop)
+        found = self._layer_pairs.get(key)
+        if found is None:
+            keep = set(lm.buffers(layers))
+            empty = Segments.empty()
+            pairs = [p if b in keep else dataclasses.replace(p, segments=empty)
+                     for b, p in enumerate(self.pairs_for(peer, comp_index, segs))]
+            found = self._layer_pairs[key] = (pairs, tuple(s if b in keep else empty
+                                                            for b, s in enumerate(segs.buffers)))
+        return found
+
     def forget(self, agent: str) -> None:
-        for cache in (self._slices, self._pairs, self._rows):
+        for cache in (self._slices, self._pairs, self._rows, self._stage):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]
+        for lkey in [k for k in self._layer_pairs if k[0] == agent]:
+            del self._layer_pairs[lkey]

@@ -1,23 +1,34 @@
-"""Posting a prefill chunk: validate and pair every component for every decode rank, then post each
-write (through our staging area when the pattern allows, else as planned descriptors) with its notice."""
+"""Posting a prefill chunk: validate and pair every component for every decode rank, then post each write
+(staged through our staging area in pieces when the decode reserved space for it, else as planned
+descriptors) with its notice.
+
+A staged write is cut into pieces (``AgentConfig.staging_piece_bytes``), each with its own notice naming
+the items and layers it completes: the gather of piece k+1 runs while piece k is on the wire, and the
+decode scatters piece k when it lands. On CUDA the gathers run on the agent's own stream, after the work the
+engine had queued on its current stream when it called ``send``; a write is posted once its gather's event
+completed (polled from the progress loop, never waited for). Plain writes of CUDA memory likewise wait for
+the engine's event.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Peer, PeerTable
-from kvbridge.agent.plans import PlanCache
-from kvbridge.agent.send_room import InFlight, SendRoom
-from kvbridge.backends.base import ComponentTransfer
+from kvbridge.agent.plans import PlanCache, StagePlan
+from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom
+from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
 from kvbridge.errors import GeometryError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.slicing import ComponentSlice
-from kvbridge.staging import STAGING, gather, page_layout, synchronize
+from kvbridge.staging import STAGING, gather_rows, source_index
 from kvbridge.wire import Notice
 
 log = logging.getLogger("kvbridge.agent")
@@ -68,8 +79,9 @@ class Poster:
         self._ctx, self._peers, self._plans = ctx, peers, plans
         self._no_staging: set[str] = set()      # peers whose staging area the engine cannot reach
 
+    # ------------------------------------------------------------------ validation and pairing
     def prepare(self, room: SendRoom, comp_index: int, pages: np.ndarray, last: bool,
-                 state: StateIndices) -> list[Write]:
+                state: StateIndices) -> list[Write]:
         ctx = self._ctx
         comp, st = ctx.layout.components[comp_index], ctx.state_types[comp_index]
         if not st.chunked and not last:
@@ -106,84 +118,243 @@ class Poster:
                                  staged_at=req.staging.get(comp.name, {}).get(ctx.layout.tp_rank)))
         return writes
 
-    def post(self, room: SendRoom, write: Write, chunk: int, last: bool) -> None:
+    # ------------------------------------------------------------------ posting
+    def post(self, room: SendRoom, write: Write, layers: range | None, last: bool, after: Any) -> None:
+        """Post (or queue) the write of ``layers`` (None: every layer) of one component to one peer.
+        ``after``: the engine's CUDA event the write must follow (None for host memory)."""
         ctx, peer = self._ctx, write.peer
         comp = ctx.layout.components[write.comp_index]
-        s_idx, d_idx, first = write.src, write.dst, write.first
-        if write.staged_at is not None and first is not None and len(s_idx) and self._send_staged(
-                room, peer, write.comp_index, write.segs, s_idx, write.staged_at, first, chunk, last):
+        group = layers if layers is not None else self._plans.layers(write.comp_index).all
+        if self._post_staged(room, write, group, last, after):
             return
+        seq = room.next_seq(peer.agent, comp.name)
+        first = write.first
+        notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=seq, last=last,
+                        first=first or 0, count=len(write.src), layer_first=group.start, layer_count=len(group))
+        self._post_plain(room, peer, write.comp_index, write.segs, group, write.src, write.dst, notice, after)
+
+    def _post_plain(self, room: SendRoom, peer: Peer, comp_index: int, segs: ComponentSlice, group: range,
+                    s_idx: np.ndarray, d_idx: np.ndarray, notice: Notice, after: Any) -> None:
+        ctx = self._ctx
+        comp = ctx.layout.components[comp_index]
         if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
             order = np.argsort(s_idx, kind="stable")
             s_idx, d_idx = s_idx[order], d_idx[order]
-        plan = plan_transfer(self._plans.pairs_for(peer, write.comp_index, write.segs), s_idx, d_idx)
-        notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=chunk, last=last,
-                        nbytes=plan.total_nbytes, first=first or 0, count=len(s_idx))
+        pairs, segments = self._plans.layer_pairs(peer, comp_index, segs, group)
+        plan = plan_transfer(pairs, s_idx, d_idx)
+        notice = _with(notice, nbytes=plan.total_nbytes, staged=False, offset=0)
         frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
         if len(plan) == 0:
             self.notify(peer, frame)
             return
         if peer.info is None:
             raise AssertionError(f"peer {peer.agent} has no registered buffers")
-        transfer = ComponentTransfer(room=room.room, component=comp.name, peer=peer.agent, chunk=chunk, last=last,
-                                     src=ctx.buffers.registered[comp.name], dst=peer.info.component(comp.name),
-                                     plan=plan, notice=frame, src_items=s_idx, dst_items=d_idx,
-                                     segments=write.segs.buffers)
-        handle = ctx.registry.send_component(ctx.backend, transfer)
-        room.inflight.append(InFlight(handle=handle, peer=peer.agent, notice=notice, frame=frame))
-        room.nbytes += plan.total_nbytes
-        room.descriptors += len(plan)
+        transfer = ComponentTransfer(room=room.room, component=comp.name, peer=peer.agent, chunk=notice.chunk,
+                                     last=notice.last, src=ctx.buffers.registered[comp.name],
+                                     dst=peer.info.component(comp.name), plan=plan, notice=frame, src_items=s_idx,
+                                     dst_items=d_idx, segments=segments)
+        if after is not None and not after.query():
+            room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, transfer=transfer, after=after))
+            return
+        self._send(room, transfer, peer.agent, notice, frame, None)
 
-    def _send_staged(self, room: SendRoom, peer: Peer, comp_index: int, segs: ComponentSlice, items: np.ndarray,
-                     remote_offset: int, first: int, chunk: int, last: bool) -> bool:
-        """Gather the chunk into our staging area and post one write into the peer's; False to fall back."""
+    def _send(self, room: SendRoom, transfer: ComponentTransfer, agent: str, notice: Notice, frame: bytes,
+              staging: tuple[int, int] | None) -> None:
         ctx = self._ctx
-        staging, staging_reg = ctx.buffers.staging, ctx.buffers.staging_registration
+        handle = ctx.registry.send_component(ctx.backend, transfer)
+        room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
+        room.nbytes += transfer.plan.total_nbytes
+        room.descriptors += len(transfer.plan)
+
+    # ------------------------------------------------------------------ staging
+    def _remote_staging(self, peer: Peer) -> RemoteBuffers | None:
         if peer.info is None:
             raise AssertionError(f"peer {peer.agent} has no registered buffers")
-        rows = self._plans.rows_for(peer, comp_index, segs, ctx.layout, peer.layout)
-        remote = next((b for b in peer.info.buffers if b.component == STAGING), None)
-        if (rows is None or staging is None or staging_reg is None or remote is None
-                or peer.agent in self._no_staging):
+        return next((b for b in peer.info.buffers if b.component == STAGING), None)
+
+    def _post_staged(self, room: SendRoom, write: Write, group: range, last: bool, after: Any) -> bool:
+        """Cut the write into pieces and queue them (the first with its staging space); False to post plain
+        descriptors (no reservation, not regular, our staging area full or too small)."""
+        ctx, peer = self._ctx, write.peer
+        staging = ctx.buffers.staging
+        if (write.staged_at is None or write.first is None or not len(write.src) or staging is None
+                or ctx.config.staging == "never" or ctx.buffers.staging_registration is None
+                or peer.agent in self._no_staging or self._remote_staging(peer) is None):
             return False
-        _, per_item = page_layout(rows)
-        nbytes = per_item * len(items)
-        local = staging.alloc(nbytes)
+        plan = self._plans.stage_plan_for(peer, write.comp_index, write.segs, ctx.layout, peer.layout)
+        if plan is None:
+            return False
+        limit = min(ctx.config.staging_piece_bytes, staging.nbytes)
+        if max(plan.layer_bytes[layer] for layer in group) > limit:
+            return False                       # one item of one layer does not fit a piece
+        pieces = _cut(plan, write, group, limit)
+        local = staging.alloc(pieces[0].nbytes)
         if local is None:
-            return False        # our staging area is full: plain descriptors, the notice says so
-        comp = ctx.layout.components[comp_index]
-        area = staging.array[local: local + nbytes]
-        out = area.reshape(len(items), per_item) if isinstance(area, np.ndarray) else area.view(len(items), per_item)
-        gather(ctx.buffers.views[comp.name], rows, items, out)
-        synchronize(out)          # device gathers must finish before the engine reads the area
-        dst = remote.regions[0].addr + remote_offset + first * per_item
-        u64 = np.uint64
-        plan = TransferPlan(np.array([staging.region.addr + local], u64), np.array([dst], u64),
-                            np.array([nbytes], u64), np.zeros(1, np.int32))
-        notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=chunk, last=last,
-                        nbytes=nbytes, first=first, count=len(items), staged=True)
-        frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
-        transfer = ComponentTransfer(room=room.room, component=STAGING, peer=peer.agent, chunk=chunk, last=last,
-                                     src=staging_reg, dst=remote, plan=plan, notice=frame)
-        try:
-            handle = ctx.registry.send_component(ctx.backend, transfer)
-        except RegionError as exc:     # the engine cannot reach the peer's staging area: descriptors from now on
-            staging.free(local, nbytes)
-            log.warning("%s: staging to %s refused (%s); using plain descriptors for this peer", ctx.name,
-                        peer.agent, exc)
-            self._no_staging.add(peer.agent)
-            return False
-        except BaseException:
-            staging.free(local, nbytes)
-            raise
-        room.inflight.append(InFlight(handle=handle, peer=peer.agent, notice=notice, frame=frame,
-                                      staging=(local, nbytes)))
-        room.nbytes += nbytes
-        room.descriptors += 1
+            return False                       # our staging area is full: plain descriptors, the notice says so
+        comp = ctx.layout.components[write.comp_index]
+        for i, piece in enumerate(pieces):
+            notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name,
+                            chunk=room.next_seq(peer.agent, comp.name), last=last and i == len(pieces) - 1,
+                            nbytes=piece.nbytes, first=write.first + piece.start, count=len(piece.src),
+                            staged=True, offset=piece.remote_offset - write.staged_at,
+                            layer_first=piece.layers.start, layer_count=len(piece.layers))
+            frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
+            room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, piece=piece, after=after,
+                                        local=(local, piece.nbytes) if i == 0 else None))
         return True
+
+    def pump(self, room: SendRoom) -> None:
+        """Move the room's queued writes on: allocate staging for pieces (in order, while there is room),
+        start their gathers, and post from the head of the queue what is ready. Never waits."""
+        if not room.pending:
+            return
+        staging = self._ctx.buffers.staging
+        for p in room.pending:
+            if p.piece is not None and p.local is None:
+                offset = staging.alloc(p.piece.nbytes) if staging is not None else None
+                if offset is None:
+                    break
+                p.local = (offset, p.piece.nbytes)
+        for p in room.pending:
+            if p.piece is not None and p.local is not None and p.gathered is None:
+                self._gather(room, p)
+        while room.pending and _ready(room.pending[0]):
+            p = room.pending.popleft()
+            try:
+                self._post_pending(room, p)
+            except BaseException:
+                if p.local is not None and staging is not None:
+                    staging.free(*p.local)
+                raise
+
+    def drop(self, room: SendRoom) -> None:
+        """The room failed: forget its queued writes, once no queued gather still reads or writes memory."""
+        staging = self._ctx.buffers.staging
+        kept: deque[Pending] = deque()
+        for p in room.pending:
+            if p.gathered is not None and p.gathered is not True and not p.gathered.query():
+                kept.append(p)
+                continue
+            if p.local is not None and staging is not None:
+                staging.free(*p.local)
+        room.pending = kept
+
+    def _gather(self, room: SendRoom, p: Pending) -> None:
+        ctx = self._ctx
+        piece, staging = p.piece, ctx.buffers.staging
+        assert piece is not None and p.local is not None and staging is not None
+        peer = self._peers[p.peer]
+        comp = ctx.layout.components[piece.comp_index]
+        plan = self._plans.stage_plan_for(peer, piece.comp_index, self._plans.slice_for(peer, piece.comp_index),
+                                          ctx.layout, peer.layout)
+        assert plan is not None
+        views = ctx.buffers.views[comp.name]
+        n = len(piece.src)
+        outs, cursor = [], p.local[0]
+        for b in piece.buffers:
+            size = plan.rows[b].nbytes
+            outs.append((b, staging.view(cursor, n, size)))
+            cursor += n * size
+        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
+        if stager is None:
+            for b, out in outs:
+                gather_rows(views[b], plan.rows[b], piece.src, out)
+            p.gathered = True
+            return
+        indices: dict[Any, Any] = {}
+        for b, _ in outs:
+            key = plan.rows[b].src_contiguous, plan.rows[b].rows
+            if key not in indices:
+                indices[key] = stager.to_device(source_index(plan.rows[b], piece.src))
+
+        def work() -> None:
+            for b, out in outs:
+                r = plan.rows[b]
+                gather_rows(views[b], r, piece.src, out, index=indices[r.src_contiguous, r.rows][0])
+
+        p.keep = list(indices.values())
+        p.gathered = stager.run(work, after=p.after)
+
+    def _post_pending(self, room: SendRoom, p: Pending) -> None:
+        ctx = self._ctx
+        peer = self._peers.get(p.peer)
+        if peer is None:
+            if p.local is not None and ctx.buffers.staging is not None:
+                ctx.buffers.staging.free(*p.local)
+            return                     # the peer is gone: its death already failed the room
+        if p.transfer is not None:
+            self._send(room, p.transfer, p.peer, p.notice, p.frame, None)
+            return
+        piece, staging, reg = p.piece, ctx.buffers.staging, ctx.buffers.staging_registration
+        assert piece is not None and p.local is not None and staging is not None and reg is not None
+        remote = self._remote_staging(peer)
+        if remote is not None and peer.agent not in self._no_staging:
+            local, nbytes = p.local
+            u64 = np.uint64
+            plan = TransferPlan(np.array([staging.region.addr + local], u64),
+                                np.array([remote.regions[0].addr + piece.remote_offset], u64),
+                                np.array([nbytes], u64), np.zeros(1, np.int32))
+            transfer = ComponentTransfer(room=room.room, component=STAGING, peer=peer.agent, chunk=p.notice.chunk,
+                                         last=p.notice.last, src=reg, dst=remote, plan=plan, notice=p.frame)
+            try:
+                self._send(room, transfer, peer.agent, p.notice, p.frame, p.local)
+                return
+            except RegionError as exc:   # the engine cannot reach the peer's staging area: descriptors from now on
+                log.warning("%s: staging to %s refused (%s); using plain descriptors for this peer", ctx.name,
+                            peer.agent, exc)
+                self._no_staging.add(peer.agent)
+        staging.free(*p.local)
+        p.local = None
+        comp = ctx.layout.components[piece.comp_index]
+        self._post_plain(room, peer, piece.comp_index, self._plans.slice_for(peer, piece.comp_index), piece.layers,
+                         piece.src, piece.dst, p.notice, None)
+        log.debug("%s: room %d %s piece %d went as descriptors", ctx.name, room.room, comp.name, p.notice.chunk)
 
     def notify(self, peer: Peer, frame: bytes) -> None:
         """Hand an encoded notice to the backend; the control link carries it when the engine cannot."""
         ctx = self._ctx
         if not ctx.registry.notify_completion(ctx.backend, peer.agent, frame):
             ctx.send_frame(peer.address, frame, "notice")
+
+
+def _ready(p: Pending) -> bool:
+    if p.piece is not None:
+        return p.gathered is True or (p.gathered is not None and bool(p.gathered.query()))
+    return p.after is None or bool(p.after.query())
+
+
+def _with(notice: Notice, **changes: Any) -> Notice:
+    import msgspec
+
+    return msgspec.structs.replace(notice, **changes)
+
+
+def _cut(plan: StagePlan, write: Write, group: range, limit: int) -> list[Piece]:
+    """The pieces of ``layers`` of a chunk: whole layers while they fit ``limit``, a layer too large for one
+    piece split by items. Laid out as :class:`StagePlan` says, starting at the chunk's slot."""
+    assert write.staged_at is not None and write.first is not None
+    n = len(write.src)
+    base = write.staged_at + write.first * plan.per_item
+    lm = plan.layers
+    pieces: list[Piece] = []
+    layer = group.start
+    while layer < group.stop:
+        if n * plan.layer_bytes[layer] > limit:       # split this layer's items
+            per = max(1, limit // plan.layer_bytes[layer])
+            for a in range(0, n, per):
+                b = min(n, a + per)
+                pieces.append(Piece(comp_index=write.comp_index, layers=range(layer, layer + 1),
+                                    buffers=lm.layer_buffers(layer), src=write.src[a:b], dst=write.dst[a:b], start=a,
+                                    nbytes=(b - a) * plan.layer_bytes[layer],
+                                    remote_offset=base + n * plan.layer_offset(layer) + a * plan.layer_bytes[layer]))
+            layer += 1
+            continue
+        stop = layer + 1
+        while stop < group.stop and n * plan.span(range(layer, stop + 1)) <= limit:
+            stop += 1
+        span = range(layer, stop)
+        pieces.append(Piece(comp_index=write.comp_index, layers=span, buffers=lm.buffers(span), src=write.src,
+                            dst=write.dst, start=0, nbytes=n * plan.span(span),
+                            remote_offset=base + n * plan.layer_offset(layer)))
+        layer = stop
+    return pieces

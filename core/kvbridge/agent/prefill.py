@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.posting import Poster, StateIndices
-from kvbridge.agent.send_room import InFlight, SendRoom
+from kvbridge.agent.send_room import InFlight, OpenChunk, SendRoom
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
@@ -62,8 +63,9 @@ class PrefillSide(RoomTable[SendRoom]):
             state = self.get(room)
             return state.nbytes, state.descriptors
 
-    def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices) -> None:
+    def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None = None) -> None:
         ctx = self._ctx
+        after = self._engine_event()           # outside the lock: only the engine's own stream is touched
         with ctx.lock:
             record = self.get(room)
             if record.status is KVPoll.Failed:
@@ -73,7 +75,7 @@ class PrefillSide(RoomTable[SendRoom]):
             if record.last_sent:
                 raise KVBridgeError(f"room {room}: the last chunk was already sent")
             try:
-                self._send_chunk(record, pages, last, state)
+                self._send_chunk(record, pages, last, state, layers, after)
             except KVBridgeError as exc:
                 self._fail(record, str(exc))
                 raise
@@ -88,14 +90,14 @@ class PrefillSide(RoomTable[SendRoom]):
     def safe_to_reuse(self, room: int) -> bool:
         with self._ctx.lock:
             state = self.get(room)
-            return state.status in (KVPoll.Success, KVPoll.Failed) and not state.inflight
+            return state.status in (KVPoll.Success, KVPoll.Failed) and not state.busy
 
     def clear(self, room: int) -> None:
         with self._ctx.lock:
             state = self.rooms.get(room)
-            if state is not None and state.inflight:
-                raise KVBridgeError(f"room {room}: {len(state.inflight)} writes still in flight; wait for "
-                                    "safe_to_reuse before clear()")
+            if state is not None and state.busy:
+                raise KVBridgeError(f"room {room}: {len(state.inflight) + len(state.pending)} writes still in flight "
+                                    "or queued; wait for safe_to_reuse before clear()")
             self.rooms.pop(room, None)
             self._active.discard(room)
             self._tombstones.bury(room)
@@ -197,24 +199,79 @@ class PrefillSide(RoomTable[SendRoom]):
             room.status = KVPoll.WaitingForInput
 
     # ---------------------------------------------------------------- posting (lock held)
-    def _send_chunk(self, room: SendRoom, pages: np.ndarray, last: bool, state: StateIndices) -> None:
-        """Validate and pair every component of the chunk for every decode rank, then post: a bad index
-        anywhere refuses the whole chunk before any byte moves."""
-        writes = [w for comp_index in range(len(self._ctx.layout.components))
+    def _engine_event(self) -> Any:
+        """An event after the CUDA work the engine queued so far (None when no component is on a GPU)."""
+        buffers = self._ctx.buffers
+        if not any(buffers.is_cuda(c.name) for c in self._ctx.layout.components):
+            return None
+        stager = buffers.stager()
+        return stager.engine_event() if stager is not None else None
+
+    def _send_chunk(self, room: SendRoom, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None,
+                    after: Any) -> None:
+        """Validate and pair every component of the chunk (or of its layer group) for every decode rank, then
+        post: a bad index anywhere refuses the whole chunk before any byte moves."""
+        ctx = self._ctx
+        completes, open_chunk = self._layer_group(room, pages, last, layers)
+        writes = [w for comp_index in range(len(ctx.layout.components))
                   for w in self._poster.prepare(room, comp_index, pages, last, state)]
-        chunk = room.chunks
         for write in writes:
-            self._poster.post(room, write, chunk, last)
-        room.chunks += 1
-        room.cursor += len(pages)
+            chunked = ctx.state_types[write.comp_index].chunked
+            self._poster.post(room, write, layers if chunked else None, last, after)
+        if open_chunk is not None and layers is not None:
+            open_chunk.sent[layers.start: layers.stop] = True
+        room.open_chunk = None if completes else open_chunk
+        if completes:
+            room.chunks += 1
+            room.cursor += len(pages)
         room.status = KVPoll.Transferring
         self._active.add(room.room)
         if last:
             room.last_sent = True
+        self._poster.pump(room)
+
+    def _layer_group(self, room: SendRoom, pages: np.ndarray, last: bool,
+                     layers: range | None) -> tuple[bool, OpenChunk | None]:
+        """Check a send against the chunk being sent layer group by layer group: whether it completes the
+        chunk, and the open chunk's record (changed only once the send is posted)."""
+        ctx = self._ctx
+        where = f"room {room.room}"
+        open_chunk = room.open_chunk
+        if layers is None:
+            if open_chunk is not None:
+                missing = np.flatnonzero(~open_chunk.sent).tolist()
+                raise KVBridgeError(f"{where}: a whole chunk was sent while the layer-wise chunk before it still "
+                                    f"misses layers {missing}")
+            return True, None
+        chunked = [i for i, st in enumerate(ctx.state_types) if st.chunked]
+        maps = {self._plans.layers(i).num_layers: self._plans.layers(i) for i in chunked}
+        if len(maps) > 1:
+            raise GeometryError(f"{where}: layer-wise sends need the chunked components to have the same number of "
+                                f"layers (they have {sorted(maps)})")
+        if not maps:
+            raise GeometryError(f"{where}: layer-wise send, but no component travels in chunks")
+        lm = next(iter(maps.values()))
+        lm.check(layers, where)
+        if open_chunk is None:
+            open_chunk = OpenChunk(pages=np.array(pages, copy=True), sent=np.zeros(lm.num_layers, dtype=bool))
+        elif open_chunk.pages.shape != np.shape(pages) or not np.array_equal(open_chunk.pages, pages):
+            missing = np.flatnonzero(~open_chunk.sent).tolist()
+            raise KVBridgeError(f"{where}: layer group {layers.start}..{layers.stop - 1} names other pages than the "
+                                f"chunk it belongs to, which still misses layers {missing}")
+        if open_chunk.sent[layers.start: layers.stop].any():
+            again = (np.flatnonzero(open_chunk.sent[layers.start: layers.stop]) + layers.start).tolist()
+            raise KVBridgeError(f"{where}: layers {again} of this chunk were already sent")
+        completes = int(open_chunk.sent.sum()) + len(layers) == lm.num_layers
+        if last and not completes:
+            missing = sorted(set(np.flatnonzero(~open_chunk.sent).tolist()) - set(layers))
+            raise KVBridgeError(f"{where}: last=True goes with the final layer group of the last chunk; layers "
+                                f"{missing} were not sent")
+        return completes, open_chunk
 
     # ---------------------------------------------------------------- completion (lock held)
     def poll_inflight(self) -> None:
-        """Poll the writes of rooms that have any (cost: the active rooms, not all of them)."""
+        """Poll the writes of rooms that have any (cost: the active rooms, not all of them), and move their
+        queued writes on."""
         for room_id in list(self._active):
             room = self.rooms.get(room_id)
             if room is None:
@@ -222,7 +279,9 @@ class PrefillSide(RoomTable[SendRoom]):
                 continue
             if room.inflight:
                 room.inflight = [item for item in room.inflight if not self._finished(room, item)]
-            if room.inflight:
+            if room.pending:
+                self._pump(room)
+            if room.busy:
                 continue
             if room.status is KVPoll.Transferring and room.last_sent:
                 room.status = KVPoll.Success
@@ -258,6 +317,20 @@ class PrefillSide(RoomTable[SendRoom]):
             self._fail(room, f"{ctx.backend_name} write of {item.notice.component} chunk {item.notice.chunk} to "
                              f"{item.peer} failed: {reason}")
         return True
+
+    def _pump(self, room: SendRoom) -> None:
+        """Post the room's queued writes that became ready (from the progress loop: errors fail the room)."""
+        if room.status is KVPoll.Failed:
+            self._poster.drop(room)
+            return
+        try:
+            self._poster.pump(room)
+        except Exception as exc:  # noqa: BLE001 - the engine's words become the room's failure
+            what = str(exc) if isinstance(exc, KVBridgeError) else (f"{self._ctx.backend_name} send_component raised "
+                                                                    f"{type(exc).__name__}: {exc}")
+            log.error("%s: room %d: posting a queued write failed: %s", self._ctx.name, room.room, what)
+            self._fail(room, what)
+            self._poster.drop(room)
 
     def _fail(self, room: SendRoom, reason: str) -> None:
         if room.status in (KVPoll.Failed, KVPoll.Success):

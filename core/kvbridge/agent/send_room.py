@@ -1,10 +1,14 @@
-"""The records of a prefill room: the room itself and its writes in flight."""
+"""The records of a prefill room: the room itself, its writes in flight and its writes not posted yet."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from kvbridge.backends.base import ComponentTransfer
 from kvbridge.wire import KVPoll, Notice, TransferRequest
 
 
@@ -20,6 +24,45 @@ class InFlight:
 
 
 @dataclass(slots=True, kw_only=True)
+class Piece:
+    """A staged piece: layers ``layers`` of the source items ``src`` (destination positions ``first`` ..),
+    gathered buffer by buffer into our staging area, written to ``remote_offset`` of the peer's reservation."""
+
+    comp_index: int
+    layers: range
+    buffers: tuple[int, ...]                   # buffer indices, in the staged order
+    src: np.ndarray
+    dst: np.ndarray
+    start: int                                 # position of its first item among the write's items
+    nbytes: int
+    remote_offset: int                         # bytes inside the peer's staging area
+
+
+@dataclass(slots=True, kw_only=True)
+class Pending:
+    """A write not posted yet: a plain one waiting for the engine's CUDA work (``after``), or a staged piece
+    waiting for space in our staging area, then for its gather."""
+
+    peer: str
+    notice: Notice
+    frame: bytes
+    transfer: ComponentTransfer | None = None  # a plain write, ready once ``after`` completed
+    piece: Piece | None = None
+    after: Any = None                          # CUDA event: the engine's work the write must follow
+    local: tuple[int, int] | None = None       # (offset, bytes) of our staging area, once allocated
+    gathered: Any = None                       # the gather's CUDA event, or True once done on the host
+    keep: list[Any] = field(default_factory=list)   # device tensors the queued gather still reads
+
+
+@dataclass(slots=True, kw_only=True)
+class OpenChunk:
+    """A chunk sent layer group by layer group: its pages and which layers went."""
+
+    pages: np.ndarray
+    sent: np.ndarray                           # bool per layer
+
+
+@dataclass(slots=True, kw_only=True)
 class SendRoom:
     room: int
     created: float
@@ -31,7 +74,21 @@ class SendRoom:
     cursor: int = 0
     last_sent: bool = False
     inflight: list[InFlight] = field(default_factory=list)
+    pending: deque[Pending] = field(default_factory=deque)
+    seq: dict[tuple[str, str], int] = field(default_factory=dict)      # (decode agent, component) -> next notice
+    open_chunk: OpenChunk | None = None
     must_confirm: dict[str, tuple[str, int]] = field(default_factory=dict)   # owed an Abort(quiesced): agent ->
     #                                                                          (address, incarnation)
     nbytes: int = 0
     descriptors: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """Writes in flight or not yet posted (a queued gather may still read the source pages)."""
+        return bool(self.inflight or self.pending)
+
+    def next_seq(self, agent: str, component: str) -> int:
+        key = (agent, component)
+        n = self.seq.get(key, 0)
+        self.seq[key] = n + 1
+        return n

@@ -499,6 +499,9 @@ SPEC = BackendSpec(
     name="loopback", factory=LoopbackBackend,
     capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS}),
     description="reference memmove backend: in-process, or same-host via /dev/shm",
+    # copy_descriptors costs ~0.2-0.5 us per descriptor beyond its bytes (2-core host, 2026-11): staging
+    # (two more host passes) wins only for runs below ~1.5 KB
+    descriptor_cost_us=0.5,
 )
 
 
