@@ -37,7 +37,10 @@ from kvbridge.geometry import (
     geometry_of,
     region_of,
 )
+from kvbridge.logs import configure_logging
 from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec
+
+configure_logging()    # KVBRIDGE_LOG=INFO|DEBUG|...: kvbridge's records on stderr in any process that imports it
 
 __all__ = [
     "Availability", "BackendSpec", "BufferGeometry", "Capability", "Component", "DType", "DeviceKind",

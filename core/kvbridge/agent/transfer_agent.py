@@ -24,6 +24,7 @@ from kvbridge.backends.base import RegisteredBuffers, TransferBackend
 from kvbridge.errors import IncompatiblePeer, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
+from kvbridge.logs import RateLimitedLog
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.staging import StagingArea
@@ -344,13 +345,16 @@ class TransferAgent:
         self.peers.beats_threaded = True
         threading.Thread(target=self._beat_forever, name=f"kvbridge-beat-{self.name}", daemon=True).start()
 
+        errors = RateLimitedLog(log, "%s: progress failed", self.name)   # not a traceback every interval_s
+
         def loop() -> None:
             while not self._stop.is_set():
                 try:
                     self.progress()
+                    errors.clear()
                     self.link_wait(interval_s)
-                except Exception:
-                    log.exception("%s: progress failed", self.name)
+                except Exception as exc:  # noqa: BLE001 - logged, at a bounded rate
+                    errors.error(exc)
                     time.sleep(interval_s)
 
         self._thread = threading.Thread(target=loop, name=f"kvbridge-{self.name}", daemon=True)
