@@ -92,6 +92,7 @@ from kvbridge.geometry import (
 from kvbridge.pages import PageRange, as_index
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.settings import SettingsError, env_defaults, parse_options
 from kvbridge.slicing import ComponentSlice, Segments, buffer_segments, sharded_component_slice, target_ranks
 from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec, probe_import
 from kvbridge.state.base import StateType
@@ -119,6 +120,8 @@ __all__ = [
     # backends: helpers
     "EngineTables", "NoNotifications", "PendingHandle", "Registration", "copy_descriptors", "copy_plan",
     "default_host", "import_engine", "load_api", "settled",
+    # backends: options (a msgspec schema as the factory's ``options_schema``) and engines' environment
+    "SettingsError", "env_defaults", "parse_options",
     # state types: the demo's model of a component (``StateTypeSpec.demo_model``) and its fill pattern
     "ComponentModel", "RequestShape", "StateModel", "byte_view", "item_rows", "pattern", "shard_axis",
 ]

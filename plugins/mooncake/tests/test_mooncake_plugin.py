@@ -114,3 +114,29 @@ def test_topology_parsing() -> None:
     assert not has_hca('{"cpu:0": [[], []]}')
     assert has_hca('{"cpu:0": [["mlx5_0"], []], "cpu:1": [[], ["mlx5_1"]]}')
     assert not has_hca("not json")
+
+
+@NEEDS_MOONCAKE
+def test_the_engine_leaves_the_process_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MC_FORCE_TCP (read by initialize) and MC_LOG_LEVEL (read when the module loads) are set only around
+    those calls and only when the user has not set them; a value the user set is never overwritten."""
+    import os
+
+    for key in ("MC_FORCE_TCP", "MC_LOG_LEVEL"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    engine, session = create_engine(MooncakeOptions.parse(None))
+    assert session.startswith("127.0.0.1:") and dict(os.environ) == before
+    del engine
+    monkeypatch.setenv("MC_FORCE_TCP", "yes-mine")
+    engine, _ = create_engine(MooncakeOptions.parse(None))
+    assert os.environ["MC_FORCE_TCP"] == "yes-mine"
+    del engine
+
+
+def test_option_errors_name_the_key_and_the_closest_one() -> None:
+    with pytest.raises(ValueError, match=r"unknown mooncake option 'protocl' \(did you mean 'protocol'\?\)"):
+        MooncakeOptions.parse({"protocl": "tcp"}, env={})
+    with pytest.raises(ValueError, match=r"mooncake option window='many'"):
+        MooncakeOptions.parse({"window": "many"}, env={})
+    assert MooncakeBackend.options_schema.__name__ == "MooncakeOptionsSchema"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -137,11 +138,37 @@ def test_peer_readd_and_endpoint_refresh(backends: Factory) -> None:
 
 
 def test_options() -> None:
-    assert NixlOptions.parse({"ucx_tls": "tcp", "num_threads": "2"}).env == {"UCX_TLS": "tcp"}
+    opts = NixlOptions.parse({"ucx_tls": "tcp", "num_threads": "2", "ucx_config": "UCX_RNDV_THRESH=8k"})
+    assert opts.num_threads == 2 and opts.engine_config() == "RNDV_THRESH=8k,TLS=tcp"
+    assert opts.engine_config("cuda_copy") == "RNDV_THRESH=8k,TLS=tcp,cuda_copy"
+    assert opts.overridden_by_environment({"UCX_TLS": "cma"}) == {"UCX_TLS": "cma"}
+    assert NixlOptions.parse({"progress_thread": "0"}).progress_thread is False
+    with pytest.raises(ValueError, match="did you mean 'ucx_tls'"):
+        NixlOptions.parse({"ucx_tsl": "tcp"})
+    with pytest.raises(ValueError, match="num_threads='two'.*expected int >= 0"):
+        NixlOptions.parse({"num_threads": "two"})
+    with pytest.raises(ValueError, match="ucx_config"):
+        NixlOptions.parse({"ucx_config": "TLS"})
     with pytest.raises(ValueError, match="unknown nixl option"):
         NixlOptions.parse({"ucx_tsl": "tcp"})
     with pytest.raises(ValueError, match="sync_mode"):
         NixlOptions.parse({"sync_mode": "sometimes"})
+
+
+def test_ucx_options_reach_ucx_through_nixl_not_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ucx_tls travels as the UCX plugin's engine_config: a transport UCX does not have makes the backend fail
+    to start, and the process environment is never written; a UCX_TLS the user exported wins (NIXL's rule)."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(Exception, match="NIXL_ERR_BACKEND|No such device|UCX"):
+        NixlBackend(name="bogus-tls", options={"ucx_tls": "no_such_transport"})
+    assert dict(os.environ) == before
+    with NixlBackend(name="tcp-only", options={"ucx_tls": "tcp"}) as backend:
+        assert "UCX" in backend._agent.backends
+    assert dict(os.environ) == before
+    monkeypatch.setenv("UCX_TLS", "tcp")          # the user's choice beats the option
+    with NixlBackend(name="env-wins", options={"ucx_tls": "no_such_transport"}) as backend:
+        assert "UCX" in backend._agent.backends
 
 
 def test_registry_lists_nixl() -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import importlib
 import importlib.util
-import os
+from collections.abc import Iterator
+from types import ModuleType
 
-from kvbridge.plugin import Availability
+from kvbridge.plugin import Availability, env_defaults
 
 APT_HINT = "apt-get install -y --no-install-recommends libibverbs1"
 PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"
@@ -15,9 +18,23 @@ _CUDA_HINT = ("this is the CUDA build of Mooncake; install the CUDA runtime, or 
               "pip uninstall -y mooncake-transfer-engine && " + PIP_HINT)
 
 
-def quiet_glog() -> None:
-    """Mooncake logs every connection at INFO through glog; default to warnings and up."""
-    os.environ.setdefault("GLOG_minloglevel", "1")
+#: Mooncake logs every connection at INFO; it reads ``MC_LOG_LEVEL`` once, when ``mooncake.engine`` is loaded
+#: (0.3.13: ``GLOG_minloglevel`` has no effect). Set for the import only, and only when the user has not.
+QUIET = {"MC_LOG_LEVEL": "WARNING"}
+
+
+@contextlib.contextmanager
+def quiet_import() -> Iterator[None]:
+    """``MC_LOG_LEVEL=WARNING`` while ``mooncake.engine`` loads, unless the environment sets it; the process
+    environment is as before afterwards."""
+    with env_defaults(QUIET):
+        yield
+
+
+def load_engine_module() -> ModuleType:
+    """``import mooncake.engine`` with :func:`quiet_import` (an ImportError propagates)."""
+    with quiet_import():
+        return importlib.import_module("mooncake.engine")
 
 
 def has_libibverbs() -> bool:
@@ -47,9 +64,8 @@ def probe() -> Availability:
         return Availability.missing("the mooncake transfer engine is not installed", hint)
     if not has_libibverbs():
         return Availability.missing("libibverbs.so.1 is missing (Mooncake links it even for TCP)", APT_HINT)
-    quiet_glog()
     try:
-        import mooncake.engine  # noqa: F401 - the probe's whole point is whether this loads
+        load_engine_module()      # the probe's whole point is whether this loads
     except Exception as exc:  # noqa: BLE001 - any failure to load means "unavailable", with its text
         reason = f"cannot import mooncake.engine: {type(exc).__name__}: {exc}"
         return Availability.missing(reason, hint_for(exc))

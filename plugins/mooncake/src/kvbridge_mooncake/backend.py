@@ -33,7 +33,7 @@ from kvbridge.plugin import (
     RegisteredBuffers,
     check_within,
 )
-from kvbridge_mooncake.engine import MooncakeOptions, create_engine
+from kvbridge_mooncake.engine import MooncakeOptions, MooncakeOptionsSchema, create_engine
 from kvbridge_mooncake.worker import MooncakeHandle, NotifyFailure, NotifyJob, SendJob, Worker
 
 log = logging.getLogger("kvbridge.mooncake")
@@ -59,6 +59,8 @@ class _Peer:
 
 class MooncakeBackend:
     """Mooncake transfer backend. ``name`` must be unique per endpoint; ``options`` see MooncakeOptions."""
+
+    options_schema = MooncakeOptionsSchema     # what kvbridge.settings checks backend_options against
 
     def __init__(self, *, name: str, options: dict[str, str] | None = None) -> None:
         self.name = "mooncake"

@@ -4,8 +4,11 @@ Facts of mooncake-transfer-engine 0.3.13.post1 this module relies on (checked on
 
 * ``initialize(host, "P2PHANDSHAKE", protocol, device)`` does *not* pick the transport from ``protocol``:
   the engine installs RDMA whenever it finds an HCA, unless ``MC_FORCE_TCP`` is set when it initializes
-  (it returned 0 for "rdma" and even "bogus" here, with no HCA, and used TCP). So ``protocol="tcp"`` sets
-  ``MC_FORCE_TCP=1`` for the process, and ``protocol="rdma"`` checks the topology for an HCA.
+  (it returned 0 for "rdma" and even "bogus" here, with no HCA, and used TCP). The Python API has no other
+  way to choose (``initialize_ext`` only adds the metadata type). So ``protocol="tcp"`` sets
+  ``MC_FORCE_TCP=1`` for the duration of ``initialize()`` only, when the user has not set it (their value is
+  never overwritten), and removes it again; ``protocol="rdma"`` checks the topology for an HCA.
+* ``MC_LOG_LEVEL`` is read once, when ``mooncake.engine`` loads (see ``availability.quiet_import``).
 * The TCP transport acknowledges each write after it is applied at the destination (framing v2), so a
   finished batch means the bytes landed. ``MC_TCP_PROTO=1`` turns that off; this module refuses it.
 * The TCP transport queues at most about 2048 transfers per peer (see ``DEFAULT_CHUNK``).
@@ -13,16 +16,17 @@ Facts of mooncake-transfer-engine 0.3.13.post1 this module relies on (checked on
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from kvbridge.plugin import PluginUnavailableError
-from kvbridge_mooncake.availability import hint_for, quiet_glog
+import msgspec
+
+from kvbridge.plugin import PluginUnavailableError, env_defaults, parse_options
+from kvbridge_mooncake.availability import hint_for, load_engine_module
 
 PROTOCOLS = ("tcp", "rdma")
 # One engine batch holds at most DEFAULT_CHUNK descriptors, and at most DEFAULT_WINDOW batches per peer are
@@ -37,7 +41,25 @@ DEFAULT_QUEUE_LIMIT = 2048
 DEFAULT_WINDOW = 2
 _HEADROOM = 128
 DEFAULT_CHUNK = (DEFAULT_QUEUE_LIMIT - _HEADROOM) // DEFAULT_WINDOW
-_KNOWN = ("protocol", "device", "host", "chunk", "window", "workers")
+
+
+def _doc(text: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class MooncakeOptionsSchema(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """What ``options={...}`` (``backend_options``) may set; every value may arrive as a string."""
+
+    protocol: Annotated[Literal["tcp", "rdma"], _doc(
+        "`tcp`, or `rdma` (refused when the engine finds no RDMA device)")] = "tcp"
+    device: Annotated[str, _doc("RDMA device filter, e.g. `mlx5_0,mlx5_1`; ignored by TCP")] = ""
+    host: Annotated[str, _doc("the address peers reach this engine at")] = "127.0.0.1"
+    chunk: Annotated[Annotated[int, msgspec.Meta(gt=0)] | None, _doc(
+        "descriptors per engine batch; unset: fits the TCP transport's queue "
+        "(`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, 2048) with `window` batches in flight")] = None
+    window: Annotated[int, _doc("engine batches in flight per peer", gt=0)] = DEFAULT_WINDOW
+    workers: Annotated[int, _doc("transfer threads; a peer always uses the same one (keeps its order)",
+                                 gt=0)] = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,46 +74,31 @@ class MooncakeOptions:
     workers: int = 1          # transfer threads; a peer always uses the same one (keeps its order)
 
     @classmethod
-    def parse(cls, options: Mapping[str, str] | None,
+    def parse(cls, options: Mapping[str, object] | None,
               env: Mapping[str, str] | None = None) -> MooncakeOptions:
-        opts = dict(options or {})
-        unknown = sorted(set(opts) - set(_KNOWN))
-        if unknown:
-            raise ValueError(f"unknown mooncake option(s) {unknown}; known: {list(_KNOWN)}")
-        protocol = opts.get("protocol", "tcp").lower()
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"mooncake protocol {protocol!r} is not one of {PROTOCOLS}")
-        window = _positive(opts, "window", DEFAULT_WINDOW)
+        """Checked against :class:`MooncakeOptionsSchema` (unknown keys refused with the closest known one,
+        values of the wrong type with their key), then the chunk that fits the engine's queue."""
+        opts = {k: (v.lower() if k == "protocol" and isinstance(v, str) else v) for k, v in (options or {}).items()}
+        try:
+            schema = parse_options(MooncakeOptionsSchema, opts, "mooncake option")
+        except ValueError as exc:
+            text = str(exc).replace("expected one of", "not one of").replace("expected int > 0", "must be positive")
+            raise type(exc)(text) from None
         env = os.environ if env is None else env
         limit = int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER") or DEFAULT_QUEUE_LIMIT)
-        default_chunk = max(1, (limit - min(_HEADROOM, limit // 2)) // window)
-        chunk = _positive(opts, "chunk", default_chunk)
-        if protocol == "tcp" and chunk * window > limit:
-            raise ValueError(f"chunk {chunk} x window {window} exceeds the TCP transport's {limit} queued "
+        default_chunk = max(1, (limit - min(_HEADROOM, limit // 2)) // schema.window)
+        chunk = schema.chunk or default_chunk
+        if schema.protocol == "tcp" and chunk * schema.window > limit:
+            raise ValueError(f"chunk {chunk} x window {schema.window} exceeds the TCP transport's {limit} queued "
                              "transfers per peer; lower one of them")
-        host = opts.get("host") or "127.0.0.1"
-        return cls(protocol=protocol, device=opts.get("device", ""), host=host, chunk=chunk, window=window,
-                   workers=_positive(opts, "workers", 1))
-
-
-def _positive(opts: Mapping[str, str], key: str, default: int) -> int:
-    raw = opts.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"mooncake option {key}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"mooncake option {key} must be positive, got {value}")
-    return value
+        return cls(protocol=schema.protocol, device=schema.device, host=schema.host or "127.0.0.1", chunk=chunk,
+                   window=schema.window, workers=schema.workers)
 
 
 def import_engine() -> ModuleType:
     """``mooncake.engine``, or PluginUnavailableError with the install command that fixes it."""
-    quiet_glog()
     try:
-        engine: ModuleType = importlib.import_module("mooncake.engine")
+        engine: ModuleType = load_engine_module()
     except ImportError as exc:
         raise _unavailable(f"cannot import mooncake.engine: {exc}", hint_for(exc)) from exc
     return engine
@@ -118,12 +125,13 @@ def create_engine(opts: MooncakeOptions) -> tuple[Any, str]:
             raise _unavailable("MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, where a "
                                "finished write may still be on its way to the peer; kvbridge needs "
                                "acknowledged writes", "unset MC_TCP_PROTO")
-        os.environ.setdefault("MC_FORCE_TCP", "1")  # read by initialize(); see the module docstring
     elif os.environ.get("MC_FORCE_TCP"):
-        raise _unavailable("protocol 'rdma' was asked for, but MC_FORCE_TCP is set in this process (a TCP "
-                           "backend sets it, or the environment does)", "use one protocol per process")
+        raise _unavailable("protocol 'rdma' was asked for, but MC_FORCE_TCP is set in this process's "
+                           "environment", "unset MC_FORCE_TCP, or use protocol 'tcp'")
     engine = mc.TransferEngine()
-    rc = engine.initialize(opts.host, "P2PHANDSHAKE", opts.protocol, opts.device)
+    # read by initialize() only (see the module docstring): set for the call, never over the user's value
+    with env_defaults({"MC_FORCE_TCP": "1"} if opts.protocol == "tcp" else {}):
+        rc = engine.initialize(opts.host, "P2PHANDSHAKE", opts.protocol, opts.device)
     if rc != 0:
         raise _unavailable(f"TransferEngine.initialize({opts.host!r}, 'P2PHANDSHAKE', {opts.protocol!r}, "
                            f"{opts.device!r}) returned {rc}",

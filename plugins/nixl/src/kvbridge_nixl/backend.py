@@ -41,7 +41,7 @@ from kvbridge.plugin import (
 )
 from kvbridge_nixl import INSTALL_HINT
 from kvbridge_nixl.dlists import Pattern, SideGeometry, derive_side, dlist_rows, indices
-from kvbridge_nixl.options import NixlOptions, cma_blocked, scoped_env
+from kvbridge_nixl.options import NixlOptions, cma_blocked
 from kvbridge_nixl.wire import (
     WIRE_VERSION,
     NixlBuffers,
@@ -68,19 +68,29 @@ def _load_api() -> Any:
 
 
 def _make_agent(api: Any, agent_name: str, config: Any, options: NixlOptions) -> Any:
-    """Create the agent with ``options.env`` in force. NIXL refuses a pinned ``UCX_TLS`` without a CUDA
+    """Create the agent and its UCX backend with ``options``' UCX settings passed through NIXL's API (the UCX
+    plugin's ``engine_config``), not the process environment. NIXL refuses a pinned ``UCX_TLS`` without a CUDA
     transport on a host with NVIDIA GPUs; such a list is retried once with ``cuda_copy`` added."""
+    for key, value in options.overridden_by_environment().items():
+        log.warning("nixl: %s=%s in the environment overrides the backend option (NIXL lets it win)", key, value)
+    agent = api.nixl_agent(agent_name, config)
+    if "UCX" not in agent.get_plugin_list():
+        raise PluginUnavailableError("nixl", "NIXL has no UCX plugin here", INSTALL_HINT)
+
+    def params(extra_tls: str = "") -> dict[str, str]:
+        init = {"num_threads": str(options.num_threads)} if options.num_threads > 0 else {}
+        engine_config = options.engine_config(extra_tls)
+        return init | ({"engine_config": engine_config} if engine_config else {})
+
     try:
-        with scoped_env(options.env):
-            return api.nixl_agent(agent_name, config)
+        agent.create_backend("UCX", params())
     except Exception:
         if not options.ucx_tls or "cuda" in options.ucx_tls:
             raise
-        widened = f"{options.ucx_tls},cuda_copy"
-        log.warning("nixl: UCX_TLS=%s was refused (a GPU host needs a CUDA transport); using %s",
-                    options.ucx_tls, widened)
-        with scoped_env({"UCX_TLS": widened}):
-            return api.nixl_agent(agent_name, config)
+        log.warning("nixl: UCX_TLS=%s was refused (a GPU host needs a CUDA transport); using %s,cuda_copy",
+                    options.ucx_tls, options.ucx_tls)
+        agent.create_backend("UCX", params("cuda_copy"))
+    return agent
 
 
 def endpoint_name(agent: str) -> str:
@@ -117,6 +127,7 @@ class NixlBackend:
     """One NIXL agent with the UCX backend. ``name`` must be unique per endpoint; see ``NixlOptions``."""
 
     name = "nixl"
+    options_schema = NixlOptions     # what kvbridge.settings checks backend_options against
 
     def __init__(self, *, name: str, options: Mapping[str, str] | None = None) -> None:
         self.options = NixlOptions.parse(options)
@@ -124,7 +135,7 @@ class NixlBackend:
         self.endpoint_name = name
         self.agent_name = f"{name}{_AGENT_SEP}{uuid.uuid4().hex[:12]}"
         sync = getattr(api.nixl_thread_sync_t, f"NIXL_THREAD_SYNC_{self.options.sync_mode.upper()}")
-        config = api.nixl_agent_config(enable_prog_thread=self.options.progress_thread, backends=["UCX"],
+        config = api.nixl_agent_config(enable_prog_thread=self.options.progress_thread, backends=[],
                                        num_threads=self.options.num_threads, sync_mode=sync)
         self._agent = _make_agent(api, self.agent_name, config, self.options)
         if "UCX" not in self._agent.backends:

@@ -1,4 +1,10 @@
-"""Backend options (``options=`` of the factory), the UCX environment they imply, and a CMA self-test.
+"""Backend options (``options=`` of the factory, ``backend_options`` of the settings), and a CMA self-test.
+
+UCX settings reach the agent's UCX backend through NIXL's own API, never through this process's
+environment: the UCX plugin's ``engine_config`` parameter (``KEY=VALUE,KEY=VALUE``, the names without
+``UCX_``) is applied to that backend's UCX context only. NIXL lets the environment win: a ``UCX_TLS`` (or
+any ``UCX_*``) set in the environment overrides the option (NIXL logs "UCX env var already set"), so
+what the user exported for the whole process still rules.
 
 UCX moves host memory between two processes of one host with CMA (``process_vm_writev``), which needs
 ptrace permission between them. UCX 1.23 (bundled with nixl 1.5.1) tests CMA on itself and honours Yama
@@ -12,78 +18,64 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
-_SYNC_MODES = ("none", "rw", "strict")
-_ENV_LOCK = threading.Lock()
+import msgspec
+
+from kvbridge.plugin import SettingsError, parse_options
 
 
-@dataclass(frozen=True, slots=True)
-class NixlOptions:
-    """Parsed ``options``. Every value arrives as a string.
+class NixlOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The NIXL backend's options (every value may arrive as a string)."""
 
-    ``ucx_tls``: pin UCX's transports for this backend's agent (``"tcp"``, ``"cma,tcp"``...); empty = UCX's
-    choice. ``num_threads``: UCX worker threads (0 = NIXL default). ``sync_mode``: NIXL agent locking,
-    ``rw`` (default: transfers may be posted from several threads), ``strict`` or ``none``.
-    ``progress_thread``: ``1`` (default) or ``0``.
-    """
-
-    ucx_tls: str = ""
-    num_threads: int = 0
-    sync_mode: str = "rw"
-    progress_thread: bool = True
+    ucx_tls: Annotated[str, msgspec.Meta(description=(
+        "UCX transports of this backend's agent (`tcp`, `cma,tcp`...); empty: UCX's choice. `UCX_TLS` in the "
+        "environment wins"))] = ""
+    ucx_config: Annotated[str, msgspec.Meta(description=(
+        "more UCX settings for this agent only, `KEY=VALUE,KEY=VALUE` (e.g. `RNDV_THRESH=8k`; `UCX_` "
+        "optional); `UCX_*` in the environment wins"))] = ""
+    num_threads: Annotated[int, msgspec.Meta(ge=0, description="UCX worker threads; 0: NIXL's default")] = 0
+    sync_mode: Annotated[Literal["none", "rw", "strict"], msgspec.Meta(description=(
+        "NIXL agent locking: `rw` (transfers posted from several threads), `strict` or `none`"))] = "rw"
+    progress_thread: Annotated[bool, msgspec.Meta(description="NIXL's progress thread")] = True
 
     @classmethod
-    def parse(cls, options: Mapping[str, str] | None) -> NixlOptions:
-        opts = dict(options or {})
-        known = {"ucx_tls", "num_threads", "sync_mode", "progress_thread"}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise ValueError(f"unknown nixl option(s) {unknown}; known: {sorted(known)}")
-        sync = opts.get("sync_mode", "rw").lower()
-        if sync not in _SYNC_MODES:
-            raise ValueError(f"nixl option sync_mode={sync!r}: expected one of {_SYNC_MODES}")
-        try:
-            threads = int(opts.get("num_threads", "0"))
-        except ValueError:
-            raise ValueError(f"nixl option num_threads={opts['num_threads']!r} is not an integer") from None
-        if threads < 0:
-            raise ValueError(f"nixl option num_threads={threads} is negative")
-        progress = opts.get("progress_thread", "1").lower()
-        if progress not in ("0", "1", "true", "false"):
-            raise ValueError(f"nixl option progress_thread={progress!r}: expected 1 or 0")
-        return cls(opts.get("ucx_tls", "").strip(), threads, sync, progress in ("1", "true"))
+    def parse(cls, options: Mapping[str, object] | None) -> NixlOptions:
+        """Refuses unknown keys (naming the closest known one) and values of the wrong type (SettingsError,
+        a ValueError)."""
+        parsed = parse_options(cls, options, "nixl option")
+        parsed.ucx_settings()    # checks ucx_config's syntax
+        return parsed
 
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment UCX must see while the agent is created."""
-        return {"UCX_TLS": self.ucx_tls} if self.ucx_tls else {}
+    def ucx_settings(self) -> dict[str, str]:
+        """UCX settings for the agent's UCX backend, without the ``UCX_`` prefix (``{"TLS": "tcp"}``)."""
+        out: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in self.ucx_config.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip().upper()
+            key = key[4:] if key.startswith("UCX_") else key
+            if not sep or not key:
+                raise SettingsError(f"nixl option ucx_config={self.ucx_config!r}: expected KEY=VALUE pairs "
+                                    "separated by commas")
+            out[key] = value.strip()
+        if self.ucx_tls:
+            out["TLS"] = self.ucx_tls
+        return out
 
+    def engine_config(self, extra_tls: str = "") -> str:
+        """The UCX plugin's ``engine_config`` parameter (``TLS=tcp,RNDV_THRESH=8k``); ``extra_tls`` is
+        appended to a pinned transport list."""
+        settings = self.ucx_settings()
+        if extra_tls and "TLS" in settings:
+            settings["TLS"] += f",{extra_tls}"
+        return ",".join(f"{key}={value}" for key, value in settings.items())
 
-@contextmanager
-def scoped_env(overrides: Mapping[str, str]) -> Iterator[None]:
-    """Set ``overrides`` in ``os.environ`` for the duration (serialised: the environment is process-wide).
-
-    UCX reads ``UCX_*`` variables when a NIXL agent creates its UCX backend, so an override scoped to the
-    agent's construction pins that agent only.
-    """
-    if not overrides:
-        yield
-        return
-    with _ENV_LOCK:
-        saved = {key: os.environ.get(key) for key in overrides}
-        os.environ.update(overrides)
-        try:
-            yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    def overridden_by_environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The UCX settings of these options that the environment overrides (``{"UCX_TLS": "cma"}``)."""
+        environ = os.environ if environ is None else environ
+        return {f"UCX_{key}": environ[f"UCX_{key}"] for key, value in self.ucx_settings().items()
+                if f"UCX_{key}" in environ and environ[f"UCX_{key}"] != value}
 
 
 class _IoVec(ctypes.Structure):
