@@ -1,6 +1,7 @@
 """The kvbridge hook specifications.
 
-Two discovery hooks run once when the registry is built. Four operation hooks carry the mission's
+Three discovery hooks run once when the registry is built (transfer backends, state types, discovery
+services). Four operation hooks carry the mission's
 contract and run once per component per peer per request (never per page or token):
 
 * ``kvbridge_register_buffers`` - register a component's memory with a backend;
@@ -24,7 +25,7 @@ from kvbridge._markers import hookspec
 from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
 from kvbridge.geometry import Component, MemoryRegion, Rank
 from kvbridge.slicing import ComponentSlice
-from kvbridge.specs import BackendSpec, StateTypeSpec
+from kvbridge.specs import BackendSpec, DiscoverySpec, StateTypeSpec
 from kvbridge.state.base import StateType
 
 OPERATION_HOOKS = ("kvbridge_register_buffers", "kvbridge_slice_state", "kvbridge_send_component",
@@ -57,6 +58,20 @@ class KVBridgeSpecs:
             @hookimpl
             def kvbridge_state_types():
                 return [StateTypeSpec(name="ring", factory=RingState)]
+        """
+        raise NotImplementedError
+
+    @hookspec
+    def kvbridge_discovery_services(self) -> Iterable[DiscoverySpec]:
+        """Declare discovery services (see ``kvbridge.discovery.Discovery``), each with the URL schemes it
+        opens. Cheap: import no client library here (do it in the factory).
+
+        Example::
+
+            @hookimpl
+            def kvbridge_discovery_services():
+                return [DiscoverySpec(name="etcd", schemes=("etcd",), factory="kvbridge_etcd.client:EtcdDiscovery",
+                                      probe=lambda: probe_import("etcd3gw", "pip install etcd3gw"))]
         """
         raise NotImplementedError
 

@@ -30,15 +30,24 @@ from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, Transfe
 from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank
 from kvbridge.slicing import ComponentSlice
-from kvbridge.specs import Availability, BackendSpec, PluginKind, PluginStatus, StateTypeSpec, resolve
+from kvbridge.specs import (
+    Availability,
+    BackendSpec,
+    DiscoverySpec,
+    PluginKind,
+    PluginStatus,
+    StateTypeSpec,
+    resolve,
+)
 from kvbridge.state.base import StateType
 
-_BUILTINS = {"kv": "kvbridge.state.kv", "loopback": "kvbridge.backends.loopback"}
+_BUILTINS = {"kv": "kvbridge.state.kv", "loopback": "kvbridge.backends.loopback", "zmq": "kvbridge.discovery"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PluginRecord:
-    """One row of ``kvbridge plugins``: a declared backend or state type, or a plugin that failed."""
+    """One row of ``kvbridge plugins``: a declared backend, state type or discovery service, or a plugin
+    that failed."""
 
     name: str
     kind: PluginKind | None
@@ -48,7 +57,7 @@ class PluginRecord:
     reason: str = ""
     hint: str = ""
     capabilities: tuple[str, ...] = ()
-    spec: BackendSpec | StateTypeSpec | None = field(default=None, compare=False)
+    spec: BackendSpec | StateTypeSpec | DiscoverySpec | None = field(default=None, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind.value if self.kind else None,
@@ -102,13 +111,14 @@ def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
 class Registry:
     """Immutable set of loaded plugins with typed access to their backends and state types."""
 
-    __slots__ = ("_pm", "_records", "_backends", "_states", "_state_cache", "_frozen")
+    __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_frozen")
 
     def __init__(self, pm: pluggy.PluginManager, records: Sequence[PluginRecord]) -> None:
         self._pm = pm
         self._records = tuple(sorted(records, key=lambda r: (r.kind.value if r.kind else "~", r.name)))
         self._backends = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.BACKEND})
         self._states = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.STATE})
+        self._discovery = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.DISCOVERY})
         self._state_cache: dict[str, StateType] = {}
         self._frozen = True
 
@@ -180,6 +190,26 @@ class Registry:
 
     def state_type_names(self) -> tuple[str, ...]:
         return tuple(self._states)
+
+    def discovery_names(self, *, available_only: bool = True) -> tuple[str, ...]:
+        return tuple(n for n, r in self._discovery.items()
+                     if not available_only or r.status is PluginStatus.AVAILABLE)
+
+    def discovery_spec(self, name: str) -> DiscoverySpec:
+        """The spec of an available discovery service; raises UnknownPluginError / PluginUnavailableError."""
+        record = self._lookup(self._discovery, name, "discovery service")
+        assert isinstance(record.spec, DiscoverySpec)
+        return record.spec
+
+    def discovery_factory(self, scheme: str) -> Any:
+        """The factory of the discovery service that opens ``scheme://`` URLs (see ``DiscoverySpec``)."""
+        scheme = scheme.lower()
+        for name, record in self._discovery.items():
+            if isinstance(record.spec, DiscoverySpec) and scheme in record.spec.schemes:
+                return resolve(self.discovery_spec(name).factory)
+        known = sorted(s for r in self._discovery.values() if isinstance(r.spec, DiscoverySpec) for s in r.spec.schemes)
+        raise UnknownPluginError(f"no discovery service opens {scheme}:// URLs (known schemes: "
+                                 f"{', '.join(known) or 'none'}; kvbridge-etcd opens etcd://)")
 
     def backend_spec(self, name: str) -> BackendSpec:
         record = self._lookup(self._backends, name, "backend")
@@ -282,7 +312,8 @@ def _load_source(pm: pluggy.PluginManager, source: _Source,
                 return failed(f"refused: {reason}", "")
     declared: list[PluginRecord] = []
     for hook_name, kind in (("kvbridge_transfer_backends", PluginKind.BACKEND),
-                            ("kvbridge_state_types", PluginKind.STATE)):
+                            ("kvbridge_state_types", PluginKind.STATE),
+                            ("kvbridge_discovery_services", PluginKind.DISCOVERY)):
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin is not source.plugin:
                 continue
@@ -303,8 +334,13 @@ def _load_source(pm: pluggy.PluginManager, source: _Source,
     return [record for record in declared if _claim(record, source, claimed)]
 
 
-def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _Source) -> PluginRecord | None:
-    expected = BackendSpec if kind is PluginKind.BACKEND else StateTypeSpec
+_SPEC_OF: dict[PluginKind, type] = {PluginKind.BACKEND: BackendSpec, PluginKind.STATE: StateTypeSpec,
+                                    PluginKind.DISCOVERY: DiscoverySpec}
+
+
+def _record_for(spec: BackendSpec | StateTypeSpec | DiscoverySpec, kind: PluginKind,
+                source: _Source) -> PluginRecord | None:
+    expected = _SPEC_OF[kind]
     if not isinstance(spec, expected):
         raise PluginError(f"plugin {source.name!r} ({source.distribution}) returned {type(spec).__name__} from "
                           f"its {kind.value} discovery hook; expected {expected.__name__}")
@@ -320,6 +356,8 @@ def _record_for(spec: BackendSpec | StateTypeSpec, kind: PluginKind, source: _So
             if not result.available:
                 status, reason, hint = PluginStatus.UNAVAILABLE, result.reason, result.hint
     caps = tuple(sorted(c.value if hasattr(c, "value") else str(c) for c in spec.capabilities))
+    if isinstance(spec, DiscoverySpec):
+        caps = tuple(f"{scheme}://" for scheme in spec.schemes) + caps
     return PluginRecord(name=spec.name, kind=kind, distribution=source.distribution, version=source.version,
                         status=status, reason=reason, hint=hint, capabilities=caps, spec=spec)
 

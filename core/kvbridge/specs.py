@@ -47,6 +47,7 @@ class Capability(str, enum.Enum):
 class PluginKind(str, enum.Enum):
     BACKEND = "backend"
     STATE = "state"
+    DISCOVERY = "discovery"
 
 
 class PluginStatus(str, enum.Enum):
@@ -156,3 +157,30 @@ class StateTypeSpec:
     @property
     def kind(self) -> PluginKind:
         return PluginKind.STATE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoverySpec:
+    """A discovery service client (``kvbridge.discovery.Discovery``): its name, the URL schemes it opens,
+    how to build it, and whether it runs here. ``factory`` (or its ``"module:attr"``, imported only when a
+    client is opened) is called as ``factory(url, secret=..., timeout_s=..., lease_s=..., options=...)``::
+
+        DiscoverySpec(name="mydisc", schemes=("mydisc",), factory="my_pkg.client:MyDiscovery",
+                      probe=lambda: probe_import("my_client_lib", "pip install my-client-lib"))
+    """
+
+    name: str
+    factory: str | Callable[..., Any]
+    schemes: tuple[str, ...]
+    probe: Callable[[], Availability] | None = field(default=None, compare=False)
+    description: str = ""
+    capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if not self.schemes or not all(_NAME.match(s) for s in self.schemes):
+            raise PluginError(f"discovery {self.name!r}: schemes={self.schemes!r} must be lowercase URL schemes")
+
+    @property
+    def kind(self) -> PluginKind:
+        return PluginKind.DISCOVERY

@@ -1,15 +1,26 @@
-"""Control links between processes over ZMQ, and the bootstrap server a prefill instance is found at.
+"""Control links between processes over ZMQ, and the embedded bootstrap server that is the default discovery.
 
 Each agent binds one PULL socket (its address). Sending never blocks the caller: ``send()`` appends
 the frame to that peer's own bounded queue and a sender thread moves queues to per-peer PUSH sockets
 (``IMMEDIATE``, ``LINGER=0``) without waiting on any one of them, so a dead, slow or unreachable peer
-fills only its own queue (oldest frames dropped first) and delays nobody else. The bootstrap server is a
-ROUTER socket that maps an instance name to the addresses of its TP ranks; with a secret, every
-registration, lookup and answer is authenticated (HMAC, timestamp, single-use nonce). Links re-publish
-their instances periodically, so a restarted bootstrap server learns them again.
+fills only its own queue (oldest frames dropped first) and delays nobody else.
+
+Addresses (:mod:`kvbridge.addresses`): ``host`` is the address the link binds (``127.0.0.1`` by default;
+``0.0.0.0`` or ``::`` for every interface), ``advertise`` the host it tells its peers (default: the bound
+host, or when that is unspecified the interface that routes to the discovery service; never ``0.0.0.0``),
+``port_range`` the ports it may bind (``"17600-17699"``; default: any free port).
+
+Discovery (:mod:`kvbridge.discovery`): ``bootstrap="tcp://host:port"`` talks to a :class:`BootstrapServer`
+(a ROUTER socket that maps an instance name to the addresses of its TP ranks) through
+:class:`ZmqBootstrap`; another scheme (``etcd://...``) opens the discovery plugin that declares it; or pass
+``discovery=`` a client. With a secret, every bootstrap registration, lookup and answer is authenticated
+(HMAC, timestamp, single-use nonce). Clients re-publish their ranks every ``republish_s``, so a restarted
+server learns them again, and the server forgets a rank ``lease_s`` after its last publication (a dead
+process vanishes) or at once when its link closes.
 
     server = BootstrapServer("tcp://127.0.0.1:0", secret=key).start()   # once per prefill instance
     link = ZmqLink(bootstrap=server.address, secret=key)                 # in every rank process
+    link = ZmqLink(bootstrap="tcp://198.18.0.1:17600", host="0.0.0.0", port_range="17610-17629")
 """
 
 from __future__ import annotations
@@ -19,13 +30,34 @@ import hmac
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
+from kvbridge.addresses import (
+    NoFreePort,
+    advertised_host,
+    endpoint_host_port,
+    format_tcp,
+    is_unspecified,
+    parse_port_range,
+)
+from kvbridge.discovery import (
+    ZMQ_SCHEMES,
+    Change,
+    Discovery,
+    DiscoveryError,
+    check_address,
+    check_rank,
+    open_discovery,
+    scheme_of,
+)
 from kvbridge.links import InstanceInfo
 from kvbridge.wire import MAX_MESSAGE_BYTES
 
@@ -36,6 +68,9 @@ _MAX_REQUEST = 1 << 20
 _MAC = 32
 _CLOCK_SKEW_S = 60.0                          # authenticated bootstrap requests older than this are refused
 _NONCES = 1 << 16
+_WATCH_LOG = 4096                             # changes the server remembers for watchers
+_MAX_WATCH_WAIT_S = 5.0                       # longest a watch request is parked on the server
+_TELL_LINGER_MS = 500                         # how long a fire-and-forget withdrawal may try to leave
 
 
 class _Publish(msgspec.Struct, frozen=True, tag="publish", kw_only=True):
@@ -43,6 +78,7 @@ class _Publish(msgspec.Struct, frozen=True, tag="publish", kw_only=True):
     tp_size: int
     rank: int
     address: str
+    lease_s: float = 0.0    # forget the rank this long after its last publication (0: keep it)
     nonce: bytes = b""
     time: float = 0.0
 
@@ -53,13 +89,34 @@ class _Lookup(msgspec.Struct, frozen=True, tag="lookup", kw_only=True):
     time: float = 0.0
 
 
+class _Withdraw(msgspec.Struct, frozen=True, tag="withdraw", kw_only=True):
+    instance: str
+    rank: int
+    address: str            # only this registration: a restarted rank's newer one stays
+    nonce: bytes = b""
+    time: float = 0.0
+
+
+class _Watch(msgspec.Struct, frozen=True, tag="watch", kw_only=True):
+    instance: str = ""      # "" = every instance
+    since: int = 0          # the revision the client has seen
+    epoch: int = 0          # the server life it was seen in (0: start watching now)
+    wait_s: float = 0.0     # park the request this long when nothing changed
+    nonce: bytes = b""
+    time: float = 0.0
+
+
 class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     info: InstanceInfo | None
     error: str = ""
     nonce: bytes = b""     # the request's: an answer cannot be replayed to another request
+    revision: int = 0
+    epoch: int = 0
+    changes: list[Change] = []
+    reset: bool = False    # the server cannot tell what changed since (restart, log overrun): a snapshot
 
 
-_Request = _Publish | _Lookup
+_Request = _Publish | _Lookup | _Withdraw | _Watch
 _REQ_DECODER = msgspec.msgpack.Decoder(_Request)
 _ANS_DECODER = msgspec.msgpack.Decoder(_Answer)
 
@@ -81,20 +138,53 @@ def _unseal(secret: bytes | None, purpose: bytes, frame: bytes) -> bytes:
     return body
 
 
+def _ipv6(address: str) -> bool:
+    return address.startswith("tcp://[") or address.startswith("tcp://::")
+
+
+@dataclass(slots=True)
+class _Entry:
+    tp_size: int
+    address: str
+    expires: float          # monotonic; math.inf without a lease
+
+
+@dataclass(slots=True)
+class _Parked:
+    ident: bytes
+    request: _Watch
+    deadline: float
+
+
 class BootstrapServer:
-    """Answers publish/lookup requests for prefill instances on one ROUTER socket (a daemon thread)."""
+    """Answers publish/lookup/withdraw/watch requests for prefill instances on one ROUTER socket (a daemon
+    thread). ``address``: what clients connect to (``advertise`` replaces the bound host in it, for a server
+    bound to every interface)."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:0", *, secret: bytes | None = None,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, advertise: str | None = None) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
+        if _ipv6(address):
+            self._sock.setsockopt(zmq.IPV6, 1)
         self._sock.bind(address)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address: str = self.bound
+        if advertise is not None:
+            hp = endpoint_host_port(self.bound)
+            if hp is None or is_unspecified(advertise):
+                raise ValueError(f"advertise={advertise!r} for a server bound at {self.bound}")
+            self.address = format_tcp(advertise, hp[1])
         self._secret = secret
-        self._instances: dict[str, InstanceInfo] = {}
+        self._ranks: dict[str, dict[int, _Entry]] = {}
         self._nonces: OrderedDict[bytes, float] = OrderedDict()
+        self._epoch = secrets.randbits(62) | 1
+        self._revision = 0
+        self._log: deque[tuple[int, str]] = deque()
+        self._log_floor = 0                    # changes after this revision are all in _log
+        self._parked: list[_Parked] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rejected = 0
@@ -107,27 +197,50 @@ class BootstrapServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(50):
-                continue
-            try:
-                ident, _, frame = self._sock.recv_multipart(zmq.NOBLOCK)
-            except (zmq.Again, ValueError):
-                continue
-            nonce = b""
-            try:
-                request = _REQ_DECODER.decode(_unseal(self._secret, b"bootstrap-request", frame))
-                nonce = request.nonce
-                self._check_fresh(request)
-                answer = self._answer(request)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                self.rejected += 1
-                log.error("bootstrap: rejected request: %s", exc)
-                answer = _Answer(info=None, error=f"bad request: {exc}")
-            answer = msgspec.structs.replace(answer, nonce=nonce)
-            body = msgspec.msgpack.encode(answer)
-            self._sock.send_multipart([ident, b"", _seal(self._secret, b"bootstrap-answer", body)])
-        self._sock.close(0)
+        try:
+            while not self._stop.is_set():
+                wait_ms = 50 if not self._parked else max(1, min(50, int(1000 * (
+                    min(p.deadline for p in self._parked) - time.monotonic())) + 1))
+                if poller.poll(wait_ms):
+                    self._receive()
+                self._expire(time.monotonic())
+                self._answer_parked(time.monotonic())
+        finally:
+            self._sock.close(0)
+
+    def _receive(self) -> None:
+        try:
+            ident, _, frame = self._sock.recv_multipart(zmq.NOBLOCK)
+        except (zmq.Again, ValueError):
+            return
+        nonce = b""
+        try:
+            request = _REQ_DECODER.decode(_unseal(self._secret, b"bootstrap-request", frame))
+            nonce = request.nonce
+            self._check_fresh(request)
+            if isinstance(request, _Publish):
+                answer = self._publish(request)
+            elif isinstance(request, _Withdraw):
+                answer = self._withdraw(request)
+            elif isinstance(request, _Watch):
+                parked = self._watch(ident, request)
+                if parked is None:
+                    return
+                answer = parked
+            else:
+                answer = _Answer(info=self._info(request.instance))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self.rejected += 1
+            log.error("bootstrap: rejected request: %s", exc)
+            answer = _Answer(info=None, error=f"bad request: {exc}")
+        self._reply(ident, answer, nonce)
+
+    def _reply(self, ident: bytes, answer: _Answer, nonce: bytes) -> None:
+        body = msgspec.msgpack.encode(msgspec.structs.replace(answer, nonce=nonce))
+        try:
+            self._sock.send_multipart([ident, b"", _seal(self._secret, b"bootstrap-answer", body)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("bootstrap: an answer was dropped: %s", exc)
 
     def _check_fresh(self, request: _Request) -> None:
         """With a secret, a request is accepted once and only while fresh (no replay)."""
@@ -143,19 +256,97 @@ class BootstrapServer:
                                 or now - next(iter(self._nonces.values())) > 2 * _CLOCK_SKEW_S):
             self._nonces.popitem(last=False)
 
-    def _answer(self, request: _Request) -> _Answer:
-        if isinstance(request, _Publish):
-            info = self._instances.get(request.instance)
-            if info is not None and info.tp_size != request.tp_size:
-                return _Answer(info=None, error=f"instance {request.instance!r} already has TP {info.tp_size}, "
-                                                f"rank says {request.tp_size}")
-            if not 0 <= request.rank < request.tp_size:
-                return _Answer(info=None, error=f"rank {request.rank} outside TP {request.tp_size}")
-            addresses = dict(info.addresses) if info else {}
-            addresses[request.rank] = request.address
-            self._instances[request.instance] = InstanceInfo(request.tp_size, addresses)
-            return _Answer(info=self._instances[request.instance])
-        return _Answer(info=self._instances.get(request.instance))
+    # ---------------------------------------------------------------- the table
+    def _info(self, instance: str) -> InstanceInfo | None:
+        ranks = self._ranks.get(instance)
+        if not ranks:
+            return None
+        tp = next(iter(ranks.values())).tp_size
+        return InstanceInfo(tp, {rank: e.address for rank, e in sorted(ranks.items())})
+
+    def _changed(self, instance: str) -> None:
+        self._revision += 1
+        self._log.append((self._revision, instance))
+        while len(self._log) > _WATCH_LOG:
+            self._log_floor = self._log.popleft()[0]
+
+    def _publish(self, request: _Publish) -> _Answer:
+        try:
+            check_rank(request.instance, request.tp_size, request.rank)
+            check_address(request.address)
+        except DiscoveryError as exc:
+            return _Answer(info=None, error=str(exc))
+        ranks = self._ranks.setdefault(request.instance, {})
+        others = {e.tp_size for r, e in ranks.items() if r != request.rank}
+        if others and request.tp_size not in others:
+            return _Answer(info=None, error=f"instance {request.instance!r} already has TP {others.pop()}, "
+                                            f"rank says {request.tp_size}")
+        expires = time.monotonic() + request.lease_s if request.lease_s > 0 else math.inf
+        old = ranks.get(request.rank)
+        ranks[request.rank] = _Entry(request.tp_size, request.address, expires)
+        if old is None or old.address != request.address or old.tp_size != request.tp_size:
+            self._changed(request.instance)
+        return _Answer(info=self._info(request.instance))
+
+    def _withdraw(self, request: _Withdraw) -> _Answer:
+        ranks = self._ranks.get(request.instance, {})
+        entry = ranks.get(request.rank)
+        if entry is not None and entry.address == request.address:
+            del ranks[request.rank]
+            if not ranks:
+                del self._ranks[request.instance]
+            self._changed(request.instance)
+        return _Answer(info=self._info(request.instance))
+
+    def _expire(self, now: float) -> None:
+        for instance in list(self._ranks):
+            ranks = self._ranks[instance]
+            gone = [rank for rank, e in ranks.items() if e.expires < now]
+            for rank in gone:
+                log.info("bootstrap: rank %d of %r expired (not re-published in time)", rank, instance)
+                del ranks[rank]
+            if not ranks:
+                del self._ranks[instance]
+            if gone:
+                self._changed(instance)
+
+    # ---------------------------------------------------------------- watchers
+    def _changes(self, request: _Watch) -> _Answer | None:
+        """The answer to a watch request, or None when nothing changed since it (park it)."""
+        wanted = (lambda name: True) if not request.instance else (lambda name: name == request.instance)
+        if request.epoch == 0:      # a new watcher: where we are, and what exists now (not reported as changes)
+            snapshot = [Change(name, self._info(name)) for name in sorted(self._ranks) if wanted(name)]
+            return _Answer(info=None, revision=self._revision, epoch=self._epoch, changes=snapshot)
+        if request.epoch != self._epoch or not self._log_floor <= request.since <= self._revision:
+            snapshot = [Change(name, self._info(name)) for name in sorted(self._ranks) if wanted(name)]
+            return _Answer(info=None, revision=self._revision, epoch=self._epoch, changes=snapshot, reset=True)
+        names = list(dict.fromkeys(name for rev, name in self._log if rev > request.since and wanted(name)))
+        if not names:
+            return None
+        return _Answer(info=None, revision=self._revision, epoch=self._epoch,
+                       changes=[Change(name, self._info(name)) for name in names])
+
+    def _watch(self, ident: bytes, request: _Watch) -> _Answer | None:
+        answer = self._changes(request)
+        if answer is not None:
+            return answer
+        if request.wait_s <= 0:
+            return _Answer(info=None, revision=self._revision, epoch=self._epoch)
+        wait = min(request.wait_s, _MAX_WATCH_WAIT_S)
+        self._parked.append(_Parked(ident, request, time.monotonic() + wait))
+        return None
+
+    def _answer_parked(self, now: float) -> None:
+        keep: list[_Parked] = []
+        for parked in self._parked:
+            answer = self._changes(parked.request)
+            if answer is None and parked.deadline <= now:
+                answer = _Answer(info=None, revision=self._revision, epoch=self._epoch)
+            if answer is None:
+                keep.append(parked)
+            else:
+                self._reply(parked.ident, answer, parked.request.nonce)
+        self._parked = keep
 
     def close(self) -> None:
         self._stop.set()
@@ -163,27 +354,221 @@ class BootstrapServer:
             self._thread.join(timeout=2)
 
 
+class ZmqBootstrap:
+    """The client of a :class:`BootstrapServer`: a :class:`~kvbridge.discovery.Discovery`.
+
+    Published ranks are re-published every ``republish_s`` (a restarted server learns them back) and carry
+    ``lease_s``: the server forgets a rank that long after its last publication. ``republish_s=0`` publishes
+    once, without a lease. ``close()`` withdraws every published rank without waiting for the server.
+    """
+
+    def __init__(self, url: str, *, secret: bytes | None = None, timeout_s: float = 2.0, lease_s: float = 10.0,
+                 republish_s: float = 2.0, context: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 options: Mapping[str, str] | None = None) -> None:
+        unknown = sorted(set(options or {}) - {"republish_s"})
+        if unknown:
+            raise ValueError(f"unknown zmq discovery option(s) {unknown}; known: ['republish_s']")
+        if options and "republish_s" in options:
+            republish_s = float(options["republish_s"])
+        if scheme_of(url) not in ZMQ_SCHEMES:
+            raise ValueError(f"{url!r} is not a ZMQ bootstrap address (tcp://host:port)")
+        if republish_s > 0 and 0 < lease_s < 2 * republish_s:
+            raise ValueError(f"lease_s={lease_s} must be at least twice republish_s={republish_s} (or 0: no lease)")
+        self.url = url
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
+        self._secret = secret
+        self._timeout_ms = int(timeout_s * 1000)
+        self._lease_s = lease_s if republish_s > 0 else 0.0
+        self._republish_s = republish_s
+        self._lock = threading.Lock()
+        self._published: dict[tuple[str, int], tuple[int, str]] = {}    # (instance, rank) -> (tp, address)
+        self._stop = threading.Event()
+        self._republisher: threading.Thread | None = None
+
+    def route_target(self) -> tuple[str, int] | None:
+        return endpoint_host_port(self.url)
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
+        if _ipv6(self.url):
+            sock.setsockopt(zmq.IPV6, 1)
+        return sock
+
+    def _stamp(self, request: _Request) -> _Request:
+        if self._secret is None:
+            return request
+        return msgspec.structs.replace(request, nonce=os.urandom(16), time=time.time())
+
+    def _ask(self, request: _Request, timeout_ms: int | None = None) -> _Answer:
+        request = self._stamp(request)
+        timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
+        sock = self._socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        try:
+            sock.connect(self.url)
+            sock.send(_seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(request)))
+            answer = _ANS_DECODER.decode(_unseal(self._secret, b"bootstrap-answer", sock.recv()))
+        except zmq.Again:
+            return _Answer(info=None, error=f"bootstrap server {self.url} did not answer in {timeout_ms} ms")
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _Answer(info=None, error=f"bootstrap server {self.url} answered badly: {exc}")
+        finally:
+            sock.close(0)
+        if self._secret is not None and answer.nonce != request.nonce:
+            return _Answer(info=None, error="bootstrap answer does not belong to this request")
+        return answer
+
+    def _tell(self, request: _Request) -> None:
+        """Send a request and do not wait for the answer (it is dropped); the frame may try to leave for
+        ``_TELL_LINGER_MS`` after this returns."""
+        sock = self._socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, _TELL_LINGER_MS)
+        try:
+            sock.connect(self.url)
+            sock.send_multipart([b"", _seal(self._secret, b"bootstrap-request",
+                                             msgspec.msgpack.encode(self._stamp(request)))], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("bootstrap: a withdrawal was not sent: %s", exc)
+        finally:
+            sock.close()
+
+    def publish(self, instance: str, tp_size: int, rank: int, address: str) -> None:
+        answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=address,
+                                    lease_s=self._lease_s))
+        if answer.error:
+            raise DiscoveryError(f"could not publish rank {rank} of {instance!r}: {answer.error}")
+        with self._lock:
+            self._published[(instance, rank)] = (tp_size, address)
+            if self._republisher is None and self._republish_s > 0:
+                self._republisher = threading.Thread(target=self._republish_loop, name="kvbridge-republish",
+                                                     daemon=True)
+                self._republisher.start()
+
+    def _republish_loop(self) -> None:
+        """Tell the bootstrap server again, now and then, where our ranks are: the lease is renewed, and a
+        restarted server learns them back without anyone calling publish()."""
+        while not self._stop.wait(self._republish_s):
+            with self._lock:
+                published = list(self._published.items())
+            for (instance, rank), (tp_size, address) in published:
+                answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=address,
+                                            lease_s=self._lease_s))
+                if answer.error:
+                    log.debug("bootstrap: re-publishing rank %d of %r failed: %s", rank, instance, answer.error)
+
+    def withdraw(self, instance: str, rank: int) -> None:
+        with self._lock:
+            entry = self._published.pop((instance, rank), None)
+        if entry is not None:
+            answer = self._ask(_Withdraw(instance=instance, rank=rank, address=entry[1]))
+            if answer.error:
+                log.warning("bootstrap: withdrawing rank %d of %r failed: %s", rank, instance, answer.error)
+
+    def lookup(self, instance: str) -> InstanceInfo | None:
+        answer = self._ask(_Lookup(instance=instance))
+        if answer.error:
+            log.warning("bootstrap lookup of %r failed: %s", instance, answer.error)
+        return answer.info
+
+    def watch(self, instance: str | None = None) -> _BootstrapWatch:
+        return _BootstrapWatch(self, instance or "")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._republisher is not None:
+            self._republisher.join(timeout=self._timeout_ms / 1000 + 1)
+        with self._lock:
+            published, self._published = self._published, {}
+        for (instance, rank), (_, address) in published.items():
+            self._tell(_Withdraw(instance=instance, rank=rank, address=address))
+
+
+class _BootstrapWatch:
+    """A :class:`~kvbridge.discovery.Watch` over a bootstrap server: long polls (the server parks a request
+    until something changes or a few seconds pass); a server restart is answered with a snapshot, from which
+    instances that disappeared meanwhile are reported as gone."""
+
+    def __init__(self, client: ZmqBootstrap, instance: str) -> None:
+        self._client, self._instance = client, instance
+        self._known: set[str] = set()
+        self._epoch = 0
+        self._revision = 0
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        answer = self._client._ask(_Watch(instance=self._instance))
+        if not answer.error:
+            self._epoch, self._revision = answer.epoch, answer.revision
+            self._known = {c.instance for c in answer.changes if c.info is not None}
+
+    def changes(self, timeout_s: float = 0.0) -> list[Change]:
+        if self._closed:
+            return []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._epoch == 0:
+                self._start()
+            wait = max(0.0, min(deadline - time.monotonic(), _MAX_WATCH_WAIT_S))
+            answer = self._client._ask(_Watch(instance=self._instance, since=self._revision, epoch=self._epoch,
+                                              wait_s=wait),
+                                       timeout_ms=self._client._timeout_ms + int(wait * 1000))
+            if answer.error:
+                log.debug("bootstrap watch: %s", answer.error)
+                if time.monotonic() >= deadline:
+                    return []
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                continue
+            changes = list(answer.changes)
+            if answer.reset:
+                seen = {c.instance for c in changes}
+                changes += [Change(name, None) for name in sorted(self._known - seen)]
+            self._epoch, self._revision = answer.epoch, answer.revision
+            for change in changes:
+                (self._known.add if change.info is not None else self._known.discard)(change.instance)
+            if changes or time.monotonic() >= deadline:
+                return changes
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class ZmqLink:
-    """A process's control mailbox (PULL), per-peer outgoing queues drained by one sender thread, and
-    the bootstrap client (with periodic re-publication).
+    """A process's control mailbox (PULL), per-peer outgoing queues drained by one sender thread, and its
+    discovery client (see the module docstring for addresses and discovery).
 
     ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost. ``context``:
     the ZMQ context whose I/O thread carries the frames (default: the process's shared instance); an engine
     that pins its threads to cores may give kvbridge its own, made where its I/O thread is not pinned.
+    ``address`` is the advertised endpoint (``tcp://<advertised host>:<port>``), ``bound`` the bound one.
     """
 
-    def __init__(self, *, bootstrap: str, host: str = "127.0.0.1", timeout_s: float = 2.0,
+    def __init__(self, *, bootstrap: str | None = None, discovery: Discovery | None = None,
+                 host: str = "127.0.0.1", advertise: str | None = None,
+                 port_range: str | tuple[int, int] | None = None, timeout_s: float = 2.0,
                  secret: bytes | None = None, queue_frames: int = 4096, republish_s: float = 2.0,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 lease_s: float = 10.0, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        if (bootstrap is None) == (discovery is None):
+            raise ValueError("give exactly one of bootstrap= (a URL) and discovery= (a client)")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
-        self._pull.bind(f"tcp://{host}:0")
-        self.address: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._bootstrap = bootstrap
-        self._secret = secret
-        self._timeout_ms = int(timeout_s * 1000)
+        self._owns_discovery = discovery is None
+        if discovery is None:
+            assert bootstrap is not None
+            if scheme_of(bootstrap) in ZMQ_SCHEMES:
+                discovery = ZmqBootstrap(bootstrap, secret=secret, timeout_s=timeout_s, lease_s=lease_s,
+                                         republish_s=republish_s, context=self._ctx)
+            else:
+                discovery = open_discovery(bootstrap, secret=secret, timeout_s=timeout_s, lease_s=lease_s)
+        self.discovery: Discovery = discovery
+        try:
+            self._pull = self._bind(host, advertise, parse_port_range(port_range))
+        except BaseException:
+            if self._owns_discovery:
+                discovery.close()
+            raise
         self._queue_frames = queue_frames
         self._queues: dict[str, deque[bytes]] = {}
         self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
@@ -195,11 +580,40 @@ class ZmqLink:
         self._recv_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
-        self._published: dict[tuple[str, int], int] = {}     # (instance, rank) -> tp_size
-        self._republish_s = republish_s
+        self._published: set[tuple[str, int]] = set()
         self._sender = threading.Thread(target=self._send_loop, name="kvbridge-link-send", daemon=True)
         self._sender.start()
-        self._republisher: threading.Thread | None = None
+
+    def _bind(self, host: str, advertise: str | None, ports: tuple[int, int] | None) -> zmq.Socket[bytes]:
+        """Bind the PULL socket at ``host`` (a port of ``ports``, else any) and set ``address``/``bound``."""
+        public = advertised_host(bind=host, advertise=advertise, toward=self.discovery.route_target())
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
+        bind_host = "*" if host.strip() in ("", "*") else host
+        if ":" in bind_host or ":" in public:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            if ports is None:
+                sock.bind(format_tcp(bind_host, 0))
+            else:
+                for port in range(ports[0], ports[1] + 1):
+                    try:
+                        sock.bind(format_tcp(bind_host, port))
+                        break
+                    except zmq.ZMQError as exc:
+                        if exc.errno != zmq.EADDRINUSE:
+                            raise
+                else:
+                    raise NoFreePort(host, *ports)
+            self.bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            hp = endpoint_host_port(self.bound)
+            assert hp is not None, self.bound
+            self.address: str = format_tcp(public, hp[1])
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
 
     # ---------------------------------------------------------------- sending (never blocks)
     def send(self, address: str, frame: bytes) -> None:
@@ -270,6 +684,8 @@ class ZmqLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)          # not connected: EAGAIN, the frame stays in our queue
         sock.setsockopt(zmq.SNDHWM, 1000)
+        if _ipv6(address):
+            sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
         return sock
 
@@ -297,60 +713,20 @@ class ZmqLink:
                 except zmq.Again:
                     return out
 
-    # ---------------------------------------------------------------- bootstrap client
-    def _ask(self, request: _Request) -> _Answer:
-        if self._secret is not None:
-            request = msgspec.structs.replace(request, nonce=os.urandom(16), time=time.time())
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
-        try:
-            sock.connect(self._bootstrap)
-            sock.send(_seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(request)))
-            answer = _ANS_DECODER.decode(_unseal(self._secret, b"bootstrap-answer", sock.recv()))
-        except zmq.Again:
-            return _Answer(info=None, error=f"bootstrap server {self._bootstrap} did not answer in "
-                                            f"{self._timeout_ms} ms")
-        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _Answer(info=None, error=f"bootstrap server {self._bootstrap} answered badly: {exc}")
-        finally:
-            sock.close(0)
-        if self._secret is not None and answer.nonce != request.nonce:
-            return _Answer(info=None, error="bootstrap answer does not belong to this request")
-        return answer
-
+    # ---------------------------------------------------------------- discovery
     def publish(self, instance: str, tp_size: int, rank: int) -> None:
-        answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=self.address))
-        if answer.error:
-            raise ConnectionError(f"could not publish rank {rank} of {instance!r}: {answer.error}")
+        """Publish this link's address as rank ``rank`` of ``instance``; raises ConnectionError
+        (:class:`~kvbridge.discovery.DiscoveryError`) when refused or unreachable."""
+        self.discovery.publish(instance, tp_size, rank, self.address)
         with self._lock:
-            self._published[(instance, rank)] = tp_size
-            if self._republisher is None and self._republish_s > 0:
-                self._republisher = threading.Thread(target=self._republish_loop, name="kvbridge-republish",
-                                                     daemon=True)
-                self._republisher.start()
-
-    def _republish_loop(self) -> None:
-        """Tell the bootstrap server again, now and then, where our instances' ranks are: a restarted
-        server learns them back without anyone calling publish()."""
-        while not self._stop.wait(self._republish_s):
-            with self._lock:
-                published = list(self._published.items())
-            for (instance, rank), tp_size in published:
-                answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=self.address))
-                if answer.error:
-                    log.debug("link: re-publishing rank %d of %r failed: %s", rank, instance, answer.error)
+            self._published.add((instance, rank))
 
     def lookup(self, instance: str) -> InstanceInfo | None:
-        answer = self._ask(_Lookup(instance=instance))
-        if answer.error:
-            log.warning("bootstrap lookup of %r failed: %s", instance, answer.error)
-        return answer.info
+        return self.discovery.lookup(instance)
 
     def close(self) -> None:
-        """Stop sending (frames still queued get a short moment to leave) and close every socket."""
+        """Stop sending (frames still queued get a short moment to leave), withdraw what this link published
+        and close every socket."""
         deadline = time.monotonic() + 0.2
         while self._pending() and time.monotonic() < deadline:
             self._wake.set()
@@ -358,7 +734,15 @@ class ZmqLink:
         self._stop.set()
         self._wake.set()
         self._sender.join(timeout=2)
-        if self._republisher is not None:
-            self._republisher.join(timeout=self._timeout_ms / 1000 + 1)
+        if self._owns_discovery:
+            self.discovery.close()
+        else:
+            with self._lock:
+                published, self._published = self._published, set()
+            for instance, rank in published:
+                try:
+                    self.discovery.withdraw(instance, rank)
+                except Exception as exc:  # noqa: BLE001 - closing anyway; the lease ends it
+                    log.warning("link: withdrawing rank %d of %r failed: %s", rank, instance, exc)
         with self._recv_lock:
             self._pull.close(0)
