@@ -130,6 +130,8 @@ def _timeline(lw: dict[str, Any], title: str, path: Path, plt: Any) -> str:
         t = lw["modes"][mode]["timeline"]
         compute = [(g["compute"][0] * 1e3, (g["compute"][1] - g["compute"][0]) * 1e3) for g in t["groups"]]
         ax.broken_barh(compute, (1.1, 0.8), facecolors=["tab:blue", "tab:cyan"] * len(compute))
+        spans = [g["post"] for g in t["groups"]] if mode == "layerwise" else [t["post_all"]]
+        ax.broken_barh([(a * 1e3, (b - a) * 1e3) for a, b in spans], (1.1, 0.8), facecolors="dimgray")
         posts = [g["post"][0] * 1e3 for g in t["groups"]] if mode == "layerwise" else [t["post_all"][0] * 1e3]
         first = posts[0]
         ax.broken_barh([(first, t["done"] * 1e3 - first)], (0.1, 0.8), facecolors="tab:orange", alpha=0.6)
@@ -138,7 +140,8 @@ def _timeline(lw: dict[str, Any], title: str, path: Path, plt: Any) -> str:
         ax.axvline(end, color="tab:red", linestyle="--", linewidth=0.8)
         ax.annotate(f"tail {done - end:.2f} ms", xy=(done, 0.5), xytext=(4, 0), textcoords="offset points",
                     fontsize=8, va="center")
-        ax.set_yticks([0.5, 1.5], ["transfer\n(posts | until decode has all)", "compute"], fontsize=7)
+        ax.set_yticks([0.5, 1.5], ["transfer\n(posts | until decode has all)", "compute | send() (grey)"],
+                      fontsize=7)
         tail = lw["modes"][mode]["median_tail_s"] * 1e3
         ax.set_title(f"{names[mode]}: tail after the last layer's compute {tail:.2f} ms (median)", fontsize=8)
         ax.grid(axis="x", alpha=0.3)

@@ -1104,7 +1104,7 @@ class Bench:
                     t_compute_end = max(s["t_compute_end"] for s in res["sent"])
                     tails.append(t_done - t_compute_end)
                     runs.append(_timeline(res, t_done))
-                median = sorted(range(len(tails)), key=tails.__getitem__)[len(tails) // 2]
+                median = sorted(range(len(tails)), key=tails.__getitem__)[(len(tails) - 1) // 2]
                 out["modes"][mode] = {"tail_s": tails, "median_tail_s": statistics.median(tails),
                                       "timeline": runs[median]}
             self._close(pre, dec)
