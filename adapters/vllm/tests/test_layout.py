@@ -11,7 +11,10 @@ way on the decode side.
 from __future__ import annotations
 
 import itertools
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ torch = pytest.importorskip("torch")
 from kvbridge.errors import GeometryError  # noqa: E402
 from kvbridge.geometry import owned_range  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge.wire import KVPoll  # noqa: E402
 from kvbridge_vllm.layout import layer_order, pool_layout  # noqa: E402
 from kvbridge_vllm.settings import Settings  # noqa: E402
 from kvbridge_vllm.worker import LoadSpec, SaveSpec, WorkerSide  # noqa: E402
@@ -192,3 +196,110 @@ def test_failed_load_reports_blocks() -> None:
         assert w.load_errors() == set()
     finally:
         w.close()
+
+
+def _pair(kind: str, pt: int, dt: int, dump_dir: str = "") -> tuple[list[WorkerSide], list[WorkerSide],
+                                                                     list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Prefill ranks (holding a 5-block request's logical KV in blocks 0..4) and decode ranks, on one hub."""
+    hub = LocalHub()
+    counter = itertools.count()
+    settings = Settings(backend="loopback", shm_remap=False, dump_dir=dump_dir)
+    kv = logical(seed=5, positions=5)
+    prefill, decode, dst = [], [], []
+    for r in range(pt):
+        lo, hi = owned_range(HEADS, pt, r)
+        caches = allocate(kind, hi - lo)
+        for layer, name in enumerate(NAMES):
+            for pos in range(5):
+                for h in range(lo, hi):
+                    write(kind, caches[name], pos, h - lo, kv[layer, 0, pos, h], kv[layer, 1, pos, h])
+        pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=pt, tp_rank=r, block_size=BLOCK)
+        prefill.append(WorkerSide(settings=settings, pool=pool, produce=True, consume=False, instance="p",
+                                  link_factory=lambda: hub.link(f"a{next(counter)}")))
+    for r in range(dt):
+        lo, hi = owned_range(HEADS, dt, r)
+        caches = allocate(kind, hi - lo)
+        pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=dt, tp_rank=r, block_size=BLOCK)
+        decode.append(WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
+                                 link_factory=lambda: hub.link(f"a{next(counter)}")))
+        dst.append(caches)
+    return prefill, decode, dst, kv
+
+
+def _wait(done: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("pt", "dt", "late"), [(1, 1, False), (2, 1, False), (1, 2, True)])
+def test_layer_wise_posts_each_layer_during_the_forward(tmp_path: Path, pt: int, dt: int, late: bool) -> None:
+    """The decode asked first: each layer goes from save_layer() as soon as it is written, before the forward
+    pass ends (save()); with ``late``, the decode's request arrives after layer 0 was written, and the first
+    post carries layers 0-1 at once. Decode's blocks then hold the logical KV of their heads, byte for byte."""
+    prefill, decode, dst, kv = _pair("nhd", pt, dt, str(tmp_path))
+    blocks = tuple(range(5))
+    dst_blocks = (7, 3, 9, 1, 12)
+    try:
+        for w in prefill:
+            w.begin_save("req", SaveSpec(room=11, block_ids=blocks))
+        if late:
+            for w in prefill:
+                w.save_layer("req", 0)           # written before the decode asked: nothing can go yet
+        for w in decode:
+            w.load("req", LoadSpec(room=11, instance="p", block_ids=dst_blocks, prefix_len=0))
+        _wait(lambda: all(w._sending["req"].sender.poll() >= KVPoll.WaitingForInput for w in prefill),
+              "the decode's request")
+        for layer in range(1 if late else 0, LAYERS):
+            for w in prefill:
+                w.save_layer("req", layer)
+                assert w._sending["req"].layers_posted == layer + 1, "a written layer was not posted at once"
+        for w in prefill:
+            assert w._sending["req"].sent, "every layer went during the forward pass"
+            w.save("req", SaveSpec(room=11, block_ids=blocks))      # wait_for_save: nothing left to post
+        _wait(lambda: all(w.finished([])[1] or w.busy["receiving"] == 0 for w in decode), "decode's load")
+        _wait(lambda: all(w.finished(["req"])[0] or w.busy["sending"] == 0 for w in prefill), "prefill's release")
+        for w in decode:
+            assert w.load_errors() == set()
+        for r in range(dt):
+            lo, hi = owned_range(HEADS, dt, r)
+            for layer, name in enumerate(NAMES):
+                for pos, b in enumerate(dst_blocks):
+                    for h in range(lo, hi):
+                        k, v = read("nhd", dst[r][name], b, h - lo)
+                        torch.testing.assert_close(k, kv[layer, 0, pos, h], rtol=0, atol=0)
+                        torch.testing.assert_close(v, kv[layer, 1, pos, h], rtol=0, atol=0)
+        want = [[0, 2]] if late else [[0, 1], [1, 2]]
+        for r in range(pt):
+            groups = json.loads((tmp_path / f"prefill-room11-rank{r}.json").read_text())["layer_groups"]
+            assert groups == want, groups
+    finally:
+        for w in prefill + decode:
+            w.close()
+
+
+@pytest.mark.timeout(60)
+def test_layer_wise_never_posts_before_the_forward_pass_wrote_the_layer() -> None:
+    """No decode request during the forward pass: nothing is posted until save() (the whole request then goes
+    once the decode asks); a decode that asks between layers gets only the layers written so far."""
+    prefill, decode, _, _ = _pair("cpu", 1, 1)
+    (p,), (d,) = prefill, decode
+    try:
+        p.begin_save("req", SaveSpec(room=12, block_ids=(0, 1)))
+        p.save_layer("req", 0)
+        assert p._sending["req"].layers_posted == 0
+        d.load("req", LoadSpec(room=12, instance="p", block_ids=(4, 5), prefix_len=0))
+        _wait(lambda: p._sending["req"].sender.poll() >= KVPoll.WaitingForInput, "the decode's request")
+        time.sleep(0.05)        # the send loop runs meanwhile: it must not send what the forward pass has not written
+        assert p._sending["req"].layers_posted == 0 and not p._sending["req"].sent
+        p.save_layer("req", 0)  # layer 0 again (vLLM calls once per layer; a repeat is harmless)
+        assert p._sending["req"].layers_posted == 1
+        p.save("req", SaveSpec(room=12, block_ids=(0, 1)))     # the rest goes from wait_for_save
+        assert p._sending["req"].sent and p._sending["req"].groups == [(0, 1), (1, 2)]
+        _wait(lambda: bool(d.finished([])[1]), "decode's load")
+        assert d.load_errors() == set()
+    finally:
+        for w in prefill + decode:
+            w.close()

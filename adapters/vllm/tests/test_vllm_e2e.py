@@ -13,6 +13,7 @@ Needs ``.venv-vllm`` (made by scripts/setup.sh); slow on a 2-core host (each eng
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 PROMPTS = [prompt(i, n) for i, n in enumerate(LENGTHS)]
+P_INSTANCE = "prefill-lo"                               # the loopback prefill's kvbridge instance name
 PREFIX_PROMPT = PROMPTS[4] + prompt(99, 45)            # PROMPTS[4]'s 64 tokens (2 blocks) are cached on decode
 
 
@@ -52,7 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     instances: dict[str, Instance] = {}
     try:
         instances["ref"] = Instance("ref", base, tmp)
-        instances["p"] = Instance("p", base | {"role": "kv_producer", "extra": lo}, tmp)
+        instances["p"] = Instance("p", base | {"role": "kv_producer", "extra": lo | {"instance": P_INSTANCE}}, tmp)
         instances["d"] = Instance("d", base | {"role": "kv_consumer", "extra": lo}, tmp)
         instances["pn"] = Instance("pn", base | {"role": "kv_producer", "extra": nx}, tmp)
         instances["dn"] = Instance("dn", base | {"role": "kv_consumer", "extra": nx}, tmp)
@@ -111,6 +113,30 @@ def test_corrupted_layer_changes_tokens(cluster: dict[str, Any]) -> None:
     _, dec = disagg(cluster["p"], cluster["d"], prompts, extra={"kvbridge_flip_layer": 1})
     differ = [o["tokens"] != want for o, want in zip(dec, cluster["want"][5:8])]
     assert all(differ), f"corrupted KV went unnoticed: {differ}"
+
+
+def test_decode_asks_first_layer_wise(cluster: dict[str, Any]) -> None:
+    """A router that sends both requests at once (room chosen by the router): the decode's request reaches the
+    prefill before its forward pass, so each layer is posted from save_kv_layer as soon as it is written
+    (the prefill's dump records the layer groups); decode's tokens equal the single instance's."""
+    prompts = [prompt(700 + i, n) for i, n in enumerate([33, 77, 130])]      # new to every instance
+    want = [o["tokens"] for o in cluster["ref"].generate([{"prompt": p, "max_tokens": TOKENS} for p in prompts])]
+    rooms = [int(r) for r in np.random.default_rng(7).integers(1, 2**62, size=len(prompts))]
+    cluster["d"].submit([{"prompt": p, "max_tokens": TOKENS, "params": {
+        "do_remote_prefill": True, "room": room, "instance": P_INSTANCE, "bootstrap": "tcp://127.0.0.1:17631"}}
+        for p, room in zip(prompts, rooms)])
+    time.sleep(3)           # decode allocates blocks and sends its requests; the prefill has not started
+    cluster["p"].generate([{"prompt": p, "max_tokens": 1, "params": {"do_remote_decode": True, "room": room}}
+                           for p, room in zip(prompts, rooms)])
+    dec = cluster["d"].answer(240)["outputs"]
+    for i, (o, w) in enumerate(zip(dec, want)):
+        assert o["tokens"] == w, f"prompt {i}: decode {o['tokens']} != reference {w}"
+    for room in rooms:
+        path = cluster["dumps"] / f"prefill-room{room}-rank0.json"
+        assert path.exists(), f"room {room} was not sent layer-wise"
+        groups = json.loads(path.read_text())["layer_groups"]
+        assert groups[0][0] == 0 and groups[-1][1] == 2 and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+        print(f"room {room}: layer groups {groups}")
 
 
 def test_prefill_killed_mid_transfer(cluster: dict[str, Any]) -> None:

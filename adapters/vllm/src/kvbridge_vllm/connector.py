@@ -5,8 +5,10 @@ Flow (the proxy in ``examples/vllm-disagg`` drives it):
 1. The prefill instance (``kv_role: kv_producer``) gets the request with ``max_tokens=1`` and
    ``kv_transfer_params={"do_remote_decode": true}`` (optionally ``"room": <63-bit id>``). In the step that
    computes the prompt's last token, the scheduler side puts the request's blocks in the step's metadata;
-   each worker opens a kvbridge ``Sender`` for the room in ``wait_for_save`` (the whole request: layer-wise
-   posting is not in kvbridge's core yet). ``request_finished`` keeps the blocks (``True``) and returns
+   each worker opens a kvbridge ``Sender`` for the room when that step starts (``start_load_kv``); if the
+   decode's request is already there, ``save_kv_layer`` posts each layer as the forward pass writes it,
+   else the whole request goes once the decode asks (after ``wait_for_save``). ``request_finished`` keeps
+   the blocks (``True``) and returns
    ``{"do_remote_prefill": true, "room": ..., "instance": ..., "bootstrap": ...}``.
 2. The decode instance (``kv_consumer``) gets the request with those params. ``get_num_new_matched_tokens``
    claims every prompt token beyond its local prefix cache hit, loaded asynchronously; once vLLM allocated
@@ -139,6 +141,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         # worker side
         self.worker: WorkerSide | None = None
+        self._layer_index: dict[str, int] = {}     # vLLM layer name -> its layer in the pool (wire order)
         self._bootstrap: BootstrapServer | None = None
         self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
         self._segment = ""          # the /dev/shm segment now backing the KV cache (loopback decode)
@@ -251,6 +254,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                                   context=self._zmq).start()
             self.worker = WorkerSide(settings=self.settings, pool=pool, produce=self.produce, consume=self.consume,
                                      instance=self.instance, zmq_context=self._zmq)
+        self._layer_index = {name: i for i, name in enumerate(pool.layers)}
         log.info("kvbridge: %s rank %d/%d registered %d layers (%s, %d blocks), backend %s, instance %s",
                  "prefill" if self.produce else "decode", tp_rank, parallel.tensor_parallel_size, len(pool.layers),
                  kind, pool.num_blocks, self.settings.backend, self.instance)
@@ -265,6 +269,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or self.worker is None:
             return
+        for req_id, save in meta.saves.items():     # this step's forward pass completes these prompts
+            self.worker.begin_save(req_id, save)
         if not meta.loads:
             return
         with unpinned():      # a first request to an instance starts its handshake's lookup thread
@@ -275,7 +281,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return      # loads are asynchronous: vLLM schedules the request once get_finished reports it
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return      # layer-wise sends are not in kvbridge's core yet (issue 14): wait_for_save posts the request
+        """Layer-wise: post this layer of every prompt this step completes whose decode already asked (on
+        CUDA the write follows the work queued on the current stream, the attention that wrote the layer)."""
+        meta = self._meta()
+        if meta is None or self.worker is None or not meta.saves:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for req_id in meta.saves:
+            self.worker.save_layer(req_id, layer)
 
     def wait_for_save(self) -> None:
         meta = self._meta()

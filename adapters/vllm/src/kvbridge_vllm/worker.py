@@ -8,16 +8,20 @@ engine's step: the room waits until the handshake completes, and fails if it is 
 opens a ``Receiver`` per request, and reports it done on Success, or its blocks as load errors on Failure
 (once no write can still land in them).
 
-Layer-wise posting is not in the core yet: the whole request is posted at once.
+Layer-wise: the room opens when the step that completes the prompt starts (``begin_save``); if the decode's
+request is already there (it asked first, as with a router that sends both at once), each layer is posted
+from ``save_kv_layer`` as soon as the forward pass wrote it, and ``wait_for_save`` posts the rest. Otherwise
+(vLLM's usual order: decode asks after prefill returned) the whole request goes once the request arrives.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +67,9 @@ class _Sending:
     finished: bool = False       # vLLM finished the request (its blocks wait for us)
     delay_s: float = 0.0
     ready_at: float = 0.0
+    computed: bool = True        # False while the forward pass that completes the prompt still runs
+    layers_posted: int = 0       # layers already posted (layer-wise, while the forward pass ran)
+    groups: list[tuple[int, int]] = field(default_factory=list)   # the layer groups posted, for the test hook
 
 
 @dataclass(slots=True)
@@ -130,22 +137,61 @@ class WorkerSide:
         return agent
 
     # ------------------------------------------------------------------ prefill
-    def save(self, req_id: str, spec: SaveSpec) -> None:
+    def begin_save(self, req_id: str, spec: SaveSpec) -> None:
+        """The step whose forward pass completes the prompt starts: open the room now, so that a decode
+        request that is already there lets ``save_layer`` post each layer as the forward pass writes it."""
         if self.prefill is None:
             raise KVBridgeError(f"request {req_id}: this worker does not produce KV (kv_role)")
         with self._lock:
-            if req_id in self._sending:
+            if req_id not in self._sending:
+                self._sending[req_id] = _Sending(sender=self.prefill.sender(spec.room), delay_s=spec.delay_s,
+                                                 blocks=np.asarray(spec.block_ids, dtype=np.int64), computed=False)
+
+    def save_layer(self, req_id: str, layer: int) -> None:
+        """Layer ``layer`` (wire order) of every block of the request is written: post the layers up to it
+        that have not gone yet, if the decode's request has arrived (else the whole request goes later)."""
+        with self._lock:
+            state = self._sending.get(req_id)
+            if state is None or state.sent or state.computed or state.delay_s or layer < state.layers_posted:
                 return
-            sender = self.prefill.sender(spec.room)
-            state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
-                                                     blocks=np.asarray(spec.block_ids, dtype=np.int64))
+            if state.sender.poll() < KVPoll.WaitingForInput:
+                return
+            self._post_layers(req_id, state, range(state.layers_posted, layer + 1))
+
+    def _post_layers(self, req_id: str, state: _Sending, layers: range) -> None:
+        skip = state.sender.decode_prefix_len // self.block_size
+        last = layers.stop == len(self.pool.layers)
+        try:
+            state.sender.send(state.blocks[skip:], last=last, layers=layers)
+        except KVBridgeError as exc:
+            state.sent = True
+            log.warning("kvbridge: request %s (room %d): layer-wise send failed: %s", req_id, state.sender.room, exc)
+            return
+        state.layers_posted = layers.stop
+        state.groups.append((layers.start, layers.stop))
+        state.sent = last
+        if last:
+            self.dump_groups(state)
+
+    def save(self, req_id: str, spec: SaveSpec) -> None:
+        """The forward pass that completes the prompt has run (``wait_for_save``): the request's KV is whole."""
+        if self.prefill is None:
+            raise KVBridgeError(f"request {req_id}: this worker does not produce KV (kv_role)")
+        with self._lock:
+            state = self._sending.get(req_id)
+            if state is None:
+                state = self._sending[req_id] = _Sending(sender=self.prefill.sender(spec.room), delay_s=spec.delay_s,
+                                                         blocks=np.asarray(spec.block_ids, dtype=np.int64))
+            elif state.computed:
+                return
+            state.computed = True
             self.dump(f"prefill-room{spec.room}", state.blocks)
-            log.debug("kvbridge: request %s (room %d): %d blocks computed, waiting for the decode's request", req_id,
-                      spec.room, len(state.blocks))
+            log.debug("kvbridge: request %s (room %d): %d blocks computed (%d layers posted during the forward "
+                      "pass)", req_id, spec.room, len(state.blocks), state.layers_posted)
             self._advance_send(req_id, state)
 
     def _advance_send(self, req_id: str, state: _Sending) -> None:
-        if state.sent:
+        if state.sent or not state.computed:
             return
         status = state.sender.poll()
         if status == KVPoll.Failed:
@@ -159,6 +205,9 @@ class WorkerSide:
             state.ready_at = state.ready_at or time.monotonic() + state.delay_s
             if time.monotonic() < state.ready_at:
                 return
+        if state.layers_posted:       # layer-wise: the layers the forward pass wrote after the last post
+            self._post_layers(req_id, state, range(state.layers_posted, len(self.pool.layers)))
+            return
         skip = state.sender.decode_prefix_len // self.block_size
         state.sent = True
         log.debug("kvbridge: request %s (room %d): sending %d blocks after the decode's %d cached", req_id,
@@ -284,6 +333,13 @@ class WorkerSide:
                 for t in self.pool.buffers[KV_COMPONENT]]
         rank = self.pool.layout.tp_rank
         np.save(f"{self.settings.dump_dir}/{what}-rank{rank}.npy", np.stack(rows))
+
+    def dump_groups(self, state: _Sending) -> None:
+        """Test hook (``dump_dir``): the layer groups a layer-wise request was posted in, as JSON."""
+        if self.settings.dump_dir and state.sent:
+            rank = self.pool.layout.tp_rank
+            with open(f"{self.settings.dump_dir}/prefill-room{state.sender.room}-rank{rank}.json", "w") as f:
+                json.dump({"layer_groups": state.groups, "layers": len(self.pool.layers)}, f)
 
     def flip(self, blocks: np.ndarray, layer: int) -> None:
         """Test hook: negate every value of buffer ``layer`` in the arrived ``blocks`` (its sign bits)."""
