@@ -917,8 +917,10 @@ class Bench:
         return pre, dec, instance, setup
 
     def _close(self, pre: list[_Worker], dec: list[_Worker]) -> None:
-        self.ranks.ask(dec, {"op": "teardown"})
+        """Prefill ranks first: they map the decode ranks' memory (CUDA IPC, /dev/shm) to write into it, so they
+        let go of it before the decode ranks free it."""
         self.ranks.ask(pre, {"op": "teardown"})
+        self.ranks.ask(dec, {"op": "teardown"})
 
     def _failed(self, row: dict[str, Any], what: str, exc: CaseError) -> None:
         """Record the error; the rank processes may be mid-operation: start fresh ones."""
