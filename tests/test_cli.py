@@ -61,7 +61,7 @@ def test_plugins_table_names_the_state_types() -> None:
 
 def test_demo_refuses_a_topology_before_starting_any_rank() -> None:
     done = kvbridge("demo", "--backend", "loopback", "--model", "qwen3-next", "--prefill-tp", "3", "--decode-tp", "1")
-    assert done.returncode == 2
+    assert done.returncode == 64                     # a usage error (EX_USAGE)
     assert "preset 'qwen3-next' cannot run prefill TP 3 -> decode TP 1" in done.stderr
     assert "2 KV heads cannot be sharded over TP 3" in done.stderr
     assert "requests" not in done.stdout            # no rank process ran

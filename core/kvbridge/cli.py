@@ -1,11 +1,31 @@
-"""The ``kvbridge`` command: ``plugins``, ``demo``, ``bench``."""
+"""The ``kvbridge`` command: ``plugins``, ``demo``, ``bench``.
+
+Exit codes: 0 success; 1 verification failure (a byte differs); 2 a backend or state type is not installed or
+cannot run here (with the reason and what to install); 3 transfer failure (a request failed, a rank died,
+the run timed out); 64 usage error (unknown flag, bad value, TP sizes the model forbids).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import sys
+import textwrap
 from collections.abc import Sequence
+from typing import Any, NoReturn
+
+EXIT_OK, EXIT_MISMATCH, EXIT_UNAVAILABLE, EXIT_TRANSFER, EXIT_USAGE = 0, 1, 2, 3, 64
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the usage error's exit code (64, EX_USAGE) instead of 2, which means "unavailable"."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -17,29 +37,54 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     rows = [("NAME", "KIND", "DISTRIBUTION", "VERSION", "STATUS", "CAPABILITIES / REASON")]
     for r in records:
-        detail = ", ".join(r.capabilities) if r.status.value == "available" else r.reason.splitlines()[0][:90]
+        detail = ", ".join(r.capabilities) if r.status.value == "available" else " ".join(r.reason.split())
         if r.hint and r.status.value == "unavailable":
             detail += f" (hint: {r.hint})"
         rows.append((r.name, r.kind.value if r.kind else "?", r.distribution, r.version, r.status.value, detail))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5])
+    print(format_table(rows, width=_width()))
     return 0
+
+
+def _width() -> int:
+    """The terminal's width; 100 columns for a pipe or a file (COLUMNS overrides both)."""
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def format_table(rows: Sequence[Sequence[str]], width: int = 100, min_last: int = 40) -> str:
+    """Columns padded to their widest cell; the last column wraps at word boundaries to fit ``width`` (at
+    least ``min_last`` wide) with its continuation lines under it, so nothing is cut."""
+    head = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    indent = sum(head) + 2 * len(head)
+    room = max(min_last, width - indent)
+    lines = []
+    for row in rows:
+        lead = "  ".join(cell.ljust(w) for cell, w in zip(row, head)) + "  "
+        parts = textwrap.wrap(row[-1], room, break_on_hyphens=False, break_long_words=True) or [""]
+        lines.append((lead + parts[0]).rstrip())
+        lines += [" " * indent + part for part in parts[1:]]
+    return "\n".join(lines)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo.run import default_backend, run_demo
-    from kvbridge.errors import KVBridgeError
+    from kvbridge.errors import KVBridgeError, PluginError
 
-    backend = args.backend or default_backend()
+    def stop(signum: int, _frame: Any) -> NoReturn:
+        raise SystemExit(128 + signum)        # run_demo's cleanup stops and reaps every rank
+
+    signal.signal(signal.SIGTERM, stop)
     try:
+        backend = args.backend or os.environ.get("KVBRIDGE_BACKEND") or default_backend()
         summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
-                           dump=args.dump)
+                           dump=args.dump, metrics_port=args.metrics_port)
+    except PluginError as exc:
+        print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except (KVBridgeError, ValueError) as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
-        return 2
-    return 0 if summary.ok else 1
+        return EXIT_USAGE
+    return summary.exit_code
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -61,7 +106,8 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.bench_transfer import add_arguments as add_transfer_arguments
 
-    parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
+    parser = _Parser(prog="kvbridge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvbridge {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list installed backends and state types, and whether they run here")
     p.add_argument("--json", action="store_true", help="machine-readable list")
@@ -77,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--window", type=int, default=4, help="requests in flight per rank")
     d.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is declared hung")
     d.add_argument("--dump", default=None, metavar="DIR", help="write decode buffers and indices as .npy")
+    d.add_argument("--metrics-port", type=int, default=0, metavar="N",
+                   help="serve the ranks' Prometheus metrics on 127.0.0.1:N while the demo runs "
+                        "(needs kvbridge[metrics])")
     d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="benchmarks, printed as ratios against a baseline of the same run")
     b.add_argument("what", nargs="?", choices=("planner", "control", "transfer"), default="planner",
@@ -87,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_transfer_arguments(b)
     b.set_defaults(func=_bench)
     return parser
+
+
+def _version() -> str:
+    import kvbridge
+
+    return str(kvbridge.__version__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

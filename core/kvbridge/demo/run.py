@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
+from kvbridge.errors import PluginError, PluginUnavailableError, UnknownPluginError
+from kvbridge.registry import Registry
+from kvbridge.specs import Capability, PluginKind, PluginStatus
 from kvbridge.wire import Role
 from kvbridge.zmq_link import BootstrapServer
+
+#: Exit codes of ``kvbridge demo`` (and the other subcommands where they apply), see README "Exit codes".
+EXIT_OK = 0
+EXIT_MISMATCH = 1        # a byte differs from the reference (verification failure)
+EXIT_UNAVAILABLE = 2     # a backend or state type is not installed or cannot run here
+EXIT_TRANSFER = 3        # a request failed, a rank died, or the run timed out
+EXIT_USAGE = 64          # the command line is wrong (EX_USAGE): unknown flag, bad value, TP sizes the model forbids
 
 
 @dataclass(kw_only=True)
@@ -34,6 +47,14 @@ class Summary:
     def ok(self) -> bool:
         return self.verified == self.requests and not (self.failed or self.mismatched or self.crashed)
 
+    @property
+    def exit_code(self) -> int:
+        """EXIT_MISMATCH when any byte differed (it outranks everything), else EXIT_TRANSFER when a request
+        failed, a rank died or the run did not finish, else EXIT_OK."""
+        if self.mismatched:
+            return EXIT_MISMATCH
+        return EXIT_OK if self.ok else EXIT_TRANSFER
+
 
 def default_backend() -> str:
     """NIXL when it is installed and usable here, else the built-in loopback."""
@@ -42,77 +63,179 @@ def default_backend() -> str:
     return "nixl" if "nixl" in Registry.build().backend_names() else "loopback"
 
 
+#: The distribution of each backend this repository ships (named when one is not installed).
+BACKEND_DISTRIBUTIONS = {"nixl": "kvbridge-nixl", "mooncake": "kvbridge-mooncake", "mori": "kvbridge-mori",
+                         "ascend": "kvbridge-ascend"}
+
+
+def check_backend(backend: str, registry: Registry | None = None) -> None:
+    """Refuse, before any rank starts, a backend that is not installed, cannot run here, or cannot reach
+    another process (the ranks are processes): PluginError naming the reason and what to install."""
+    registry = registry or Registry.build()
+    record = next((r for r in registry.records() if r.name == backend and r.kind is PluginKind.BACKEND), None)
+    if record is None:
+        dist = BACKEND_DISTRIBUTIONS.get(backend)
+        installed = ", ".join(registry.backend_names(available_only=False)) or "none"
+        hint = f"pip install {dist}" if dist else "install the plugin that provides it"
+        raise UnknownPluginError(f"backend {backend!r} is not installed (installed: {installed}); "
+                                 f"install: {hint}")
+    if record.status is PluginStatus.UNAVAILABLE:
+        raise PluginUnavailableError(backend, record.reason, record.hint)
+    if record.status is not PluginStatus.AVAILABLE:
+        raise PluginError(f"backend {backend!r} failed to load: {record.reason}")
+    if Capability.MULTI_PROCESS.value not in record.capabilities:
+        raise PluginUnavailableError(backend, "it cannot move data between processes (no multi-process "
+                                     "capability), and the demo runs every rank as a process",
+                                     "use --backend loopback, nixl or mooncake")
+
+
 def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requests: int, seed: int,
              window: int = 4, region_pages: int = 24, timeout_s: float = 300.0, dump: str | None = None,
-             out: TextIO = sys.stdout) -> Summary:
-    model = get_preset(preset)
+             out: TextIO = sys.stdout, err: TextIO = sys.stderr, metrics_port: int = 0,
+             progress: bool | None = None) -> Summary:
+    """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
+    UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing or
+    the TP sizes do not fit the preset. A rank that dies stops the run at once: the others are stopped, every
+    process is reaped and its shared-memory segments removed. ``progress``: a bar (default: on a terminal
+    only; elsewhere a line per tenth of the run)."""
+    registry = Registry.build()
+    check_backend(backend, registry)
+    model = get_preset(preset, registry)
     model.check_tp(prefill_tp, decode_tp)
+    metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
     server = BootstrapServer().start()
+    exporter = None
     base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
-                        window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump)
+                        window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump,
+                        metrics_dir=metrics_dir)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]
     configs += [replace(base, role=Role.DECODE, rank=r) for r in range(decode_tp)]
     procs = [ctx.Process(target=run_worker, args=(c, results), name=f"{c.role.value}{c.rank}", daemon=True)
              for c in configs]
+    ranks = {p.name: f"{c.role.value} rank {c.rank}" for p, c in zip(procs, configs)}
     summary = Summary(requests=requests)
     per_request: dict[int, list[tuple[bool, int, float, int, str]]] = {}
-    finished = 0
+    bar = Progress(requests, out, progress)
     print(f"kvbridge demo: {model.description}", file=out)
     print(f"  backend {backend}, prefill TP {prefill_tp} -> decode TP {decode_tp}, {requests} requests, seed {seed}",
           file=out)
     started = time.perf_counter()
     try:
+        if metrics_dir is not None:
+            from kvbridge import metrics
+
+            exporter = metrics.serve_multiprocess(metrics_port, metrics_dir)
+            print(f"  metrics on http://127.0.0.1:{metrics_port}/metrics", file=out)
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s + 30
-        while finished < len(procs):
+        finished: set[str] = set()
+        exited_at: dict[str, float] = {}
+        while len(finished) < len(procs):
             try:
-                msg = results.get(timeout=0.5)
+                msg = results.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(summary.crashed) < len(dead):
-                    summary.crashed.extend(f"{n} exited with an error" for n in dead if n not in summary.crashed)
+                msg = None
+            if msg is not None:
+                kind = msg[0]
+                if kind == "received":
+                    _, rank, index, ok, bad, latency, nbytes, reason = msg
+                    per_request.setdefault(index, []).append((ok, bad, latency, nbytes, reason))
+                    if len(per_request[index]) == decode_tp:
+                        _settle(summary, index, per_request[index])
+                        bar.update(len(summary.latencies))
+                elif kind == "sent":
+                    _, rank, index, ok, nbytes, descriptors, reason, transfer_s = msg
+                    summary.bytes += nbytes
+                    summary.descriptors += descriptors
+                    if ok:
+                        summary.transfers.append(transfer_s)
+                elif kind == "crashed":
+                    name = f"{msg[1]}{msg[2]}"
+                    finished.add(name)
+                    first = msg[3].splitlines()[0] if msg[3] else "?"
+                    _dead(summary, err, f"{ranks.get(name, name)} failed: {first}")
                     break
-                if time.monotonic() > deadline:
-                    summary.crashed.append(f"timed out after {timeout_s} s")
-                    break
+                elif kind == "finished":
+                    finished.add(f"{msg[1]}{msg[2]}")
                 continue
-            kind = msg[0]
-            if kind == "received":
-                _, rank, index, ok, bad, latency, nbytes, reason = msg
-                per_request.setdefault(index, []).append((ok, bad, latency, nbytes, reason))
-                if len(per_request[index]) == decode_tp:
-                    _settle(summary, index, per_request[index])
-                    _progress(summary, out)
-            elif kind == "sent":
-                _, rank, index, ok, nbytes, descriptors, reason, transfer_s = msg
-                summary.bytes += nbytes
-                summary.descriptors += descriptors
-                if ok:
-                    summary.transfers.append(transfer_s)
-            elif kind == "crashed":
-                summary.crashed.append(f"{msg[1]} rank {msg[2]}: {msg[3]}")
-                finished += 1
-            elif kind == "finished":
-                finished += 1
+            now = time.monotonic()
+            gone = [p for p in procs if p.name not in finished and p.exitcode is not None]
+            for p in gone:
+                exited_at.setdefault(p.name, now)
+            dead = [p for p in gone if p.exitcode != 0 or now - exited_at[p.name] > _REPORT_GRACE_S]
+            if dead:
+                for p in dead:
+                    _dead(summary, err, f"{ranks[p.name]} (pid {p.pid}) {_how(p.exitcode)}")
+                break
+            if now > deadline:
+                summary.crashed.append(f"timed out after {timeout_s} s")
+                break
         summary.wall_s = time.perf_counter() - started
+    except BaseException:
+        summary.crashed.append("interrupted")
+        raise
     finally:
+        bar.close()
+        _stop(procs, grace_s=0.0 if summary.crashed else 10.0)   # after a death: the others at once
         for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
             if p.pid is not None:
                 reap_segments(p.pid)     # a rank that crashed or was killed cannot unlink its own
         server.close()
         results.close()
-    print(file=out)
+        results.join_thread()
+        if exporter is not None:
+            exporter.shutdown()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     _print_summary(summary, out)
     return summary
+
+
+_POLL_S = 0.1             # how often the launcher looks at its ranks when no result arrives
+_REPORT_GRACE_S = 3.0     # a rank that exited 0 without its "finished" report is dead after this
+_STOP_GRACE_S = 2.0       # surviving ranks get this long after SIGTERM before SIGKILL
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (signal {-exitcode})"
+    if exitcode == 0:
+        return "exited without reporting its results"
+    return f"exited with status {exitcode}"
+
+
+def _dead(summary: Summary, err: TextIO, what: str) -> None:
+    summary.crashed.append(what)
+    print(f"kvbridge demo: {what}; stopping the other ranks", file=err, flush=True)
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Join the ranks for ``grace_s``, then SIGTERM the rest and SIGKILL what is left after _STOP_GRACE_S:
+    no rank outlives the run."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in alive:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _settle(summary: Summary, index: int, reports: list[tuple[bool, int, float, int, str]]) -> None:
@@ -125,11 +248,56 @@ def _settle(summary: Summary, index: int, reports: list[tuple[bool, int, float, 
     summary.latencies.append(max(r[2] for r in reports))
 
 
-def _progress(summary: Summary, out: TextIO) -> None:
-    done = len(summary.latencies)
-    width = 30
-    fill = int(width * done / max(1, summary.requests))
-    print(f"\r  [{'#' * fill}{'.' * (width - fill)}] {done}/{summary.requests} requests", end="", file=out, flush=True)
+class Progress:
+    """Requests done so far: a rich progress bar on a terminal (a plain one without rich), and on anything
+    else (a pipe, a file, a StringIO) one line per tenth of the run, never a carriage return."""
+
+    def __init__(self, total: int, out: TextIO, live: bool | None = None) -> None:
+        self.total, self.out = max(1, total), out
+        isatty = getattr(out, "isatty", None)
+        self.live = bool(isatty and isatty()) if live is None else live
+        self._rich: Any = None
+        self._task: Any = None
+        self._step = -1
+        self._last_line = 0.0
+        self._done = 0
+        if self.live:
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+                from rich.progress import Progress as RichProgress
+            except ImportError:
+                return
+            self._rich = RichProgress(TextColumn("  requests"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=Console(file=out), transient=False)
+            self._task = self._rich.add_task("requests", total=total)
+
+    def update(self, done: int) -> None:
+        self._done = done
+        if self._rich is not None:
+            if not self._rich.live.is_started:
+                self._rich.start()
+            self._rich.update(self._task, completed=done)
+        elif self.live:
+            print(f"\r{self._line(done)}", end="", file=self.out, flush=True)
+        else:
+            step = 10 * done // self.total
+            now = time.monotonic()
+            if step != self._step or done == self.total or now - self._last_line > 10.0:
+                self._step, self._last_line = step, now
+                print(self._line(done), file=self.out, flush=True)
+
+    def _line(self, done: int) -> str:
+        width = 30
+        fill = int(width * done / self.total)
+        return f"  [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} requests"
+
+    def close(self) -> None:
+        if self._rich is not None:
+            if self._rich.live.is_started:
+                self._rich.stop()
+        elif self.live and self._done:
+            print(file=self.out)
 
 
 def _print_summary(s: Summary, out: TextIO) -> None:

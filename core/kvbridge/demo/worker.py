@@ -13,8 +13,11 @@ byte against the reference.
 
 from __future__ import annotations
 
-import logging
+import ctypes
+import multiprocessing as mp
 import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Generator, Iterator
@@ -24,12 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import metrics
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.model import ComponentModel, RequestShape
 from kvbridge.demo.presets import Preset, get_preset
 from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
+from kvbridge.logs import configure_logging
+from kvbridge.registry import Registry
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 
@@ -58,6 +64,7 @@ class WorkerConfig:
     pace_s: float = 0.0          # pause between prefill chunks (fault tests kill a rank mid-transfer)
     staging_bytes: int = 16 << 20  # staging area per rank (0: plain descriptors only)
     peer_timeout_s: float = 3.0
+    metrics_dir: str | None = None   # record Prometheus metrics there (the launcher serves them)
 
     @property
     def tp_size(self) -> int:
@@ -111,9 +118,10 @@ def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.nda
 
 def run_worker(cfg: WorkerConfig, results: Any) -> None:
     """Process entry point; every outcome (also a crash) is reported on ``results``."""
+    _die_with_parent()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
-    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"),
-                        format=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
+    configure_logging(os.environ.get("KVBRIDGE_LOG") or "WARNING",
+                      fmt=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
     pool = agent = None
     try:
         preset = get_preset(cfg.preset)
@@ -121,11 +129,16 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
                             tp_size=cfg.tp_size, tp_rank=cfg.rank, page_size=preset.page_size, model=preset.model)
         pool = HostPool(layout, shared=cfg.backend == "loopback", staging_bytes=cfg.staging_bytes)
         link = ZmqLink(bootstrap=cfg.bootstrap, secret=cfg.secret)
+        registry = None
+        if cfg.metrics_dir is not None:
+            registry = Registry.build(plugins=[metrics.enable(multiprocess_dir=cfg.metrics_dir)])
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
                               name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", staging=pool.staging,
                               config=AgentConfig(secret=cfg.secret, peer_timeout_s=cfg.peer_timeout_s,
-                                                 staging_bytes=cfg.staging_bytes))
+                                                 staging_bytes=cfg.staging_bytes), registry=registry)
+        if cfg.metrics_dir is not None:
+            metrics.watch_agent(agent)
         agent.start()
         results.put(("ready", cfg.role.value, cfg.rank))
         if cfg.role is Role.DECODE:
@@ -145,6 +158,19 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             agent.close()
         if pool is not None:
             pool.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: this rank gets SIGKILL when the launcher dies (killed launchers leave no orphan ranks)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG
+            parent = mp.parent_process()
+            if parent is not None and os.getppid() != parent.pid:   # the launcher died before prctl
+                os._exit(1)
+        except (OSError, AttributeError):
+            pass
 
 
 def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any) -> None:
@@ -172,8 +198,10 @@ def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idl
 def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
                      request: RequestShape, results: Any) -> Generator[None, None, None]:
     sender = agent.sender(request.room)
+    metrics.room_state("prefill", None, "bootstrapping")
     while (status := sender.poll()) == KVPoll.Bootstrapping:
         yield
+    metrics.room_state("prefill", "bootstrapping", "transferring")
     every = request_items(cfg, preset, request)
     items = every[preset.chunked.name]
     state = state_indices(preset, request, every)
@@ -201,6 +229,8 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
         transfer_s = 0.0
     while not sender.safe_to_reuse:
         yield
+    metrics.room_state("prefill", "transferring", None)
+    metrics.observe_room("prefill", status == KVPoll.Success, transfer_s, sender.failure_reason or "")
     nbytes, descriptors = sender.stats
     results.put(("sent", cfg.rank, request.index, status == KVPoll.Success, nbytes, descriptors, sender.failure_reason,
                  transfer_s))
@@ -217,9 +247,12 @@ def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, poo
     receiver = agent.receiver(request.room, INSTANCE)
     indices: dict[str, Any] = {preset.chunked.name: every[preset.chunked.name], **state_indices(preset, request, every)}
     receiver.send_metadata(indices, prefix_len=request.prefix_pages * preset.page_size)
+    metrics.room_state("decode", None, "waiting")
     while (status := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
         yield
     latency = time.perf_counter() - started
+    metrics.room_state("decode", "waiting", None)
+    metrics.observe_room("decode", status == KVPoll.Success, latency, receiver.failure_reason or "")
     bad = -1
     if status == KVPoll.Success:
         bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, every[m.name])

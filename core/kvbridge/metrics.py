@@ -1,0 +1,229 @@
+"""Prometheus metrics of transfers (optional: ``pip install 'kvbridge[metrics]'``, i.e. ``prometheus_client``).
+
+Nothing here runs unless enabled: :func:`enable` creates the metrics, optionally starts the exporter, and
+returns the pluggy plugin whose wrappers (``wrapper=True``) observe every ``kvbridge_send_component``,
+``kvbridge_notify_completion`` and ``kvbridge_register_buffers`` call. The plugin is registered only into a
+registry built for it (:func:`instrumented_registry`), so an agent built without it has no wrapper on its
+hot path at all::
+
+    from kvbridge import metrics
+    registry = metrics.instrumented_registry(port=9400)          # exporter on :9400
+    agent = TransferAgent(..., registry=registry)
+    metrics.watch_agent(agent)                                   # peers' silence, peer deaths by reason
+
+What is measured (every name starts with ``kvbridge_``):
+
+* ``bytes_total``, ``descriptors_total`` {backend, component}: what ``send_component`` posted (component
+  ``__staging__``: writes out of the staging area);
+* ``staged_bytes_total`` {backend}: the bytes of those staged writes (staging use);
+* ``post_seconds`` {backend}: histogram of the time to post one component (inside ``send_component``);
+* ``send_failures_total`` {backend, reason}: ``send_component`` raising (reason: the exception type);
+* ``notices_total`` {backend, delivered}: completion notices, delivered by the engine or left to the link;
+* ``registered_bytes`` {backend, component}: memory registered with the backend;
+* ``transfer_seconds`` {role}: histogram of a request's transfer (prefill: first chunk posted -> Success;
+  decode: metadata sent -> Success), ``rooms_total`` {role, outcome} and ``room_failures_total``
+  {role, reason}, and the gauge ``rooms`` {role, state}: fed by the engine-facing layer through
+  :func:`observe_room` and :func:`room_state` (the demo's ranks, adapters);
+* ``peer_silence_seconds`` {agent, peer}: time since the last frame of each peer (heartbeats every
+  ``heartbeat_interval_s``; a live peer stays below it plus the link's round trip), and
+  ``peer_deaths_total`` {agent, reason}: sampled by :func:`watch_agent`.
+
+Several processes of one host (the demo's ranks) share one exporter through ``prometheus_client``'s
+multiprocess mode: each process calls :func:`enable` with ``multiprocess_dir`` (before anything else imports
+``prometheus_client``), and one process serves them all with :func:`serve_multiprocess`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from kvbridge._markers import hookimpl
+
+__all__ = ["MetricsPlugin", "enable", "enabled", "instrumented_registry", "observe_room", "room_state",
+           "serve_multiprocess", "watch_agent"]
+
+INSTALL_HINT = "pip install 'kvbridge[metrics]'"
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LOCK = threading.Lock()
+_METRICS: _Metrics | None = None
+_PLUGIN: MetricsPlugin | None = None
+
+
+def _client() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ImportError(f"kvbridge metrics need prometheus_client: {INSTALL_HINT}") from None
+    return prometheus_client
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        pc = _client()
+        multi = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        gauge = {"multiprocess_mode": "livesum"} if multi else {}
+        self.bytes = pc.Counter("kvbridge_bytes", "Bytes posted by send_component", ["backend", "component"])
+        self.descriptors = pc.Counter("kvbridge_descriptors", "Descriptors posted by send_component",
+                                      ["backend", "component"])
+        self.staged = pc.Counter("kvbridge_staged_bytes", "Bytes written out of the staging area", ["backend"])
+        self.post = pc.Histogram("kvbridge_post_seconds", "Time to post one component (send_component)",
+                                 ["backend"], buckets=_LATENCY_BUCKETS)
+        self.send_failures = pc.Counter("kvbridge_send_failures", "send_component raised", ["backend", "reason"])
+        self.notices = pc.Counter("kvbridge_notices", "Completion notices", ["backend", "delivered"])
+        self.registered = pc.Gauge("kvbridge_registered_bytes", "Memory registered with the backend",
+                                   ["backend", "component"], **gauge)
+        self.transfer = pc.Histogram("kvbridge_transfer_seconds", "A request's transfer until Success",
+                                     ["role"], buckets=_LATENCY_BUCKETS)
+        self.rooms_total = pc.Counter("kvbridge_rooms", "Rooms finished", ["role", "outcome"])
+        self.room_failures = pc.Counter("kvbridge_room_failures", "Rooms failed, by reason", ["role", "reason"])
+        self.rooms = pc.Gauge("kvbridge_rooms_open", "Rooms open, by state", ["role", "state"], **gauge)
+        self.silence = pc.Gauge("kvbridge_peer_silence_seconds", "Time since the last frame of a peer",
+                                ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
+        self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
+
+
+class MetricsPlugin:
+    """Wrappers around the operation hooks; registered only into an instrumented registry."""
+
+    def __init__(self, metrics: _Metrics) -> None:
+        self._m = metrics
+
+    @hookimpl(wrapper=True)
+    def kvbridge_send_component(self, backend: Any, transfer: Any) -> Any:
+        started = time.perf_counter()
+        name = getattr(backend, "name", "?")
+        try:
+            handle = yield
+        except BaseException as exc:
+            self._m.send_failures.labels(name, type(exc).__name__).inc()
+            raise
+        m = self._m
+        m.post.labels(name).observe(time.perf_counter() - started)
+        plan = transfer.plan
+        nbytes = int(plan.total_nbytes)
+        m.bytes.labels(name, transfer.component).inc(nbytes)
+        m.descriptors.labels(name, transfer.component).inc(len(plan))
+        if transfer.component == "__staging__":
+            m.staged.labels(name).inc(nbytes)
+        return handle
+
+    @hookimpl(wrapper=True)
+    def kvbridge_notify_completion(self, backend: Any, peer: str, notice: bytes) -> Any:
+        delivered = yield
+        self._m.notices.labels(getattr(backend, "name", "?"), "engine" if delivered else "link").inc()
+        return delivered
+
+    @hookimpl(wrapper=True)
+    def kvbridge_register_buffers(self, backend: Any, component: str, regions: Sequence[Any]) -> Any:
+        registered = yield
+        self._m.registered.labels(getattr(backend, "name", "?"), component).inc(
+            sum(int(r.nbytes) for r in regions))
+        return registered
+
+
+def enable(port: int = 0, *, addr: str = "127.0.0.1", multiprocess_dir: str | None = None) -> MetricsPlugin:
+    """Create the metrics of this process (once) and return the hook plugin; ``port`` > 0 also starts the
+    exporter (``/metrics`` on ``addr:port``). ``multiprocess_dir``: this process writes its values there for
+    :func:`serve_multiprocess` in another process (set before ``prometheus_client`` is first imported)."""
+    global _METRICS, _PLUGIN
+    with _LOCK:
+        if multiprocess_dir is not None:
+            os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", multiprocess_dir)
+        if _METRICS is None:
+            _METRICS = _Metrics()
+            _PLUGIN = MetricsPlugin(_METRICS)
+        assert _PLUGIN is not None
+        if port:
+            _client().start_http_server(port, addr=addr)
+        return _PLUGIN
+
+
+def enabled() -> bool:
+    return _METRICS is not None
+
+
+def instrumented_registry(port: int = 0, **build: Any) -> Any:
+    """``Registry.build(plugins=[the metrics plugin], **build)``; ``port`` as in :func:`enable`."""
+    from kvbridge.registry import Registry
+
+    plugins = [*build.pop("plugins", ()), enable(port)]
+    return Registry.build(plugins=plugins, **build)
+
+
+def serve_multiprocess(port: int, directory: str, addr: str = "127.0.0.1") -> Any:
+    """Serve the metrics that the processes writing into ``directory`` recorded, summed (gauges: live
+    processes' sum, silence: their maximum). Returns the server (``.shutdown()``)."""
+    pc = _client()
+    from prometheus_client import multiprocess
+
+    registry = pc.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=directory)
+    server, _thread = pc.start_http_server(port, addr=addr, registry=registry)
+    return server
+
+
+def observe_room(role: str, ok: bool, seconds: float | None = None, reason: str = "") -> None:
+    """One room finished (no-op unless enabled): its outcome, its transfer time, why it failed."""
+    m = _METRICS
+    if m is None:
+        return
+    m.rooms_total.labels(role, "success" if ok else "failed").inc()
+    if ok and seconds is not None:
+        m.transfer.labels(role).observe(seconds)
+    if not ok:
+        m.room_failures.labels(role, _reason_class(reason)).inc()
+
+
+def room_state(role: str, before: str | None, after: str | None) -> None:
+    """A room moved from state ``before`` to ``after`` (None: not open) (no-op unless enabled)."""
+    m = _METRICS
+    if m is None or before == after:
+        return
+    if before is not None:
+        m.rooms.labels(role, before).dec()
+    if after is not None:
+        m.rooms.labels(role, after).inc()
+
+
+def _reason_class(reason: str) -> str:
+    """A bounded label from a failure text: its leading words, without numbers or names after a colon."""
+    head = reason.split(":", 1)[0].strip().lower() or "unknown"
+    head = "".join(c if c.isalpha() or c == " " else " " for c in head)
+    return " ".join(head.split()[:6]) or "unknown"
+
+
+def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
+    """Sample ``agent``'s peers every ``interval_s`` (their silence) and count peer deaths by reason, until
+    the agent is closed or collected (no-op unless enabled)."""
+    m = _METRICS
+    if m is None:
+        return
+    name = getattr(agent, "name", "?")
+    agent.peers.on_death(lambda peer, reason: m.deaths.labels(name, _reason_class(reason)).inc())
+    ref = weakref.ref(agent)
+
+    def sample() -> None:
+        seen: set[str] = set()
+        while True:
+            current = ref()
+            if current is None or getattr(current, "_closed", False):
+                break
+            now = time.monotonic()
+            for peer in list(current.peers.peers.values()):
+                if peer.alive:
+                    m.silence.labels(name, peer.agent).set(max(0.0, now - peer.last_seen))
+                    seen.add(peer.agent)
+            del current
+            time.sleep(interval_s)
+        for peer_name in seen:
+            try:
+                m.silence.remove(name, peer_name)
+            except KeyError:
+                pass
+
+    threading.Thread(target=sample, name=f"kvbridge-metrics-{name}", daemon=True).start()

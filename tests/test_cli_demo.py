@@ -1,0 +1,165 @@
+"""The command line behaves (issue 15 item 6): --version, availability refused before any rank starts (exit 2
+with the reason and what to install), documented exit codes, progress without carriage returns in a pipe, a
+plugins table that wraps instead of cutting, and a rank killed mid-demo ends the run within seconds, naming
+the rank and its signal, leaving no process and no /dev/shm segment behind."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.demo.run import EXIT_MISMATCH, EXIT_OK, EXIT_TRANSFER, Summary
+from kvbridge.registry import Registry
+
+pytestmark = pytest.mark.kvbridge_multiprocess
+
+SCRIPT = Path(sys.executable).with_name("kvbridge")
+CMD = [str(SCRIPT)] if SCRIPT.exists() else [shutil.which("kvbridge") or "kvbridge"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS")}
+    return env | extra
+
+
+def kvbridge(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=180, env=_env(**env), check=False)
+
+
+def test_version() -> None:
+    done = kvbridge("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"kvbridge {md.version('kvbridge')}"
+
+
+def test_a_usage_error_is_not_an_unavailable_plugin() -> None:
+    done = kvbridge("demo", "--requests", "many")
+    assert done.returncode == 64, done.stderr
+    assert "invalid int value: 'many'" in done.stderr
+
+
+def test_a_backend_that_is_not_installed_exits_2_with_the_package_to_install() -> None:
+    done = kvbridge("demo", "--backend", "nixl", "--requests", "2", KVBRIDGE_DISABLE_PLUGINS="nixl")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "backend 'nixl' is not installed" in done.stderr
+    assert "pip install kvbridge-nixl" in done.stderr
+    assert "Traceback" not in done.stderr and "requests" not in done.stdout     # no rank ever started
+
+
+@pytest.mark.skipif("mori" not in Registry.build().backend_names(available_only=False) or
+                    "mori" in Registry.build().backend_names(), reason="needs kvbridge-mori installed, unusable here")
+def test_a_backend_that_cannot_run_here_exits_2_with_its_reason_and_hint() -> None:
+    done = kvbridge("demo", "--backend", "mori", "--requests", "2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "plugin 'mori' is unavailable" in done.stderr and "hint:" in done.stderr
+    assert "Traceback" not in done.stderr and "requests" not in done.stdout
+
+
+def test_a_missing_state_type_exits_2_with_the_package_to_install() -> None:
+    done = kvbridge("demo", "--backend", "loopback", "--model", "swa", "--requests", "2",
+                    KVBRIDGE_DISABLE_PLUGINS="swa")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs the state type 'swa': pip install kvbridge-swa" in done.stderr
+    assert "No module named" not in done.stderr and "requests" not in done.stdout
+
+
+def test_exit_codes_of_a_summary() -> None:
+    assert Summary(requests=1, verified=1).exit_code == EXIT_OK
+    assert Summary(requests=2, verified=1, failed=["request 1: peer died"]).exit_code == EXIT_TRANSFER
+    assert Summary(requests=2, verified=2, crashed=["decode rank 0 was killed"]).exit_code == EXIT_TRANSFER
+    assert Summary(requests=2, mismatched=["request 0: 3 bytes differ"],
+                   failed=["request 1: x"]).exit_code == EXIT_MISMATCH
+    assert len({EXIT_OK, EXIT_MISMATCH, 2, EXIT_TRANSFER, 64}) == 5
+
+
+def test_piped_output_has_no_carriage_return() -> None:
+    done = kvbridge("demo", "--backend", "loopback", "--requests", "12", "--prefill-tp", "1", "--decode-tp", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "\r" not in done.stdout and "\r" not in done.stderr
+    progress = [line for line in done.stdout.splitlines() if line.endswith(" requests") and "/12" in line]
+    assert progress and progress[-1].endswith("12/12 requests"), done.stdout
+    assert len(progress) <= 12
+    assert "verified: 12/12 byte-exact" in done.stdout
+
+
+def test_the_plugins_table_wraps_instead_of_cutting() -> None:
+    from kvbridge.cli import format_table
+
+    reason = " ".join(f"word{i}" for i in range(40))
+    lines = format_table([("NAME", "STATUS", "REASON"), ("x", "unavailable", reason)], width=60).splitlines()
+    assert all(len(line) <= 60 for line in lines), lines
+    assert lines[1].startswith("x     unavailable  word0")
+    indent = len("NAME  unavailable  ")
+    assert all(line[:indent].strip() == "" for line in lines[2:])
+    assert " ".join(" ".join(line[indent:].split()) for line in lines[1:]) == reason
+    done = kvbridge("plugins", COLUMNS="70")
+    assert done.returncode == 0
+    flat = " ".join(done.stdout.split())
+    for record in Registry.build().records():
+        if record.status.value == "unavailable":
+            assert " ".join(record.reason.split()) in flat, f"{record.name}'s reason was cut:\n{done.stdout}"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _ranks(pid: int) -> list[int]:
+    """The launcher's rank processes (spawned with multiprocessing.spawn), in start order."""
+    out = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(child)
+        except OSError:
+            pass
+    return sorted(out)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
+    proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
+                             "--decode-tp", "2", "--timeout", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:                          # the first request verified: every rank is working
+            if re.search(r"\] [1-9]\d*/3000 requests", line):
+                break
+        else:
+            pytest.fail(f"the demo never made progress: {proc.stderr.read() if proc.stderr else ''}")
+        ranks = _ranks(proc.pid)
+        assert len(ranks) == 4, ranks
+        victim = ranks[-1]
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 10, f"the demo ran on {took:.1f} s after a rank was killed"
+    assert proc.returncode == EXIT_TRANSFER, out + err
+    assert re.search(rf"(prefill|decode) rank \d \(pid {victim}\) was killed by SIGKILL \(signal 9\)", err), err
+    assert re.search(rf"! (prefill|decode) rank \d \(pid {victim}\) was killed by SIGKILL", out), out
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{rank}").exists() for rank in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)                                 # (an exited child may linger until it is reaped)
+    for rank in ranks:                                  # every rank is gone, and so are its segments
+        assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the demo"
+        assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
