@@ -1,0 +1,167 @@
+"""Prometheus metrics (issue 15 item 5): fed by pluggy wrappers registered only when enabled, exported on a
+port; `kvbridge demo --metrics-port N` serves its ranks' metrics while it runs."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client", reason="kvbridge[metrics] is not installed")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kvbridge.agent import TransferAgent  # noqa: E402
+from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis  # noqa: E402
+from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge.registry import Registry  # noqa: E402
+from kvbridge.wire import KVPoll, Role  # noqa: E402
+
+SCRIPT = Path(sys.executable).with_name("kvbridge")
+CMD = [str(SCRIPT)] if SCRIPT.exists() else [shutil.which("kvbridge") or "kvbridge"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _samples(text: str) -> dict[str, float]:
+    """name{labels} -> value, summed over the labels (enough for "is it non-zero")."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _total(name: str) -> float:
+    """A metric of this process's default registry, summed over its labels."""
+    return sum(s.value for family in prometheus_client.REGISTRY.collect() for s in family.samples
+               if s.name == name)
+
+
+def _layout(tp: int, rank: int) -> PoolLayout:
+    heads = 2 // tp
+    bufs = tuple(BufferGeometry(name=f"{t}.{i}", num_items=8, item_shape=(4, heads, 8), dtype=DType.BFLOAT16,
+                                shard=ShardAxis(1, 2)) for t in "kv" for i in range(2))
+    return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp, tp_rank=rank,
+                      page_size=4, model="m")
+
+
+def _buffers(layout: PoolLayout) -> dict[str, list[np.ndarray]]:
+    return {"kv": [np.ones((g.num_items, g.item_nbytes), np.uint8) for g in layout.components[0].buffers]}
+
+
+def test_without_metrics_no_wrapper_is_on_the_hot_path() -> None:
+    registry = Registry.build()
+    for hook in ("kvbridge_send_component", "kvbridge_notify_completion", "kvbridge_register_buffers"):
+        impls = getattr(registry._pm.hook, hook).get_hookimpls()
+        assert [i for i in impls if i.wrapper or i.hookwrapper] == [], hook
+    code = ("import sys\nfrom kvbridge.agent import TransferAgent\nimport kvbridge.demo.worker\n"
+            "print('prometheus_client' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_an_instrumented_registry_counts_a_transfer_and_exports_it() -> None:
+    from kvbridge import metrics
+
+    port = _free_port()
+    registry = metrics.instrumented_registry(port=port)
+    hooks = registry._pm.hook.kvbridge_send_component.get_hookimpls()
+    assert any(i.wrapper for i in hooks)
+    hub = LocalHub()
+    pl, dl = _layout(1, 0), _layout(1, 0)
+    before = _total("kvbridge_bytes_total")
+    with TransferAgent(layout=pl, buffers=_buffers(pl), role=Role.PREFILL, link=hub.link("p"), instance="i",
+                       registry=registry) as pre, \
+         TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"),
+                       registry=registry) as dec:
+        metrics.watch_agent(dec, interval_s=0.05)
+        pre.start(0.001)
+        dec.connect("i", timeout_s=5)
+        receiver = dec.receiver(5, "i")
+        receiver.send_metadata({"kv": np.array([1, 2, 3])})
+        sender = pre.sender(5)
+        deadline = time.monotonic() + 10
+        while sender.poll() < KVPoll.WaitingForInput and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sender.send(np.array([4, 5, 6]), last=True)
+        while receiver.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert receiver.poll() == KVPoll.Success
+        metrics.observe_room("decode", True, 0.01)
+        time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    # 3 pages x 4 buffers x 64-byte pages, directly or through the staging area (component __staging__)
+    assert _total("kvbridge_bytes_total") - before == 3 * 4 * (4 * 2 * 8 * 2)
+    scraped = _samples(text)
+    for name in ("kvbridge_bytes_total", "kvbridge_descriptors_total", "kvbridge_post_seconds_count",
+                 "kvbridge_registered_bytes", "kvbridge_transfer_seconds_count", "kvbridge_rooms_total",
+                 "kvbridge_peer_silence_seconds"):
+        assert name in scraped, sorted(scraped)
+    assert scraped["kvbridge_bytes_total"] > 0 and scraped["kvbridge_descriptors_total"] > 0
+
+
+def test_room_failures_are_counted_by_reason() -> None:
+    from kvbridge import metrics
+
+    metrics.enable()
+    labels = {"role": "decode", "reason": "peer died"}
+    before = prometheus_client.REGISTRY.get_sample_value("kvbridge_room_failures_total", labels) or 0.0
+    metrics.observe_room("decode", False, None, "peer died: no message for 3.1 s from prefill-0-1234")
+    assert prometheus_client.REGISTRY.get_sample_value("kvbridge_room_failures_total", labels) == before + 1
+    metrics.room_state("decode", None, "waiting")
+    assert prometheus_client.REGISTRY.get_sample_value("kvbridge_rooms_open",
+                                                       {"role": "decode", "state": "waiting"}) >= 1
+    metrics.room_state("decode", "waiting", None)
+
+
+@pytest.mark.kvbridge_multiprocess
+@pytest.mark.timeout(300)
+def test_demo_metrics_port_is_scraped_while_the_demo_runs() -> None:
+    port = _free_port()
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvbridge-metrics-*")))
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS")}
+    proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "300", "--prefill-tp", "2",
+                             "--decode-tp", "1", "--metrics-port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    scraped: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    scraped = _samples(response.read().decode())
+            except OSError:
+                scraped = {}
+            if scraped.get("kvbridge_bytes_total", 0) > 0 and scraped.get("kvbridge_transfer_seconds_count", 0) > 0:
+                break
+            time.sleep(0.2)
+        running = proc.poll() is None
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert running, f"the demo ended before its metrics showed transfers:\n{out}\n{err}"
+    assert scraped.get("kvbridge_bytes_total", 0) > 0, sorted(scraped)
+    assert scraped.get("kvbridge_descriptors_total", 0) > 0
+    assert scraped.get("kvbridge_rooms_total", 0) > 0
+    assert proc.returncode == 0, out + err
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in out
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvbridge-metrics-*"))) <= before   # cleaned up
+    with pytest.raises(OSError):                                                                 # and closed
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
