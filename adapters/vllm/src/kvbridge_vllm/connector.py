@@ -5,7 +5,7 @@ Flow (the proxy in ``examples/vllm-disagg`` drives it):
 1. The prefill instance (``kv_role: kv_producer``) gets the request with ``max_tokens=1`` and
    ``kv_transfer_params={"do_remote_decode": true}`` (optionally ``"room": <63-bit id>``). In the step that
    computes the prompt's last token, the scheduler side puts the request's blocks in the step's metadata;
-   each worker opens a kvbridge ``Sender`` for the room when that step starts (``start_load_kv``); if the
+   each worker opens a kvbridge ``Sender`` for the room at that step's first ``save_kv_layer``; if the
    decode's request is already there, ``save_kv_layer`` posts each layer as the forward pass writes it,
    else the whole request goes once the decode asks (after ``wait_for_save``). ``request_finished`` keeps
    the blocks (``True``) and returns
@@ -269,8 +269,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or self.worker is None:
             return
-        for req_id, save in meta.saves.items():     # this step's forward pass completes these prompts
-            self.worker.begin_save(req_id, save)
         if not meta.loads:
             return
         with unpinned():      # a first request to an instance starts its handshake's lookup thread
@@ -289,7 +287,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        for req_id in meta.saves:
+        for req_id, save in meta.saves.items():     # this step's forward pass completes these prompts
+            self.worker.begin_save(req_id, save)    # (vLLM 0.32 calls start_load_kv after the forward pass)
             self.worker.save_layer(req_id, layer)
 
     def wait_for_save(self) -> None:

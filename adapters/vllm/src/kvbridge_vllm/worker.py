@@ -8,10 +8,10 @@ engine's step: the room waits until the handshake completes, and fails if it is 
 opens a ``Receiver`` per request, and reports it done on Success, or its blocks as load errors on Failure
 (once no write can still land in them).
 
-Layer-wise: the room opens when the step that completes the prompt starts (``begin_save``); if the decode's
-request is already there (it asked first, as with a router that sends both at once), each layer is posted
-from ``save_kv_layer`` as soon as the forward pass wrote it, and ``wait_for_save`` posts the rest. Otherwise
-(vLLM's usual order: decode asks after prefill returned) the whole request goes once the request arrives.
+Layer-wise: the room opens at the first layer the step that completes the prompt writes (``begin_save``); if
+the decode's request is already there (it asked first, as with a router that sends both at once), each layer
+is posted from ``save_kv_layer`` as soon as the forward pass wrote it, and ``wait_for_save`` posts the rest.
+Otherwise (vLLM's usual order: decode asks after prefill returned) the whole request goes once it asks.
 """
 
 from __future__ import annotations
