@@ -64,18 +64,6 @@ log = logging.getLogger("kvbridge.vllm")
 __all__ = ["KVBridgeConnector", "KVBridgeMetadata"]
 
 
-def _configure_logging() -> None:
-    """``KVBRIDGE_LOG=INFO|DEBUG|...`` shows kvbridge's own log records on stderr in every vLLM process (vLLM
-    configures only its own loggers; without this, records below WARNING go nowhere)."""
-    level = os.environ.get("KVBRIDGE_LOG", "").upper()
-    root = logging.getLogger("kvbridge")
-    if not level or root.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s pid {os.getpid()} %(name)s %(levelname)s %(message)s"))
-    root.addHandler(handler)
-    root.setLevel(level)
-
 MAX_ROOM = (1 << 63) - 1
 
 
@@ -126,7 +114,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _configure_logging()
         config = vllm_config.kv_transfer_config
         assert config is not None
         self.settings = Settings.from_extra(config.kv_connector_extra_config)
