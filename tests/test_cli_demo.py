@@ -163,3 +163,34 @@ def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
     for rank in ranks:                                  # every rank is gone, and so are its segments
         assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the demo"
         assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+
+
+def test_the_demo_refuses_bad_settings_before_starting(tmp_path: Path) -> None:
+    config = tmp_path / "kvbridge.toml"
+    config.write_text("peer_timout_s = 5\n")
+    done = kvbridge("demo", "--backend", "loopback", "--config", str(config), "--requests", "2")
+    assert done.returncode == 64, done.stdout + done.stderr
+    assert "unknown setting 'peer_timout_s'" in done.stderr and "did you mean 'peer_timeout_s'" in done.stderr
+    done = kvbridge("demo", "--backend", "loopback", "--requests", "2", KVBRIDGE_STAGING="sometimes")
+    assert done.returncode == 64 and "(from KVBRIDGE_STAGING)" in done.stderr, done.stderr
+    assert "requests" not in done.stdout
+
+
+def test_the_ranks_take_their_agent_settings_from_the_configuration(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.demo.worker import WorkerConfig, agent_config
+    from kvbridge.wire import Role
+
+    config = tmp_path / "kvbridge.toml"
+    config.write_text('peer_timeout_s = 7.5\nstaging = "never"\nsecret = "from-the-file"\n')
+    monkeypatch.setenv("KVBRIDGE_HEARTBEAT_INTERVAL_S", "0.2")
+    cfg = WorkerConfig(role=Role.DECODE, rank=0, prefill_tp=1, decode_tp=1, preset="dense-gqa", backend="loopback",
+                       bootstrap="tcp://127.0.0.1:1", requests=1, seed=0, window=1, region_pages=2, timeout_s=5,
+                       settings_file=str(config))
+    agent = agent_config(cfg)
+    assert (agent.peer_timeout_s, agent.staging, agent.heartbeat_interval_s) == (7.5, "never", 0.2)
+    assert agent.secret == b"from-the-file" and agent.staging_bytes == cfg.staging_bytes
+    from dataclasses import replace
+
+    fixed = agent_config(replace(cfg, peer_timeout_s=1.0, secret=b"launcher"))
+    assert (fixed.peer_timeout_s, fixed.secret) == (1.0, b"launcher")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -68,16 +67,18 @@ def format_table(rows: Sequence[Sequence[str]], width: int = 100, min_last: int 
 def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo.run import default_backend, run_demo
     from kvbridge.errors import KVBridgeError, PluginError
+    from kvbridge.settings import load_settings
 
     def stop(signum: int, _frame: Any) -> NoReturn:
         raise SystemExit(128 + signum)        # run_demo's cleanup stops and reaps every rank
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        backend = args.backend or os.environ.get("KVBRIDGE_BACKEND") or default_backend()
+        settings = load_settings(args.config, check_backend=False)
+        backend = args.backend or settings.backend or default_backend()
         summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
-                           dump=args.dump, metrics_port=args.metrics_port)
+                           dump=args.dump, metrics_port=args.metrics_port, settings_file=args.config)
     except PluginError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable list")
     p.set_defaults(func=_plugins)
     d = sub.add_parser("demo", help="run prefill and decode rank processes on this host and verify every byte")
-    d.add_argument("--backend", default=None, help="transfer backend (default: nixl if usable, else loopback)")
+    d.add_argument("--backend", default=None,
+                   help="transfer backend (default: the settings' backend, else nixl if usable, else loopback)")
     d.add_argument("--model", default="dense-gqa",
                    help="model preset: dense-gqa, dense-gqa-headmajor, mla, qwen3-next, swa, deepseek-v32")
     d.add_argument("--prefill-tp", type=int, default=2)
@@ -123,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--window", type=int, default=4, help="requests in flight per rank")
     d.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is declared hung")
     d.add_argument("--dump", default=None, metavar="DIR", help="write decode buffers and indices as .npy")
+    d.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML settings of the ranks' agents (default: $KVBRIDGE_CONFIG; KVBRIDGE_* variables too); "
+                        "see README Configuration")
     d.add_argument("--metrics-port", type=int, default=0, metavar="N",
                    help="serve the ranks' Prometheus metrics on 127.0.0.1:N while the demo runs "
                         "(needs kvbridge[metrics])")

@@ -2,7 +2,8 @@
 arguments, ``KVBRIDGE_*`` environment variables or a TOML file.
 
     settings = load_settings(file="kvbridge.toml", peer_timeout_s=10)   # keywords > environment > file
-    agent = TransferAgent(..., backend=settings.backend, config=settings.agent_config())
+    agent = TransferAgent(..., backend=settings.backend or "loopback", config=settings.agent_config(),
+                          registry=settings.registry())                # metrics when metrics_port is set
 
 Precedence, highest first: keyword arguments, the environment (``KVBRIDGE_<KEY>``: ``KVBRIDGE_PEER_TIMEOUT_S=10``,
 ``KVBRIDGE_BACKEND_OPTIONS="ucx_tls=tcp,num_threads=2"``), the TOML file (``file=``, else ``$KVBRIDGE_CONFIG``),
@@ -64,7 +65,9 @@ def _doc(text: str, **constraints: Any) -> msgspec.Meta:
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Every option of an agent (and its backend). Defaults suit one host; raise the timeouts across a cluster."""
 
-    backend: Annotated[str, _doc("transfer backend by name (`kvbridge plugins` lists them)")] = "loopback"
+    backend: Annotated[str, _doc(
+        "transfer backend by name (`kvbridge plugins` lists them); empty: the caller's default (`loopback`; "
+        "`kvbridge demo`: `nixl` when usable)")] = ""
     backend_options: Annotated[dict[str, Any], _doc(
         "options of the selected backend (tables below); environment: `k=v,k=v`")] = {}
     heartbeat_interval_s: Annotated[float, _doc("how often an agent tells each peer it is alive (s)", gt=0)] = 0.5
@@ -97,6 +100,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         values["secret"] = self.secret.encode() if self.secret else None
         values["backend_options"] = {k: _as_text(v) for k, v in self.backend_options.items()}
         return AgentConfig(**values)
+
+    def registry(self, **build: Any) -> Any:
+        """A plugin registry for the agent: with the metrics plugin and the exporter on ``metrics_port`` when
+        it is set (``kvbridge.metrics``), else a plain one (no wrapper on the hot path)."""
+        if self.metrics_port:
+            from kvbridge import metrics
+
+            return metrics.instrumented_registry(port=self.metrics_port, **build)
+        from kvbridge.registry import Registry
+
+        return Registry.build(**build)
 
 
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
@@ -283,7 +297,7 @@ def load_settings(file: str | os.PathLike[str] | None = None, *, env: Mapping[st
         merged[key] = value
         sources[key] = "keyword argument"
     settings = parse_options(Settings, merged, "setting", sources)
-    if check_backend and settings.backend_options:
+    if check_backend and settings.backend_options and settings.backend:
         check_backend_options(settings.backend, settings.backend_options)
     return settings
 

@@ -18,6 +18,7 @@ from kvbridge.demo.presets import get_preset
 from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
 from kvbridge.errors import PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.registry import Registry
+from kvbridge.settings import check_backend_options, load_settings
 from kvbridge.specs import Capability, PluginKind, PluginStatus
 from kvbridge.wire import Role
 from kvbridge.zmq_link import BootstrapServer
@@ -92,14 +93,18 @@ def check_backend(backend: str, registry: Registry | None = None) -> None:
 def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requests: int, seed: int,
              window: int = 4, region_pages: int = 24, timeout_s: float = 300.0, dump: str | None = None,
              out: TextIO = sys.stdout, err: TextIO = sys.stderr, metrics_port: int = 0,
-             progress: bool | None = None) -> Summary:
+             progress: bool | None = None, settings_file: str | None = None) -> Summary:
     """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
-    UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing or
-    the TP sizes do not fit the preset. A rank that dies stops the run at once: the others are stopped, every
+    UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing,
+    the settings (``settings_file``, ``KVBRIDGE_*``: the ranks' agent options) are invalid, or the TP sizes do
+    not fit the preset. A rank that dies stops the run at once: the others are stopped, every
     process is reaped and its shared-memory segments removed. ``progress``: a bar (default: on a terminal
     only; elsewhere a line per tenth of the run)."""
+    settings = load_settings(settings_file, check_backend=False)    # the ranks' agent settings, checked here
     registry = Registry.build()
     check_backend(backend, registry)
+    if settings.backend_options:
+        check_backend_options(backend, settings.backend_options, registry)
     model = get_preset(preset, registry)
     model.check_tp(prefill_tp, decode_tp)
     metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
@@ -108,7 +113,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
                         window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump,
-                        metrics_dir=metrics_dir)
+                        metrics_dir=metrics_dir, settings_file=settings_file)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]

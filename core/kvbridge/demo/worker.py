@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
 from kvbridge.logs import configure_logging
 from kvbridge.registry import Registry
+from kvbridge.settings import load_settings
 from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 
@@ -63,8 +64,9 @@ class WorkerConfig:
     secret: bytes | None = None
     pace_s: float = 0.0          # pause between prefill chunks (fault tests kill a rank mid-transfer)
     staging_bytes: int = 16 << 20  # staging area per rank (0: plain descriptors only)
-    peer_timeout_s: float = 3.0
+    peer_timeout_s: float | None = None   # None: the settings' (kvbridge.settings: KVBRIDGE_*, the file)
     metrics_dir: str | None = None   # record Prometheus metrics there (the launcher serves them)
+    settings_file: str | None = None  # TOML settings (None: $KVBRIDGE_CONFIG when set)
 
     @property
     def tp_size(self) -> int:
@@ -135,8 +137,7 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
         agent = TransferAgent(layout=layout, buffers=pool.buffers, role=cfg.role, link=link, backend=cfg.backend,
                               instance=INSTANCE if cfg.role is Role.PREFILL else "",
                               name=f"{cfg.role.value}-{cfg.rank}-{os.getpid()}", staging=pool.staging,
-                              config=AgentConfig(secret=cfg.secret, peer_timeout_s=cfg.peer_timeout_s,
-                                                 staging_bytes=cfg.staging_bytes), registry=registry)
+                              config=agent_config(cfg), registry=registry)
         if cfg.metrics_dir is not None:
             metrics.watch_agent(agent)
         agent.start()
@@ -158,6 +159,14 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             agent.close()
         if pool is not None:
             pool.close()
+
+
+def agent_config(cfg: WorkerConfig) -> AgentConfig:
+    """The rank's AgentConfig: the settings (environment, file) with what the launcher fixed on top."""
+    config = load_settings(cfg.settings_file, check_backend=False).agent_config()
+    return replace(config, secret=cfg.secret if cfg.secret is not None else config.secret,
+                   peer_timeout_s=cfg.peer_timeout_s if cfg.peer_timeout_s is not None else config.peer_timeout_s,
+                   staging_bytes=cfg.staging_bytes)
 
 
 def _die_with_parent() -> None:
