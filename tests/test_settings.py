@@ -93,7 +93,8 @@ def test_unknown_keys_are_refused_by_name(tmp_path: Path, source: str, message: 
 
 
 def test_other_kvbridge_variables_are_left_alone() -> None:
-    env = {"KVBRIDGE_LONG_TESTS": "1", "KVBRIDGE_PLUGINS": "kv", "KVBRIDGE_SHM_RUN": "x", "KVBRIDGE_REV": "abc"}
+    env = {"KVBRIDGE_LONG_TESTS": "1", "KVBRIDGE_PLUGINS": "kv", "KVBRIDGE_SHM_RUN": "x", "KVBRIDGE_REV": "abc",
+           "KVBRIDGE_STAGING_MIB": "16", "KVBRIDGE_HEARTBEAT_S": "1", "KVBRIDGE_SOMETHING_ELSE": "1"}
     assert load_settings(env=env) == Settings()
 
 

@@ -51,6 +51,14 @@ __all__ = ["CONFIG_ENV", "ENV_PREFIX", "Settings", "SettingsError", "env_default
 
 ENV_PREFIX = "KVBRIDGE_"
 CONFIG_ENV = "KVBRIDGE_CONFIG"
+#: KVBRIDGE_* variables of other parts of kvbridge (the registry, the kit, the tests, the adapters): never taken
+#: for a misspelt setting, however close their names are.
+OTHER_ENV = frozenset({
+    "KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS", "KVBRIDGE_SHM_RUN", "KVBRIDGE_KIT_NO_SHRINK",
+    "KVBRIDGE_LONG_TESTS", "KVBRIDGE_SOAK_REQUESTS", "KVBRIDGE_CHURN_RESTARTS", "KVBRIDGE_FAULT_MATRIX",
+    "KVBRIDGE_BENCH_TORCH", "KVBRIDGE_REV", "KVBRIDGE_GPU_CHECK_ON_CPU", "KVBRIDGE_HOST", "KVBRIDGE_DEVICE",
+    "KVBRIDGE_SWA_WINDOW", "KVBRIDGE_STAGING_MIB", "KVBRIDGE_HEARTBEAT_S",
+})
 T = TypeVar("T")
 
 
@@ -249,11 +257,11 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for var, text in env.items():
-        if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV:
+        if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV or var in OTHER_ENV:
             continue
         key = names.get(var)
         if key is None:
-            near = difflib.get_close_matches(var, list(names), n=1, cutoff=0.85)
+            near = difflib.get_close_matches(var, list(names), n=1, cutoff=0.9)
             if near:
                 raise SettingsError(f"unknown setting {var} in the environment (did you mean {near[0]}?)")
             continue
