@@ -92,7 +92,7 @@ def check_backend(backend: str, registry: Registry | None = None) -> None:
 
 def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requests: int, seed: int,
              window: int = 4, region_pages: int = 24, timeout_s: float = 300.0, dump: str | None = None,
-             out: TextIO = sys.stdout, err: TextIO = sys.stderr, metrics_port: int = 0,
+             out: TextIO = sys.stdout, err: TextIO | None = None, metrics_port: int = 0,
              progress: bool | None = None, settings_file: str | None = None) -> Summary:
     """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
     UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing,
@@ -100,6 +100,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     not fit the preset. A rank that dies stops the run at once: the others are stopped, every
     process is reaped and its shared-memory segments removed. ``progress``: a bar (default: on a terminal
     only; elsewhere a line per tenth of the run)."""
+    err = err if err is not None else sys.stderr
     settings = load_settings(settings_file, check_backend=False)    # the ranks' agent settings, checked here
     registry = Registry.build()
     check_backend(backend, registry)
