@@ -35,6 +35,9 @@ CONFIGS = (("same-tp contiguous auto", 1, "contiguous", 5 << 30, "auto", 0),
            ("same-tp scattered auto layer-wise x4", 1, "scattered", 5 << 30, "auto", 4))
 REPEAT = 3
 PIECE = 64 << 20
+#: the agents' progress loop interval: staged pieces are posted (and counted) when the loop sees their
+#: CUDA events complete, so a coarse interval would add its length to every pipeline stage it waits for
+POLL_S = 0.0002
 
 
 def _dev(index: int) -> str:
@@ -121,7 +124,7 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     agent = TransferAgent(layout=_layout(tp, rank), buffers={"kv": bufs}, role=Role.PREFILL, backend="nixl",
                           registry=_registry(), link=ZmqLink(bootstrap=bootstrap), instance="gpu",
                           config=AgentConfig(staging_bytes=staging, staging=mode, staging_piece_bytes=piece))
-    agent.start()
+    agent.start(POLL_S)
     try:
         src, _ = _pages(placement)
         for room in range(1, REPEAT + 1):
@@ -149,7 +152,7 @@ def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: 
     agent = TransferAgent(layout=_layout(1, 0), buffers={"kv": bufs}, role=Role.DECODE, backend="nixl",
                           registry=_registry(), link=ZmqLink(bootstrap=bootstrap),
                           config=AgentConfig(staging_bytes=staging, staging=mode))
-    agent.start()
+    agent.start(POLL_S)
     try:
         agent.connect("gpu", timeout_s=120)
         expected = [_tensors(1, HEADS // tp, seed=11 + r) for r in range(tp)]   # regenerated on GPU 1

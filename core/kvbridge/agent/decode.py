@@ -334,6 +334,11 @@ class DecodeSide(RoomTable[RecvRoom]):
 
         return stager.run(work), list(indices.values())
 
+    @property
+    def queued_work(self) -> bool:
+        """A scatter runs on our CUDA stream: its piece counts when the progress loop next looks."""
+        return bool(self._scattering)
+
     def poll_scatters(self) -> None:
         """Count the staged pieces whose scatter finished on our CUDA stream (called by the progress loop)."""
         for room_id in list(self._scattering):

@@ -269,6 +269,12 @@ class PrefillSide(RoomTable[SendRoom]):
         return completes, open_chunk
 
     # ---------------------------------------------------------------- completion (lock held)
+    @property
+    def queued_work(self) -> bool:
+        """Writes wait for a CUDA event or for staging space: the progress loop should come back soon (the
+        next piece is posted only when it looks)."""
+        return any(room.pending for room_id in self._active if (room := self.rooms.get(room_id)) is not None)
+
     def poll_inflight(self) -> None:
         """Poll the writes of rooms that have any (cost: the active rooms, not all of them), and move their
         queued writes on."""
