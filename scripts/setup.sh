@@ -35,3 +35,22 @@ if ! .venv-vllm/bin/python -c 'import vllm' 2>/dev/null; then
 fi
 .venv-vllm/bin/python -m pip install -q --disable-pip-version-check nixl safetensors -e . -e plugins/nixl \
   -e adapters/vllm
+
+# SGLang 0.5.23 for the kvbridge-sglang adapter's tests, in its own venv (~2.5 GB, ~10 min the first time on 2
+# cores). torch CPU first; sglang without its dependencies (its CUDA kernels, CUDA torch 2.14 and serving stack),
+# then only what its disaggregation base/conn/utils modules import. The registry's torchvision is a CUDA build:
+# the tests declare its two missing operator schemas before importing SGLang (adapters/sglang/tests/_cpu_torch.py).
+if ! .venv-sglang/bin/python -c 'import sglang, torch' 2>/dev/null; then
+  [ -x .venv-sglang/bin/python ] || python3.11 -m venv .venv-sglang
+  echo '*' > .venv-sglang/.gitignore
+  SPIP=(.venv-sglang/bin/python -m pip install -q --disable-pip-version-check)
+  "${SPIP[@]}" -U pip
+  "${SPIP[@]}" torch==2.13.0
+  "${SPIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0
+  echo 'torch==2.13.0' > .venv-sglang/constraints.txt
+  PIP_CONSTRAINT=.venv-sglang/constraints.txt "${SPIP[@]}" orjson psutil pybase64 requests packaging pillow \
+    starlette msgspec aiohttp pyzmq triton pydantic tqdm ipython transformers==5.19.0 sentencepiece==0.2.1 \
+    apache-tvm-ffi==0.1.11 compressed-tensors gguf dill pluggy pytest pytest-timeout
+fi
+.venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . -e plugins/mamba -e plugins/swa \
+  -e plugins/nsa -e plugins/row -e adapters/sglang

@@ -1,0 +1,250 @@
+"""The bootstrap server of a prefill instance, at SGLang's ``--disaggregation-bootstrap-port``.
+
+One HTTP listener (stdlib, a daemon thread) answers what SGLang's decode loop and our ranks ask at the
+bootstrap address:
+
+* ``GET /kvbridge`` -> ``{"bootstrap": <kvbridge ZMQ bootstrap address>, "ranks": [rows]}``: the prefill
+  ranks' topology (DP rank, PP stage and its layer range, TP size and rank, page size, KV dtype);
+* ``PUT /kvbridge/rank`` with one row: a prefill rank registers itself;
+* ``POST /register_dp_rank`` / ``POST /query_dp_ranks``: SGLang's own DP routing protocol (same JSON as
+  its bootstrap server), so its decode scheduler's ``query_prefill_dp_ranks`` works unchanged;
+* ``GET /health`` -> ``OK``.
+
+Next to it runs kvbridge's ZMQ ``BootstrapServer`` (an ephemeral port on the same host) where the rank
+agents publish their control addresses, one kvbridge instance per (DP rank, PP stage).
+
+With a secret, ``/kvbridge`` answers and rank registrations carry an HMAC-SHA256 tag (``X-KVBridge-MAC``)
+over the body; without one, anybody who reaches the port can register a rank (the kvbridge handshake
+still refuses a peer whose layout differs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvbridge.zmq_link import BootstrapServer
+
+log = logging.getLogger("kvbridge.sglang")
+
+_ROOMS = 1 << 16          # DP routing entries kept (oldest dropped)
+_ROOM_TTL_S = 600.0
+
+
+def instance_name(dp_rank: int, pp_rank: int) -> str:
+    """The kvbridge instance of one (DP rank, PP stage) of a prefill server."""
+    return f"sglang-dp{dp_rank}-pp{pp_rank}"
+
+
+def _mac(secret: bytes | None, body: bytes) -> str:
+    return "" if secret is None else hmac.new(secret, b"kvbridge-sglang\0" + body, hashlib.sha256).hexdigest()
+
+
+class TopologyServer:
+    """The HTTP listener and the kvbridge ZMQ bootstrap server of one prefill instance."""
+
+    def __init__(self, host: str, port: int, *, secret: bytes | None = None) -> None:
+        self.secret = secret
+        zhost = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        self.zmq = BootstrapServer(f"tcp://{zhost}:0", secret=secret).start()
+        self.ranks: dict[tuple[int, int, int], dict[str, Any]] = {}
+        self.rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self.lock = threading.Lock()
+        self.http = ThreadingHTTPServer((host, port), _handler(self))
+        self.http.daemon_threads = True
+        self.address = f"{self.http.server_address[0]}:{self.http.server_address[1]}"
+        self._thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kvbridge-sglang-bootstrap", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.zmq.close()
+
+
+def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("bootstrap http: " + format, *args)
+
+        def _send(self, code: int, body: bytes, content: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content)
+            self.send_header("Content-Length", str(len(body)))
+            if content == "application/json":
+                self.send_header("X-KVBridge-MAC", _mac(server.secret, body))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> bytes:
+            return self.rfile.read(min(int(self.headers.get("Content-Length") or 0), 1 << 20))
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, b"OK", "text/plain")
+            elif self.path == "/kvbridge":
+                with server.lock:
+                    body = json.dumps({"bootstrap": server.zmq.address, "ranks": list(server.ranks.values()),
+                                       "time": time.time()}).encode()
+                self._send(200, body)
+            else:
+                self._send(404, b'{"error": "unknown route"}')
+
+        def do_PUT(self) -> None:
+            if self.path != "/kvbridge/rank":
+                self._send(404, b'{"error": "unknown route"}')
+                return
+            body = self._body()
+            if server.secret is not None and not hmac.compare_digest(self.headers.get("X-KVBridge-MAC", ""),
+                                                                     _mac(server.secret, body)):
+                self._send(403, b'{"error": "bad or missing X-KVBridge-MAC"}')
+                return
+            try:
+                row = json.loads(body)
+                key = (int(row["dp_rank"]), int(row["pp_rank"]), int(row["tp_rank"]))
+                for field in ("dp_size", "pp_size", "tp_size", "start_layer", "end_layer", "page_size"):
+                    int(row[field])
+            except (ValueError, KeyError, TypeError) as exc:
+                self._send(400, json.dumps({"error": f"bad rank row: {exc}"}).encode())
+                return
+            with server.lock:
+                server.ranks[key] = row
+            self._send(200, b"{}")
+
+        def do_POST(self) -> None:
+            try:
+                payload = json.loads(self._body() or b"{}")
+            except ValueError:
+                self._send(400, b'{"error": "bad json"}')
+                return
+            now = time.monotonic()
+            if self.path == "/register_dp_rank":
+                try:
+                    room, dp = int(payload["bootstrap_room"]), int(payload["dp_rank"])
+                except (KeyError, TypeError, ValueError):
+                    self._send(400, b'{"error": "need bootstrap_room and dp_rank"}')
+                    return
+                with server.lock:
+                    server.rooms[room] = (dp, now)
+                    server.rooms.move_to_end(room)
+                    while len(server.rooms) > _ROOMS or (
+                            server.rooms and now - next(iter(server.rooms.values()))[1] > _ROOM_TTL_S):
+                        server.rooms.popitem(last=False)
+                self._send(200, b"{}")
+            elif self.path == "/query_dp_ranks":
+                rooms = payload.get("bootstrap_rooms") or []
+                with server.lock:
+                    found = {str(r): server.rooms[int(r)][0] for r in rooms if int(r) in server.rooms}
+                self._send(200, json.dumps(found).encode())
+            else:
+                self._send(404, b'{"error": "unknown route"}')
+
+    return Handler
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+def _request(url: str, *, method: str = "GET", body: bytes | None = None, secret: bytes | None = None,
+             timeout_s: float = 5.0) -> bytes:
+    headers = {"Content-Type": "application/json"}
+    if body is not None and secret is not None:
+        headers["X-KVBridge-MAC"] = _mac(secret, body)
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        data: bytes = resp.read()
+        if secret is not None and method == "GET" and not hmac.compare_digest(
+                resp.headers.get("X-KVBridge-MAC", ""), _mac(secret, data)):
+            raise PermissionError(f"{url}: answer without a valid X-KVBridge-MAC (is the secret the same?)")
+        return data
+
+
+def fetch(addr: str, *, secret: bytes | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The topology at bootstrap address ``host:port``."""
+    answer: dict[str, Any] = json.loads(_request(f"http://{addr}/kvbridge", secret=secret, timeout_s=timeout_s))
+    return answer
+
+
+def register(addr: str, row: dict[str, Any], *, secret: bytes | None = None, timeout_s: float = 5.0) -> None:
+    _request(f"http://{addr}/kvbridge/rank", method="PUT", body=json.dumps(row).encode(), secret=secret,
+             timeout_s=timeout_s)
+
+
+def register_dp_rank(addr: str, room: int, dp_rank: int, *, timeout_s: float = 5.0) -> None:
+    body = json.dumps({"bootstrap_room": int(room), "dp_rank": int(dp_rank)}).encode()
+    _request(f"http://{addr}/register_dp_rank", method="POST", body=body, timeout_s=timeout_s)
+
+
+def wait_for(addr: str, *, secret: bytes | None, timeout_s: float) -> dict[str, Any]:
+    """The topology, retried until the server answers (a prefill rank may start before it)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            return fetch(addr, secret=secret)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvbridge-sglang bootstrap server at {addr} did not answer in {timeout_s} s") \
+                    from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One PP stage of one DP rank of a prefill server: its kvbridge instance and layers."""
+
+    dp_rank: int
+    pp_rank: int
+    layers: range
+    instance: str
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A complete prefill server as its ranks registered it."""
+
+    bootstrap: str
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    page_size: int
+    kv_cache_dtype: str
+    follow_bootstrap_room: bool
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def parse(cls, answer: dict[str, Any]) -> Topology | None:
+        """None while some rank has not registered yet."""
+        rows = answer.get("ranks") or []
+        if not rows:
+            return None
+        first = rows[0]
+        tp, dp, pp = int(first["tp_size"]), int(first["dp_size"]), int(first["pp_size"])
+        have = {(int(r["dp_rank"]), int(r["pp_rank"]), int(r["tp_rank"])) for r in rows}
+        if len(have) < tp * dp * pp or any((d, p, t) not in have for d in range(dp) for p in range(pp)
+                                           for t in range(tp)):
+            return None
+        ranges: dict[tuple[int, int], range] = {}
+        for r in rows:
+            ranges.setdefault((int(r["dp_rank"]), int(r["pp_rank"])), range(int(r["start_layer"]), int(r["end_layer"])))
+        stages = tuple(Stage(d, p, ranges[(d, p)], instance_name(d, p), p == pp - 1)
+                       for d in range(dp) for p in range(pp))
+        return cls(bootstrap=str(answer["bootstrap"]), tp_size=tp, dp_size=dp, pp_size=pp,
+                   page_size=int(first["page_size"]), kv_cache_dtype=str(first.get("kv_cache_dtype", "")),
+                   follow_bootstrap_room=bool(first.get("follow_bootstrap_room", True)), stages=stages)
+
+    def stages_of(self, dp_rank: int) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if s.dp_rank == dp_rank)
