@@ -11,6 +11,13 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
 fi
+# etcd for kvbridge-etcd's tests (a real server the tests start on free ports; its Python client, etcd3gw,
+# comes with the plugin below).
+if ! command -v etcd >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
+fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
