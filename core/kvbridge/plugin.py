@@ -29,6 +29,10 @@ these names come from are internal and may be reorganized. A backend plugin, in 
     def kvbridge_transfer_backends():
         return [BackendSpec(name="echo", factory=EchoBackend, capabilities=frozenset({Capability.HOST_MEMORY}))]
 
+A discovery service plugin returns a :class:`DiscoverySpec` (the URL schemes it opens) from
+``kvbridge_discovery_services``; its client implements :class:`Discovery` and keeps records that others read
+as :func:`seal_record` bytes, checked with :func:`open_record` (``plugins/etcd`` is the worked example).
+
 A state type subclasses :class:`StateType` and returns a :class:`StateTypeSpec` from
 ``kvbridge_state_types``; components are built with :class:`Component` / :class:`BufferGeometry` (see
 :func:`kv_component` for the built-in paged KV). Its demo model (``StateTypeSpec.demo_model``) subclasses
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 # The markers come first: core modules that mark hook implementations import them from here too.
 from kvbridge._markers import ENTRY_POINT_GROUP, PROJECT, hookimpl, hookspec
+from kvbridge.addresses import endpoint_host_port
 from kvbridge.backends.base import (
     ComponentTransfer,
     HandleState,
@@ -63,6 +68,18 @@ from kvbridge.backends.scaffold import (
     settled,
 )
 from kvbridge.demo.model import ComponentModel, RequestShape, StateModel, item_rows
+from kvbridge.discovery import (
+    Change,
+    Discovery,
+    DiscoveryError,
+    RankRecord,
+    Watch,
+    check_address,
+    check_rank,
+    instances_from,
+    open_record,
+    seal_record,
+)
 from kvbridge.errors import (
     GeometryError,
     IncompatiblePeer,
@@ -89,12 +106,13 @@ from kvbridge.geometry import (
     owned_range,
     region_of,
 )
+from kvbridge.links import InstanceInfo
 from kvbridge.pages import PageRange, as_index
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
 from kvbridge.settings import SettingsError, env_defaults, parse_options
 from kvbridge.slicing import ComponentSlice, Segments, buffer_segments, sharded_component_slice, target_ranks
-from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec, probe_import
+from kvbridge.specs import Availability, BackendSpec, Capability, DiscoverySpec, StateTypeSpec, probe_import
 from kvbridge.state.base import StateType
 from kvbridge.state.kv import KVLayout, kv_component
 
@@ -102,7 +120,7 @@ __all__ = [
     # hooks
     "ENTRY_POINT_GROUP", "PROJECT", "hookimpl", "hookspec",
     # discovery records
-    "Availability", "BackendSpec", "Capability", "StateTypeSpec", "probe_import",
+    "Availability", "BackendSpec", "Capability", "DiscoverySpec", "StateTypeSpec", "probe_import",
     # errors
     "GeometryError", "IncompatiblePeer", "KVBridgeError", "PluginError", "PluginUnavailableError", "ProtocolError",
     "RegionError", "TransferError", "UnsupportedTopology",
@@ -124,4 +142,7 @@ __all__ = [
     "SettingsError", "env_defaults", "parse_options",
     # state types: the demo's model of a component (``StateTypeSpec.demo_model``) and its fill pattern
     "ComponentModel", "RequestShape", "StateModel", "byte_view", "item_rows", "pattern", "shard_axis",
+    # discovery services: the protocol, its records, authenticated store records
+    "Change", "Discovery", "DiscoveryError", "InstanceInfo", "RankRecord", "Watch", "check_address", "check_rank",
+    "endpoint_host_port", "instances_from", "open_record", "seal_record",
 ]

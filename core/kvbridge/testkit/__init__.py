@@ -19,6 +19,7 @@ _EXPORTS = {
     "HardwareBackendTests": "kvbridge.testkit.backends",
     "requires": "kvbridge.testkit.backends",
     "StateTypeTests": "kvbridge.testkit.states",
+    "DiscoveryTests": "kvbridge.testkit.discovery_kit",
     "ComponentFactory": "kvbridge.testkit.states",
     "RequestItems": "kvbridge.testkit.states",
     "shard_buffer": "kvbridge.testkit.states",
@@ -51,9 +52,9 @@ _EXPORTS = {
     "transfer": "kvbridge.testkit.rig",
 }
 
-__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "Fault", "FaultInjector",
-           "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig",
-           "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed",
+__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "DiscoveryTests", "Fault",
+           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
+           "Rig", "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed",
            "composed_types", "connected_backends", "connected_ranks", "kit_registry", "make_rank", "page_plan",
            "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard", "run_reshard",
            "shard_buffer", "shardable", "transfer", "units_held", "wait"]

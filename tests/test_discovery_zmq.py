@@ -1,0 +1,83 @@
+"""The embedded ZMQ bootstrap (the default discovery, ``tcp://``) passes the conformance kit's discovery tier,
+against a real :class:`~kvbridge.zmq_link.BootstrapServer` with a shared secret; and a restarted server is
+reported to watchers as a snapshot (instances that vanished with it are reported gone)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from kvbridge.discovery import Change, open_discovery
+from kvbridge.testkit import DiscoveryTests
+from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap
+
+SECRET = b"kvbridge-kit-discovery-secret-32"
+
+
+class TestZmqBootstrapDiscovery(DiscoveryTests):
+    discovery = "zmq"
+    lease_s = 3.0
+    options: ClassVar[dict[str, str]] = {"republish_s": "1"}    # re-published (lease renewed) every second
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def service_url(cls) -> Iterator[str]:
+        server = BootstrapServer(secret=SECRET).start()
+        try:
+            yield server.address
+        finally:
+            server.close()
+
+
+def test_open_discovery_gives_the_zmq_client_for_tcp_urls() -> None:
+    server = BootstrapServer().start()
+    try:
+        client = open_discovery(server.address, lease_s=4.0, options={"republish_s": "1"})
+        try:
+            assert isinstance(client, ZmqBootstrap)
+            assert client.route_target() == ("127.0.0.1", int(server.address.rsplit(":", 1)[1]))
+        finally:
+            client.close()
+        with pytest.raises(ValueError, match="unknown zmq discovery option"):
+            open_discovery(server.address, options={"ttl": "1"})
+        with pytest.raises(ValueError, match="at least twice republish_s"):
+            open_discovery(server.address, lease_s=3.0)          # republished every 2 s: a 3 s lease is too short
+    finally:
+        server.close()
+
+
+def test_a_restarted_server_is_reported_as_a_snapshot() -> None:
+    """The server keeps no state across a restart: a watcher gets the instances published again (clients
+    re-publish) and is told that the ones nobody re-published are gone."""
+    server = BootstrapServer("tcp://127.0.0.1:0").start()
+    address = server.address
+    live = ZmqBootstrap(address, republish_s=0.3, lease_s=2.0)
+    reader = ZmqBootstrap(address)
+    watch = None
+    try:
+        live.publish("stays", 1, 0, "tcp://198.18.0.2:17610")
+        reader_only = ZmqBootstrap(address, republish_s=0)       # publishes once, never again
+        reader_only.publish("goes", 1, 0, "tcp://198.18.0.3:17610")
+        watch = reader.watch(None)
+        server.close()
+        time.sleep(0.2)
+        server = BootstrapServer(address).start()                 # same address, empty table
+        seen: list[Change] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+                any(c.instance == "goes" and c.info is None for c in seen)
+                and any(c.instance == "stays" and c.info is not None for c in seen)):
+            seen += watch.changes(timeout_s=0.5)
+        assert any(c.instance == "goes" and c.info is None for c in seen), seen
+        assert any(c.instance == "stays" and c.info is not None for c in seen), seen
+        reader_only._published.clear()                           # nothing to withdraw: it was never re-published
+        reader_only.close()
+    finally:
+        if watch is not None:
+            watch.close()
+        live.close()
+        reader.close()
+        server.close()
