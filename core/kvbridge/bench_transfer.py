@@ -1302,6 +1302,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
     result["host_staging"] = _host_staging()
     result["goals"] = goals(result)
     result["wall_s"] = time.perf_counter() - started
+    result["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return result
 
 
