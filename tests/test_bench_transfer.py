@@ -75,7 +75,8 @@ def test_quick_run_writes_every_field(quick: tuple[subprocess.CompletedProcess[s
         assert c["error"] is None, c["error"]
         assert c["verified"] is True, c["case"]
         assert c["bytes"] == c["tokens"] * c["layers"] * 2 * bt.HEADS * bt.ROW > 0
-        assert c["descriptors"] >= 1 and len(c["seconds"]) == 2 and all(s > 0 for s in c["seconds"])
+        assert c["descriptors"] >= 1 and all(s > 0 for s in c["seconds"])
+        assert len(c["seconds"]) == (1 if c.get("note") else 2)     # a warm-up over 2 s: one timed round
         assert c["gbps"] > 0 and c["copy_gbps"] > 0 and c["vs_copy"] > 0
         assert (c["raw_nixl_gbps"] is None) == (c["vs_raw_nixl"] is None)
         assert c["case"] in done.stdout
