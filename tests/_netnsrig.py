@@ -25,7 +25,8 @@ Child side (``python tests/_netnsrig.py``, first stdin line = the job):
   it was safe to reuse);
 * ``decode``: one decode rank; ``connect``; ``room`` (background everywhere, receive, check every byte of the
   rank against the reference reshard: ``result``, then ``safe`` once ``safe_to_reuse``); ``scribble`` writes a
-  marker into pages (what an engine does when it reuses them) and ``marker`` checks it is still there.
+  marker into pages (what an engine does when it reuses them) and ``marker`` checks it is still there;
+  ``lookup`` asks discovery for an instance's ranks.
 """
 
 from __future__ import annotations
@@ -498,6 +499,9 @@ def _decode(job: dict[str, Any]) -> None:
                         data[np.array(cmd["pages"], np.int64)] = MARKER
                         buf.write(data.reshape(-1))
                 _say("scribble")
+            elif what == "lookup":
+                info = agent.link.lookup(cmd["instance"])
+                _say("lookup", addresses=None if info is None else {str(k): v for k, v in info.addresses.items()})
             elif what == "marker":
                 changed = 0
                 for bufs in pool.buffers.values():

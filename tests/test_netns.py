@@ -12,7 +12,9 @@ the discovery service, inside a port range.
   so the transfer is still running): every room fails within the peer timeout + 2 s, the decode's
   ``safe_to_reuse`` waits for the prefill's acknowledgement (it comes only once the link is back and the
   writes in flight have drained), nothing changes in the room's pages after that, and a new request succeeds
-  without restarting anything.
+  without restarting anything;
+* discovery on etcd (``kvbridge-etcd``): a real etcd on its own host, the ranks publishing and looking up
+  through it, a byte-exact transfer, and killed prefill ranks vanishing from it when their lease runs out.
 
 Skipped, with the reason, where namespaces cannot be made (no CAP_NET_ADMIN). Namespaces, links and
 processes are removed after each test, also when it fails; traffic goes only to addresses inside them.
@@ -33,6 +35,14 @@ import pytest
 from _netnsrig import Child, Lan, Wire, _Hosts, netns_unusable
 
 from kvbridge.registry import Registry
+
+try:
+    from kvbridge_etcd.testing import EtcdServer, etcd_unavailable
+except ImportError:                      # kvbridge-etcd not installed
+    EtcdServer = None  # type: ignore[assignment,misc]
+
+    def etcd_unavailable() -> str:
+        return "kvbridge-etcd is not installed"
 
 _WHY_NOT = netns_unusable()
 pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=f"network namespaces: {_WHY_NOT}")
@@ -249,3 +259,41 @@ def test_link_down_mid_transfer_fails_within_the_bound_and_recovers(lan: Lan, ba
     assert [c.pid for c in cluster.prefill + cluster.decode] == pids
     sys.stdout.write(f"\n[{backend}] link down: decode room failed after {result['t'] - t_down:.2f} s, safe to "
                      f"reuse {safe['t'] - t_up:.2f} s after the link came back\n")
+
+
+# ------------------------------------------------------------------------------------------ etcd discovery
+def test_etcd_discovery_across_hosts(lan: Lan, tmp_path: Any) -> None:
+    """etcd on host b (started by the test in b's namespace, data in a temporary directory), prefill TP 2 on
+    host p and decode TP 1 on host d publishing and looking up through it (``etcd://198.18.0.1:2379``), records
+    sealed with the shared secret; byte-exact; the prefill ranks, killed with SIGKILL, vanish from etcd once
+    their 3 s lease runs out."""
+    why = etcd_unavailable()
+    if why:
+        pytest.skip(why)
+    backend = next((b for b in BACKENDS if b in _AVAILABLE), None)
+    if backend is None:
+        pytest.skip("neither nixl nor mooncake can be imported here")
+    etcd = EtcdServer(tmp_path / "etcd", host=lan.ip["b"], client_port=2379, peer_port=2380,
+                      prefix=["ip", "netns", "exec", lan.ns["b"]])
+    try:
+        cluster = Cluster(lan, backend, discovery=etcd.url).start(lease_s=3.0)
+        for room, pages in ((1, 7), (2, 16)):
+            cluster.room(room, pages, chunks=2)
+            cluster.exact(room)
+        decode = cluster.decode[0]
+        seen = decode.ask("lookup", 10, instance=INSTANCE)["addresses"]
+        assert sorted(seen) == ["0", "1"] and all(a.startswith(f"tcp://{lan.ip['p']}:") for a in seen.values())
+        for child in cluster.prefill:
+            child.kill()
+        killed = time.monotonic()
+        deadline = killed + 3.0 + 10.0
+        while decode.ask("lookup", 10, instance=INSTANCE)["addresses"] is not None:
+            assert time.monotonic() < deadline, "the killed prefill ranks are still published in etcd"
+            time.sleep(0.2)
+        sys.stdout.write(f"\n[{backend}] etcd discovery across hosts: killed ranks gone from etcd after "
+                         f"{time.monotonic() - killed:.1f} s (lease 3 s)\n")
+    finally:
+        for child in lan.children:
+            child.kill()
+        lan.children.clear()
+        etcd.kill()

@@ -12,11 +12,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from kvbridge_etcd.client import EtcdDiscovery
-from kvbridge_etcd.testing import EtcdServer, etcd_unavailable
 
 from kvbridge.plugin import Change, DiscoveryError, InstanceInfo, RankRecord, seal_record
 from kvbridge.testkit import DiscoveryTests
+from kvbridge_etcd.client import EtcdDiscovery
+from kvbridge_etcd.testing import EtcdServer, etcd_unavailable
 
 _WHY_NOT = etcd_unavailable()
 pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT)
