@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -358,14 +359,19 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
                                         buf[2][r["ppages"][p_abs]] = pools.state_item(r["k"], ci2, buf, p_abs, entry,
                                                                                       comp)
                                 state.append(np.array(r["ppages"][first:], dtype=np.int32))
+                    if r["abort"] == "prefill" and last:
+                        r["sender"].abort()                    # _retire_aborted_prefill_result: before the last chunk
+                        break
                     if stop > start or last:
                         if r["sender"].should_send_kv_chunk(len(pages), last):
                             r["sender"].send(pages, state if last else None, num_kv_tokens=stop - start)
                             chunks_sent += 1
                     start = stop
-                    if r["abort"] == "prefill" and ci == 0 and not last:
-                        r["sender"].abort()                    # release_aborted / _retire_aborted_prefill_result
-                        break
+                    if sc.get("pause_prefill_after_chunks") is not None and \
+                            chunks_sent >= sc["pause_prefill_after_chunks"]:
+                        out["paused"] = True
+                        flush(out)
+                        os.kill(os.getpid(), signal.SIGSTOP)   # the test resumes or kills us
                     if kill_after is not None and chunks_sent >= kill_after and tp_rank == 0:
                         out["killed_self"] = True
                         flush(out)
@@ -550,11 +556,14 @@ def main() -> None:
                            "failed": {}, "errors": [], "safe": [], "safe_at_fail": {}, "bytes": 0, "done": False}
     try:
         if sc.get("refuse"):
-            try:
-                setup(sc, role, dp, pp, tp_rank)
-                out["refused"] = ""
-            except Exception as exc:   # noqa: BLE001
-                out["refused"] = f"{type(exc).__name__}: {exc}"
+            out["refused"] = {}
+            for kind in sc["refuse"]:
+                try:
+                    mgr, _, _ = setup(dict(sc, state=[{"type": kind}]), role, dp, pp, tp_rank)
+                    mgr.close()
+                    out["refused"][kind] = ""
+                except Exception as exc:   # noqa: BLE001
+                    out["refused"][kind] = f"{type(exc).__name__}: {exc}"
         elif role == "prefill":
             run_prefill(sc, dp, pp, tp_rank, out)
         else:

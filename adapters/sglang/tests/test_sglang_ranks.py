@@ -49,3 +49,76 @@ def test_gqa_tp4_to_tp2_chunked_prefix_aux(tmp_path: Path) -> None:
         assert len(res["verified"]) == 8 and not res["failed"], res
         assert res["prefill_info"] == {"tp": 4, "dp": 1, "pp": 1}
     assert all(len(res["sent"]) == 8 for key, res in results.items() if key[0] == "prefill")
+
+
+MAMBA = {"type": "mamba", "groups": [8, 8, 16], "kernel": 4, "ssm_heads": 4, "ssm_bytes": 16, "slots": 32,
+         "layers": [0, 1]}
+
+
+def test_gqa_replicated_tp1_to_tp4_with_mamba(tmp_path: Path) -> None:
+    """2 KV heads, prefill TP 1 -> decode TP 4 (each KV head replicated on two decode ranks) plus a GDN Mamba
+    slot (conv channels [q | k | v] resharded group by group, SSM heads split): every byte on every rank."""
+    sc = scenario(prefill={"tp": 1}, decode={"tp": 4}, heads=2, state=[MAMBA], requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    for res in decode_results(results):
+        assert len(res["verified"]) == 5 and not res["failed"], res
+
+
+def test_mamba_tp2_to_tp1(tmp_path: Path) -> None:
+    """Mamba + KV, prefill TP 2 -> decode TP 1 (gather of conv groups and SSM heads)."""
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, state=[MAMBA], requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    assert len(decode_results(results)[0]["verified"]) == 5
+
+
+def test_swa_tp2_to_tp1(tmp_path: Path) -> None:
+    """SWA + KV, prefill TP 2 -> decode TP 1: only the window's pages (10 tokens over 4-token pages, floored
+    to a page, never before the decode's prefix), paired by position, head-resharded."""
+    swa = {"type": "swa", "layers": [0, 1], "pages": 96}
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, state=[swa], window=10, swa_pages=96, requests=6)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    assert len(decode_results(results)[0]["verified"]) == 6
+
+
+def test_dsa_with_mla_tp2_to_tp1(tmp_path: Path) -> None:
+    """DSA indexer pages (132 bytes per token, replicated) with MLA latent pages (replicated), prefill TP 2 ->
+    decode TP 1: one elected prefill rank writes each page; the suffix after the decode's prefix travels."""
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, mla=True, state=[{"type": "dsa"}], requests=6)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    assert len(decode_results(results)[0]["verified"]) == 6
+
+
+def test_abort_on_each_side(tmp_path: Path) -> None:
+    """Request 1 aborted by prefill before its last chunk, request 3 aborted by decode after send_metadata:
+    both sides fail those rooms with the reason, decode releases their pages only once safe; the others
+    are verified."""
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, requests=6, prefix_prob=0.0, min_len=9,
+                  aborts={"1": "prefill", "3": "decode"})
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    dec = decode_results(results)[0]
+    rooms = {k: req["room"] for k, req in enumerate(_requests(sc, r))}
+    assert sorted(dec["verified"]) == sorted(rooms[k] for k in (0, 2, 4, 5))
+    assert "abort" in dec["failed"][str(rooms[1])].lower(), dec["failed"]
+    assert "abort" in dec["failed"][str(rooms[3])].lower(), dec["failed"]
+    assert {rooms[1], rooms[3]} <= set(dec["safe"]), dec
+    for key, res in results.items():
+        if key[0] == "prefill":
+            assert str(rooms[3]) in res["failed"] and "aborted by decode" in res["failed"][str(rooms[3])], res
+            assert str(rooms[1]) in res["failed"] and "abort" in res["failed"][str(rooms[1])].lower(), res
+
+
+def _requests(sc: dict[str, Any], r: Run) -> list[dict[str, Any]]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_drv_requests", Path(__file__).with_name("sglang_driver.py"))
+    assert spec is not None and spec.loader is not None
+    # the driver's module imports only numpy at the top (SGLang is imported inside functions)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out: list[dict[str, Any]] = mod.requests(r.sc)
+    return out
