@@ -196,6 +196,8 @@ def test_hetero_tp_across_hosts_is_byte_exact(lan: Lan, backend: str) -> None:
 def test_delay_and_loss_stay_byte_exact(backend: str) -> None:
     """Every packet between the hosts waits 10 ms and 0.1 % are dropped (MTU 1500); ~8 MB cross the wire."""
     _need(backend)
+    if not os.path.exists("/dev/net/tun"):
+        pytest.skip("no /dev/net/tun: the delay-and-loss wire needs TUN devices (CONFIG_TUN)")
     net = Wire(["b", "p", "d"], delay_s=0.010, loss=0.001, mtu=1500)
     try:
         cluster = Cluster(net, backend, head_dim=1024).start()     # 64 KiB a decode page: 16 pages = 1 MiB
