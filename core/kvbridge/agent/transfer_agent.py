@@ -35,6 +35,7 @@ from kvbridge.wire import (
     Goodbye,
     Heartbeat,
     Hello,
+    KVPoll,
     Notice,
     Role,
     StatusPush,
@@ -44,6 +45,9 @@ from kvbridge.wire import (
 )
 
 log = logging.getLogger("kvbridge.agent")
+
+BUSY_INTERVAL_S = 0.0002     # the progress thread's wait between steps while a transfer is under way
+BUSY_WINDOW_S = 0.05         # how long frames, notices or a request's metadata keep it that fast
 
 
 class TransferAgent:
@@ -79,6 +83,7 @@ class TransferAgent:
         self.rejected_frames = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._busy_until = 0.0          # the progress thread polls fast until then (see start())
         self._closed = False
         try:
             self.buffers.register(buffers)
@@ -233,11 +238,30 @@ class TransferAgent:
             self.progress()
 
     # ------------------------------------------------------------------ progress
+    def _busy(self) -> bool:
+        """A transfer is under way: frames or notices came within ``BUSY_WINDOW_S``, a prefill write is in
+        flight, or a decode request's data is awaited (metadata sent within the window, or data arriving)."""
+        now = time.monotonic()
+        if now < self._busy_until:
+            return True
+        with self.context.lock:
+            if self.prefill is not None and any(room.inflight for room in self.prefill.rooms.values()):
+                return True
+            if self.decode is not None:
+                for room in self.decode.rooms.values():
+                    if room.status is KVPoll.Transferring or (
+                            room.metadata_at is not None and room.status is KVPoll.WaitingForInput
+                            and now - room.metadata_at < BUSY_WINDOW_S):
+                        return True
+        return False
+
     def progress(self) -> None:
         """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
         ctx = self.context
         notices = ctx.backend.drain_notifications()
         undelivered = self._drain_notify_failures()
+        if notices:
+            self._busy_until = time.monotonic() + BUSY_WINDOW_S
         with ctx.lock:
             # drained under the lock, right before the liveness check: frames that queued up while another
             # thread held the lock (a long send) must count before a peer is judged silent
@@ -246,6 +270,8 @@ class TransferAgent:
                 peer = self.peers.get(peer_id)
                 if peer is not None and peer.alive:
                     ctx.send_frame(peer.address, notice, "resent notice")
+            if frames:
+                self._busy_until = time.monotonic() + BUSY_WINDOW_S
             for frame in frames:
                 self.handle_frame(frame)
             for _peer, blob in notices:
@@ -337,9 +363,14 @@ class TransferAgent:
                 except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business
                     log.debug("%s: heartbeat to %s not sent", self.name, address)
 
-    def start(self, interval_s: float = 0.005) -> None:
+    def start(self, interval_s: float = 0.005, busy_interval_s: float = BUSY_INTERVAL_S) -> None:
         """Run progress() on a background thread (for processes whose engine polls rarely), and send
-        heartbeats from a second one."""
+        heartbeats from a second one.
+
+        The thread waits ``interval_s`` for control frames between steps, and only ``busy_interval_s``
+        while a transfer is under way (writes in flight, a request's data awaited, frames or notices just
+        handled): backends deliver completion notices that must be polled, and a 5 ms tick would add up
+        to 5 ms to every request (it did: 3.8 ms p50 for 128 tokens on H100s)."""
         if self._thread is not None:
             return
         self.peers.beats_threaded = True
@@ -352,7 +383,7 @@ class TransferAgent:
                 try:
                     self.progress()
                     errors.clear()
-                    self.link_wait(interval_s)
+                    self.link_wait(busy_interval_s if self._busy() else interval_s)
                 except Exception as exc:  # noqa: BLE001 - logged, at a bounded rate
                     errors.error(exc)
                     time.sleep(interval_s)
