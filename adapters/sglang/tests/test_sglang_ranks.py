@@ -122,3 +122,80 @@ def _requests(sc: dict[str, Any], r: Run) -> list[dict[str, Any]]:
     spec.loader.exec_module(mod)
     out: list[dict[str, Any]] = mod.requests(r.sc)
     return out
+
+
+def test_pp2_tp2_to_pp1_tp1(tmp_path: Path) -> None:
+    """Pipeline-parallel prefill: 2 stages (layers 0-1 and 2-3) of TP 2 each -> decode PP 1, TP 1. The decode
+    rank reads each stage through its own agent (that stage's layers of its pool); a request completes only
+    when every stage delivered; the aux rows come from the last stage. Mamba layers split over the stages."""
+    mamba = dict(MAMBA, layers=[1, 2])
+    sc = scenario(prefill={"tp": 2, "pp": 2}, decode={"tp": 1}, layers=4, state=[mamba], requests=6)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    dec = decode_results(results)[0]
+    assert len(dec["verified"]) == 6 and dec["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
+
+
+def test_dp_routing_by_registered_rank(tmp_path: Path) -> None:
+    """Prefill with 2 attention-DP ranks that do not follow the bootstrap room: each prefill sender registers
+    its DP rank at the bootstrap server, decode resolves it with SGLang's own query_prefill_dp_ranks, and
+    each request is read from the DP rank that computed it."""
+    sc = scenario(prefill={"tp": 1, "dp": 2}, decode={"tp": 1}, requests=6, lbm="round_robin")
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    dec = decode_results(results)[0]
+    assert len(dec["verified"]) == 6
+    want = {str(req["room"]): req["dp"] for req in _requests(sc, r)}
+    assert dec["routed"] == want and set(want.values()) == {0, 1}
+
+
+def test_peer_failure_fences_until_quiescent(tmp_path: Path) -> None:
+    """The prefill process stops (SIGSTOP) in the middle of a request: decode fails the room after the peer
+    timeout, failure_exception raises with the reason, but is_abort_release_safe stays False while the
+    stopped writer could still resume; once it is killed, the backend proves it gone and the pages are safe."""
+    import signal
+    import time
+
+    need_sglang()
+    sc = scenario(prefill={"tp": 1}, decode={"tp": 1}, requests=3, prefix_prob=0.0, min_len=20,
+                  pause_prefill_after_chunks=2, safe_wait_s=60, timeout=90)
+    run_ = Run(sc, tmp_path)
+    try:
+        dkey, pkey = ("decode", 0, 0, 0), ("prefill", 0, 0, 0)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not run_.result(dkey).get("failed"):
+            time.sleep(0.5)
+        dec = run_.result(dkey)
+        assert dec.get("failed"), f"decode saw no failure\n{run_.log(dkey)}\n{run_.log(pkey)}"
+        assert run_.result(pkey).get("paused"), run_.log(pkey)
+        room, reason = next(iter(dec["failed"].items()))
+        assert "KVTransferError" in reason and room in reason, reason
+        assert dec["safe_at_fail"][room] is False, dec          # silence proves nothing
+        time.sleep(2.0)
+        assert int(room) not in run_.result(dkey).get("safe", []), "safe while the writer could still resume"
+        run_.signal(pkey, signal.SIGKILL)
+        results = run_.wait(200)
+    finally:
+        run_.kill()
+    dec = results[dkey]
+    assert dec.get("done"), dec.get("exception")
+    assert int(room) in dec["safe"] and not dec["unsafe"], dec
+    assert not dec["errors"]
+
+
+def test_unsupported_state_types_refused_at_startup(tmp_path: Path) -> None:
+    """Every SGLang StateType without a kvbridge state type is refused when the manager starts, naming the
+    type and the reason."""
+    from kvbridge_sglang.layout import REFUSED
+
+    need_sglang()
+    sc = scenario(prefill={"tp": 1}, decode={"tp": 1}, refuse=sorted(REFUSED))
+    run_ = Run(dict(sc, prefill={"tp": 0}), tmp_path)        # the decode rank alone
+    try:
+        results = run_.wait(200)
+    finally:
+        run_.kill()
+    refused = results[("decode", 0, 0, 0)]["refused"]
+    assert sorted(refused) == sorted(REFUSED)
+    for kind, message in refused.items():
+        assert f"SGLang state type {kind!r} is not supported" in message and REFUSED[kind] in message, message
