@@ -290,13 +290,6 @@ def main_control() -> int:
     return 0
 
 
-def main_transfer(args: Any) -> int:
-    """``kvbridge bench transfer`` with the parsed command line (see ``kvbridge.bench_transfer``)."""
-    from kvbridge.bench_transfer import main
-
-    return main(args)
-
-
 def main_backend(name: str, registry: Registry | None = None) -> int:
     """Run the benchmark the backend's spec names (``BackendSpec.bench``), also when the backend cannot
     run here (its benchmark then says why)."""

@@ -89,11 +89,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvbridge import bench
+    from kvbridge import bench, bench_transfer
     from kvbridge.bench_transfer import TRANSFER_ARGS
 
     if args.what == "transfer":
-        return bench.main_transfer(args)
+        return bench_transfer.main(args)
     given = [name for name in TRANSFER_ARGS if getattr(args, name) is not None]
     if given:
         flags = ", ".join("--" + {"json_path": "json"}.get(n, n).replace("_", "-") for n in given)
