@@ -240,14 +240,18 @@ class TransferAgent:
     # ------------------------------------------------------------------ progress
     def _busy(self) -> bool:
         """A transfer is under way: frames or notices came within ``BUSY_WINDOW_S``, a prefill write is in
-        flight, or a decode request's data is awaited (metadata sent within the window, or data arriving)."""
+        flight or queued (CUDA event, staging space), a staged scatter runs, or a decode request's data is
+        awaited (metadata sent within the window, or data arriving)."""
         now = time.monotonic()
         if now < self._busy_until:
             return True
         with self.context.lock:
-            if self.prefill is not None and any(room.inflight for room in self.prefill.rooms.values()):
+            if self.prefill is not None and (self.prefill.queued_work
+                                             or any(room.inflight for room in self.prefill.rooms.values())):
                 return True
             if self.decode is not None:
+                if self.decode.queued_work:
+                    return True
                 for room in self.decode.rooms.values():
                     if room.status is KVPoll.Transferring or (
                             room.metadata_at is not None and room.status is KVPoll.WaitingForInput
