@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cpu_torch import allow_cpu_torchvision  # noqa: E402
+from _cpu_torch import allow_cpu_torchvision
 
 SEG = f"kvbridge-sglangtest-{os.getpid()}-"
 _SEGS: list[shared_memory.SharedMemory] = []
@@ -255,8 +255,9 @@ def requests(sc: dict[str, Any]) -> list[dict[str, Any]]:
         req = {"k": k, "room": room, "len": length, "prefix": prefix, "ppages": ppages,
                "dpages": dpages, "cuts": cuts, "aux_p": k % sc["aux_slots"], "aux_d": (k * 7 + 3) % sc["aux_slots"],
                "slot_p": k + 1, "slot_d": k + 2, "win": win,
-               "swa_p": [int(swa_p.pop()) for _ in win] if win else [], "swa_d": [int(swa_d.pop()) for _ in win] if win else [],
-               "dp": int(room % sc["prefill"].get("dp", 1)) if follow else int(k % sc["prefill"].get("dp", 1)), "abort": sc.get("aborts", {}).get(str(k), "")}
+               "swa_p": [int(swa_p.pop()) for _ in win], "swa_d": [int(swa_d.pop()) for _ in win],
+               "dp": int((room if follow else k) % sc["prefill"].get("dp", 1)),
+               "abort": sc.get("aborts", {}).get(str(k), "")}
         out.append(req)
     return out
 

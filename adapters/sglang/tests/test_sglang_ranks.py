@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 from _rig import Run, check_clean, need_sglang
 
 AUX = [64, 64, 512, 128]          # SGLang-like metadata rows: output ids, cached tokens, top logprobs, topk index

@@ -62,7 +62,8 @@ class TopologyServer:
         self.lock = threading.Lock()
         self.http = ThreadingHTTPServer((host, port), _handler(self))
         self.http.daemon_threads = True
-        self.address = f"{self.http.server_address[0]}:{self.http.server_address[1]}"
+        bound_host, bound_port = self.http.server_address[:2]
+        self.address = f"{bound_host!s}:{int(bound_port)}"
         self._thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="kvbridge-sglang-bootstrap", daemon=True)
         self._thread.start()

@@ -357,7 +357,7 @@ class KVBridgeKVManager(BaseKVManager):
         for agent in agents:
             try:
                 agent.close()
-            except Exception:   # noqa: BLE001 - teardown goes on
+            except Exception:
                 log.exception("kvbridge-sglang: closing agent %s", agent.name)
         for shm in self._shm:
             try:

@@ -219,8 +219,9 @@ def kv_part(args: Any, *, tp_size: int, is_mla: bool, device: DeviceKind, device
             d = j - target
             tensor, layer = ("dk" if d < draft // 2 else "dv"), None
             label = f"{tensor}.{d % (draft // 2)}"
-        shape = _head_shape(label, items[j], page, heads, head_major)
-        entries.append(_rows(f"{KV}.{label}", ptrs[j], lens[j], items[j], shape, shard, device, device_id, layer))
+        page_shape = _head_shape(label, items[j], page, heads, head_major)
+        entries.append(_rows(f"{KV}.{label}", ptrs[j], lens[j], items[j], page_shape, shard, device, device_id,
+                             layer))
     return Part(KV, "kv", IndexKind.PAGE, tuple(entries),
                 {"kv_cache_dtype": _dtype(args), "layout": "hnd" if head_major else "nhd"})
 

@@ -37,10 +37,9 @@ def extend_enum(cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
     member._name_ = name
     member._value_ = value
     member.__objclass__ = cls               # type: ignore[attr-defined]
-    member.__init__()
     cls._member_map_[name] = member
     cls._value2member_map_[value] = member
-    cls._member_names_.append(name)         # type: ignore[attr-defined]
+    cls._member_names_.append(name)
     type.__setattr__(cls, name, member)
     return member
 
@@ -72,7 +71,10 @@ def get_kv_class_hook(original: Callable[..., Any], transfer_backend: Any, class
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point (SGLang's ``load_plugins`` applies the hook right after)."""
-    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
     from sglang.srt.disaggregation.utils import TransferBackend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -6,7 +6,7 @@
 | ``KVBRIDGE_SECRET`` | unset | shared secret: HMAC on control frames, bootstrap and topology requests |
 | ``KVBRIDGE_HOST`` | SGLang's ``--host``, else 127.0.0.1 | address the ranks' control links bind |
 | ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
-| ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where the KV and state pointers live (auto: cuda when available) |
+| ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
 | ``KVBRIDGE_STAGING_MIB`` | 32 | staging area per agent (0: off) |
 | ``KVBRIDGE_BOOTSTRAP_TIMEOUT_S`` | SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, else 300 | |
 | ``KVBRIDGE_WAITING_TIMEOUT_S`` | SGLang's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, else 300 | |

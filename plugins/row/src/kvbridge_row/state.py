@@ -18,7 +18,16 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvbridge.plugin import BufferGeometry, Component, DType, GeometryError, IndexKind, Rank, StateType, as_index
+from kvbridge.plugin import (
+    BufferGeometry,
+    Component,
+    DType,
+    GeometryError,
+    IndexKind,
+    Rank,
+    StateType,
+    as_index,
+)
 
 
 class RowState(StateType):
