@@ -49,13 +49,14 @@ BEFORE = {
 }
 
 
-def issue_cases(dry: bool) -> tuple[tuple[bt.Case, ...], tuple[bt.Case, ...]]:
+def issue_cases(dry: bool, staging_bytes: int | None) -> tuple[tuple[bt.Case, ...], tuple[bt.Case, ...]]:
     """(cases before the sweep, cases after it): the shapes of scripts/gpu_nixl_check.py's four configs."""
     tokens, pool, layers = (32768, 2304 * 16, 32) if not dry else (512, 36 * 16, 4)
     common: dict[str, Any] = {"group": "issue14", "tokens": tokens, "page": 16, "layers": layers,
                               "layout": "token-major", "pool_tokens": pool, "repeats": 3}
     first = (bt.Case(**common, prefill_tp=1, decode_tp=1, placement="contiguous", label="same TP contiguous"),
-             bt.Case(**common, prefill_tp=1, decode_tp=1, placement="scattered", label="same TP scattered"),
+             bt.Case(**common, prefill_tp=1, decode_tp=1, placement="scattered", label="same TP scattered",
+                     staging_bytes=staging_bytes),
              bt.Case(**common, prefill_tp=2, decode_tp=1, placement="scattered",
                      staging_bytes=(5 * GIB) if not dry else (64 << 20), label="TP 2->1 staged"))
     last = (bt.Case(**{**common, "repeats": 1}, prefill_tp=2, decode_tp=1, placement="scattered", staging_bytes=0,
@@ -125,6 +126,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds after which sweep cases are skipped")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds any one step may take")
     parser.add_argument("--skip-plugin-bench", action="store_true")
+    parser.add_argument("--staging-mib", type=int, default=None,
+                        help="staging area per rank for the sweep and the same-TP scattered case (default: the "
+                             "agent's); a request is staged only when its slice fits the decode's area")
     args = parser.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     started = time.perf_counter()
@@ -132,10 +136,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     dry = args.device == "cpu"
     tag = "cpu" if dry else "gpu"
-    first, last = issue_cases(dry)
+    staging_mib = args.staging_mib if not dry or args.staging_mib is None else min(args.staging_mib, 64)
+    first, last = issue_cases(dry, None if staging_mib is None else staging_mib << 20)
     opts = bt.Options(device=args.device, backend="nixl", layerwise=True, json_path=str(out / f"{tag}-transfer.json"),
                       plots=str(out), plugins=("kvbridge_nixl",), extra_cases=first, last_cases=last,
                       budget_s=args.budget, timeout_s=args.timeout, quick=dry, latency_requests=10 if dry else None,
+                      staging_mib=staging_mib,
                       command="PYTHONPATH=core:plugins/nixl/src python3 " + " ".join(sys.argv))
     result = bt.run(opts)
     print(bt.format_report(result), flush=True)
