@@ -165,3 +165,36 @@ def test_demo_metrics_port_is_scraped_while_the_demo_runs() -> None:
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvbridge-metrics-*"))) <= before   # cleaned up
     with pytest.raises(OSError):                                                                 # and closed
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_heartbeat_round_trip_and_rooms_by_state_are_sampled() -> None:
+    """Each heartbeat echoes the last one the peer sent: both sides learn the round trip (a number below the
+    peer timeout), exported per peer; the agent's rooms are exported by state without the engine's help."""
+    from kvbridge import metrics
+    from kvbridge.agent import AgentConfig
+
+    metrics.instrumented_registry()
+    hub = LocalHub()
+    pl, dl = _layout(1, 0), _layout(1, 0)
+    config = AgentConfig(heartbeat_interval_s=0.05)
+    with TransferAgent(layout=pl, buffers=_buffers(pl), role=Role.PREFILL, link=hub.link("p"), instance="i",
+                       config=config) as pre, \
+         TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"), config=config) as dec:
+        pre.start()
+        dec.start()
+        dec.connect("i", timeout_s=5)
+        dec.receiver(9, "i").send_metadata({"kv": np.array([1, 2])})     # a room left waiting for its data
+        metrics.watch_agent(dec, interval_s=0.05)
+        deadline = time.monotonic() + 10
+        peers = [*pre.peers.peers.values(), *dec.peers.peers.values()]
+        while any(p.rtt_s is None for p in peers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(p.rtt_s is not None and 0 <= p.rtt_s < config.peer_timeout_s for p in peers), \
+            [(p.agent, p.rtt_s) for p in peers]
+        time.sleep(0.2)
+        rtt = [s for f in prometheus_client.REGISTRY.collect() for s in f.samples
+               if s.name == "kvbridge_peer_heartbeat_rtt_seconds" and s.labels["agent"] == dec.name]
+        assert rtt and all(0 <= s.value < config.peer_timeout_s for s in rtt), rtt
+        rooms = {s.labels["state"]: s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
+                 if s.name == "kvbridge_agent_rooms" and s.labels["agent"] == dec.name}
+        assert rooms.get("WaitingForInput") == 1 and rooms.get("Success") == 0, rooms

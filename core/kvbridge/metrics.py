@@ -25,7 +25,9 @@ What is measured (every name starts with ``kvbridge_``):
   {role, reason}, and the gauge ``rooms`` {role, state}: fed by the engine-facing layer through
   :func:`observe_room` and :func:`room_state` (the demo's ranks, adapters);
 * ``peer_silence_seconds`` {agent, peer}: time since the last frame of each peer (heartbeats every
-  ``heartbeat_interval_s``; a live peer stays below it plus the link's round trip), and
+  ``heartbeat_interval_s``; a live peer stays below it plus the link's round trip),
+  ``peer_heartbeat_rtt_seconds`` {agent, peer}: the heartbeat round trip (each heartbeat echoes the last one
+  the peer sent), ``agent_rooms`` {agent, role, state}: the agent's open rooms by state, and
   ``peer_deaths_total`` {agent, reason}: sampled by :func:`watch_agent`.
 
 Several processes of one host (the demo's ranks) share one exporter through ``prometheus_client``'s
@@ -39,6 +41,7 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +88,10 @@ class _Metrics:
         self.silence = pc.Gauge("kvbridge_peer_silence_seconds", "Time since the last frame of a peer",
                                 ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
         self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
+        self.rtt = pc.Gauge("kvbridge_peer_heartbeat_rtt_seconds", "Heartbeat round trip to a peer",
+                            ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
+        self.agent_rooms = pc.Gauge("kvbridge_agent_rooms", "An agent's rooms, by state", ["agent", "role", "state"],
+                                    **gauge)
 
 
 class MetricsPlugin:
@@ -197,9 +204,12 @@ def _reason_class(reason: str) -> str:
     return " ".join(head.split()[:6]) or "unknown"
 
 
+_ROOM_STATES = ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed")
+
+
 def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
-    """Sample ``agent``'s peers every ``interval_s`` (their silence) and count peer deaths by reason, until
-    the agent is closed or collected (no-op unless enabled)."""
+    """Sample ``agent`` every ``interval_s`` (its peers' silence and heartbeat round trip, its rooms by state)
+    and count peer deaths by reason, until the agent is closed or collected (no-op unless enabled)."""
     m = _METRICS
     if m is None:
         return
@@ -217,13 +227,21 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             for peer in list(current.peers.peers.values()):
                 if peer.alive:
                     m.silence.labels(name, peer.agent).set(max(0.0, now - peer.last_seen))
+                    if peer.rtt_s is not None:
+                        m.rtt.labels(name, peer.agent).set(peer.rtt_s)
                     seen.add(peer.agent)
+            for role, side in (("prefill", current.prefill), ("decode", current.decode)):
+                if side is not None:
+                    counts = Counter(room.status.name for room in list(side.rooms.values()))
+                    for state in _ROOM_STATES:
+                        m.agent_rooms.labels(name, role, state).set(counts.get(state, 0))
             del current
             time.sleep(interval_s)
         for peer_name in seen:
-            try:
-                m.silence.remove(name, peer_name)
-            except KeyError:
-                pass
+            for gauge in (m.silence, m.rtt):
+                try:
+                    gauge.remove(name, peer_name)
+                except KeyError:
+                    pass
 
     threading.Thread(target=sample, name=f"kvbridge-metrics-{name}", daemon=True).start()

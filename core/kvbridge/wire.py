@@ -136,9 +136,16 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unkno
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", forbid_unknown_fields=True):
+    """``sent_at``: the sender's monotonic clock when sent; ``echo``: the ``sent_at`` of the last heartbeat the
+    sender got from the recipient, received ``echo_held`` seconds ago: the recipient's round trip is
+    ``now - echo - echo_held`` on its own clock (no clocks compared across hosts)."""
+
     agent: str
     address: str
     seq: int
+    sent_at: float = 0.0
+    echo: float = 0.0
+    echo_held: float = 0.0
 
 
 class Goodbye(msgspec.Struct, frozen=True, kw_only=True, tag="goodbye", forbid_unknown_fields=True):

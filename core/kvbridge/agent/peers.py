@@ -74,6 +74,14 @@ class Peer:
     alive: bool = True
     goodbye_at: float | None = None        # notices on the engine's own channel may still be in flight
     died_at: float | None = None
+    beat_sent_at: float = 0.0              # its last heartbeat's sent_at (its clock), echoed back to it
+    beat_received_at: float = 0.0          # when we got that heartbeat (our clock)
+    rtt_s: float | None = None             # heartbeat round trip, from the echo of our own sent_at
+
+    def beat(self, *, agent: str, address: str, seq: int, now: float) -> Heartbeat:
+        """Our next heartbeat to this peer, echoing the last one it sent us."""
+        held = now - self.beat_received_at if self.beat_sent_at else 0.0
+        return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=self.beat_sent_at, echo_held=held)
 
 
 PeerDied = Callable[[Peer, str], None]
@@ -346,6 +354,13 @@ class PeerTable:
     def on_heartbeat(self, beat: Heartbeat, peer: Peer | None) -> None:
         if peer is None:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
+            return
+        now = time.monotonic()
+        peer.beat_sent_at, peer.beat_received_at = beat.sent_at, now
+        if beat.echo > 0:
+            rtt = now - beat.echo - beat.echo_held
+            if 0 <= rtt < self._ctx.config.peer_timeout_s:
+                peer.rtt_s = rtt
 
     def tick(self, now: float, hello_resend_s: float) -> None:
         """Hellos, heartbeats (unless a thread sends them), the silence/goodbye check and the release of
@@ -355,10 +370,9 @@ class PeerTable:
         if not self.beats_threaded and now - self._last_beat >= ctx.config.heartbeat_interval_s:
             self._last_beat = now
             self._beat_seq += 1
-            beat = Heartbeat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq)
             for peer in self.peers.values():
                 if peer.alive and peer.goodbye_at is None:
-                    self.post(peer, beat)
+                    self.post(peer, peer.beat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq, now=now))
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
         for peer in list(self.peers.values()):
             if not peer.alive:

@@ -359,9 +359,12 @@ class TransferAgent:
         seq = 0
         while not self._stop.wait(ctx.config.heartbeat_interval_s):
             seq += 1
-            for address, incarnation in list(self.peers.beat_targets.values()):
-                beat = ctx.codec.encode(Heartbeat(agent=self.name, address=ctx.link.address, seq=seq), to=address,
-                                        to_incarnation=incarnation)
+            for agent, (address, incarnation) in list(self.peers.beat_targets.items()):
+                peer = self.peers.peers.get(agent)
+                now = time.monotonic()
+                message = (peer.beat(agent=self.name, address=ctx.link.address, seq=seq, now=now) if peer is not None
+                           else Heartbeat(agent=self.name, address=ctx.link.address, seq=seq, sent_at=now))
+                beat = ctx.codec.encode(message, to=address, to_incarnation=incarnation)
                 try:
                     ctx.link.send(address, beat)
                 except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business
