@@ -34,7 +34,7 @@ CONFIGS = (("same-tp contiguous auto", 1, "contiguous", 5 << 30, "auto", 0),
            ("tp2->1 scattered per-token", 2, "scattered", 0, "never", 0),
            ("same-tp scattered auto layer-wise x4", 1, "scattered", 5 << 30, "auto", 4))
 REPEAT = 3
-PIECE = 64 << 20
+PIECE = 256 << 20
 #: the agents' progress loop interval: staged pieces are posted (and counted) when the loop sees their
 #: CUDA events complete, so a coarse interval would add its length to every pipeline stage it waits for
 POLL_S = 0.0002

@@ -99,7 +99,7 @@ def regular_rows(seg: Segments, src_item: int, dst_item: int) -> Rows | None:
 
 
 def page_layout(rows: Sequence[Rows]) -> tuple[list[int], int]:
-    """Byte offset of each buffer's slice inside one staged item (item-major layout), and the bytes per item."""
+    """Byte offset of each buffer's slice inside one item-major staged item, and the staged bytes per item."""
     offsets, total = [], 0
     for r in rows:
         offsets.append(total)
@@ -266,37 +266,29 @@ def dest_index(r: Rows, items: np.ndarray) -> np.ndarray:
     return items if r.dst_contiguous else _rows_index(items, r.rows)
 
 
+def _parts(buffers: Sequence[Any], rows: Sequence[Rows], n: int, area: Any) -> list[tuple[Any, Rows, Any]]:
+    """Buffer-major views of a C-contiguous staged area: buffer ``b``'s ``[n, rows[b].nbytes]`` block follows
+    the blocks of the buffers before it."""
+    flat = _reshape(area, n * sum(r.nbytes for r in rows))
+    parts, cursor = [], 0
+    for buf, r in zip(buffers, rows):
+        parts.append((buf, r, _reshape(flat[cursor: cursor + n * r.nbytes], n, r.nbytes)))
+        cursor += n * r.nbytes
+    return parts
+
+
 def gather(buffers: Sequence[Any], rows: Sequence[Rows], items: np.ndarray, out: Any) -> None:
-    """Pack ``buffers[b][items[k]]`` into ``out[k]`` item-major (``[n, sum of rows.nbytes]``, buffer by buffer
-    inside an item; :func:`page_layout`). The agent itself stages buffer-major (see ``agent.staged``)."""
-    offsets, total = page_layout(rows)
-    for buf, r, off in zip(buffers, rows, offsets):
-        if len(rows) == 1:
-            gather_rows(buf, r, items, out)
-            continue
-        part = _alloc_like(out, (len(items), r.nbytes))
+    """Pack the slices of ``items`` of every buffer into the C-contiguous ``out`` (``len(items) *`` the sum of
+    ``rows[b].nbytes`` bytes, any shape), buffer-major: buffer ``b``'s ``[len(items), rows[b].nbytes]`` block
+    after those of the buffers before it, as the agent stages a layer. One pass per buffer."""
+    for buf, r, part in _parts(buffers, rows, len(items), out):
         gather_rows(buf, r, items, part)
-        out[:, off: off + r.nbytes] = part
 
 
 def scatter(buffers: Sequence[Any], rows: Sequence[Rows], items: np.ndarray, staged: Any) -> None:
     """The inverse of :func:`gather`."""
-    offsets, _ = page_layout(rows)
-    for buf, r, off in zip(buffers, rows, offsets):
-        part = staged if len(rows) == 1 else _contiguous(staged[:, off: off + r.nbytes])
+    for buf, r, part in _parts(buffers, rows, len(items), staged):
         scatter_rows(buf, r, items, part)
-
-
-def _alloc_like(like: Any, shape: tuple[int, int]) -> Any:
-    if isinstance(like, np.ndarray):
-        return np.empty(shape, np.uint8)
-    import torch
-
-    return torch.empty(shape, dtype=torch.uint8, device=like.device)
-
-
-def _contiguous(x: Any) -> Any:
-    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
 
 
 def device_view(array: Any, num_items: int, item_nbytes: int) -> Any | None:

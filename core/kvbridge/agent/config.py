@@ -22,8 +22,10 @@ class AgentConfig:
     staging: str = "auto"                  # "auto": cost model; "always": every regular slice; "never"
     staging_below_bytes: int | None = None  # auto stages when the average descriptor is smaller than this;
     #                                         None: the backend's descriptor cost x the staging throughput
-    staging_piece_bytes: int = 64 << 20    # a staged write is cut into pieces of at most this much: the gather
-    #                                        of piece k+1 overlaps the write of piece k, the scatter of k too
+    staging_piece_bytes: int = 256 << 20   # a staged write is cut into pieces of at most this much: the gather
+    #                                        of piece k+1 overlaps the write of piece k, the scatter of k too.
+    #                                        Each piece costs the engine thread ~0.3-0.5 ms (posting, notice,
+    #                                        bounds checks): a piece must take longer than that on the wire
     backend_options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
