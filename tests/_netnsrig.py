@@ -426,6 +426,7 @@ def _prefill(job: dict[str, Any]) -> None:
                 for k, chunk in enumerate(chunks):
                     if sender.poll() is not KVPoll.Failed:
                         sender.send(chunk, last=k == len(chunks) - 1)
+                        _say("posted", room=room, chunk=k)
                 _wait(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), job["bound_s"])
             status = sender.poll()
             if status is KVPoll.Failed:

@@ -13,6 +13,8 @@ the discovery service, inside a port range.
   ``safe_to_reuse`` waits for the prefill's acknowledgement (it comes only once the link is back and the
   writes in flight have drained), nothing changes in the room's pages after that, and a new request succeeds
   without restarting anything;
+* a partition longer than twice the peer timeout: the decode's failed room should become safe to reuse once
+  it ends; today it does not (an agent bug this test found, kept as a strict expected failure with the cause);
 * discovery on etcd (``kvbridge-etcd``): a real etcd on its own host, the ranks publishing and looking up
   through it, a byte-exact transfer, and killed prefill ranks vanishing from it when their lease runs out.
 
@@ -52,6 +54,9 @@ BACKENDS = ["nixl", "mooncake"]
 SECRET = os.urandom(32).hex()
 PORTS = (17610, 17629)
 PEER_TIMEOUT_S = 1.5
+# The link-down test's: after an outage of about this long, TCP's next retransmission (backed off to 0.2, 0.6,
+# 1.4, 3.0 s after the first loss) reaches the prefill well before it releases the silent decode peer (2 x this).
+LINK_DOWN_PEER_TIMEOUT_S = 2.5
 BOUND_S = 30.0
 INSTANCE = "netns-prefill"
 TIMINGS: dict[str, float] = {}
@@ -89,7 +94,8 @@ class Cluster:
             self.discovery = boot.wait("ready", 60)["address"]
         common = dict(backend=self.backend, discovery=self.discovery, peer_timeout_s=PEER_TIMEOUT_S, bound_s=BOUND_S,
                       num_pages=self.num_pages, heads=2, head_dim=self.head_dim, secret=SECRET, host="0.0.0.0",
-                      port_range=f"{PORTS[0]}-{PORTS[1]}", **extra)
+                      port_range=f"{PORTS[0]}-{PORTS[1]}")
+        common.update(extra)
         self.prefill = [self.net.child("p", f"prefill-{r}", dict(common, role="prefill", tp=self.pt, rank=r,
                                                                  instance=INSTANCE,
                                                                  options=_options(self.backend, self.net, "p")))
@@ -219,36 +225,43 @@ def test_delay_and_loss_stay_byte_exact(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_link_down_mid_transfer_fails_within_the_bound_and_recovers(lan: Lan, backend: str) -> None:
     _need(backend)
-    cluster = Cluster(lan, backend, head_dim=4096).start()   # 256 KiB a decode page
+    # 256 KiB a decode page. The outage lasts until every room failed (the peer timeout) and no longer: see
+    # test_a_partition_longer_than_twice_the_peer_timeout_keeps_the_decode_room_unsafe for a longer one.
+    cluster = Cluster(lan, backend, head_dim=4096).start(peer_timeout_s=LINK_DOWN_PEER_TIMEOUT_S)
     pids = [c.pid for c in cluster.prefill + cluster.decode]
     cluster.room(1, 4)
     cluster.exact(1)                                          # warm: the peers know each other
 
     lan.shape("p", "16mbit")                                  # ~2 MB/s from the prefill host: 3 MiB take ~1.5 s
     dst = cluster.room(2, 12, chunks=4, safe_bound_s=60)
-    time.sleep(0.5)
+    for child in cluster.prefill:                             # each prefill rank has posted writes
+        child.wait("posted", BOUND_S, room=2, chunk=0)
+    time.sleep(0.3)
     lan.down("p")
     t_down = time.time()
     decode = cluster.decode[0]
     result = decode.wait("result", BOUND_S, room=2)
-    assert result["status"] == "Failed", f"the room was not in flight when the link went down: {result}"
-    bound = PEER_TIMEOUT_S + 2.0
+    assert result["status"] == "Failed", f"the room was over before the link went down: {result}"
+    bound = LINK_DOWN_PEER_TIMEOUT_S + 2.0
     assert result["t"] - t_down < bound, f"decode room failed {result['t'] - t_down:.2f} s after the link went down"
     for child in cluster.prefill:
         end = child.wait("room-end", BOUND_S, room=2)
         assert end["status"] == "Failed", f"{child.label}: {end}"
         assert end["t"] - t_down < bound, f"{child.label} failed {end['t'] - t_down:.2f} s after the link went down"
-    time.sleep(1.0)
     lan.up("p")
     t_up = time.time()
 
     # the decode may reuse the pages only once the prefill said its writes are over, which needs the link
-    safe = decode.wait("safe", 60, room=2)
-    assert safe["safe"], "decode room never became safe to reuse after the link came back"
+    safe = decode.wait("safe", 70, room=2)
+    if not safe["safe"]:
+        prefill = [c.wait("room", 10, room=2) for c in cluster.prefill]
+        raise AssertionError(f"decode room never became safe to reuse after the link came back; the prefill "
+                             f"ranks' rooms: {prefill}\n--- decode stderr:\n{decode.stderr()}\n--- prefill 0:\n"
+                             f"{cluster.prefill[0].stderr()}\n--- prefill 1:\n{cluster.prefill[1].stderr()}")
     assert safe["t"] >= t_up, "safe_to_reuse came while the prefill was unreachable: from silence alone"
     decode.ask("scribble", 10, pages=dst)                     # the engine reuses the pages
     for child in cluster.prefill:
-        done = child.wait("room", 60, room=2)
+        done = child.wait("room", 70, room=2)
         assert done["safe"], f"{child.label}: source pages never safe to reuse: {done}"
     time.sleep(3.0)                                           # anything still on its way would land meanwhile
     marker = decode.ask("marker", 10, pages=dst)
@@ -261,6 +274,37 @@ def test_link_down_mid_transfer_fails_within_the_bound_and_recovers(lan: Lan, ba
     assert [c.pid for c in cluster.prefill + cluster.decode] == pids
     sys.stdout.write(f"\n[{backend}] link down: decode room failed after {result['t'] - t_down:.2f} s, safe to "
                      f"reuse {safe['t'] - t_up:.2f} s after the link came back\n")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "agent liveness bug found by this test: a prefill releases a decode peer silent for 2 x peer_timeout once "
+    "no room of its own refers to it; after the partition it drops that decode's Abort frames ('which is not "
+    "a peer'), so the decode's failed room never gets its acknowledgement and safe_to_reuse stays False until "
+    "the decode happens to shake hands with that prefill again (its next request to the instance). Fix in "
+    "kvbridge.agent (answer an authenticated Abort for an unknown or buried room with quiesced, or re-handshake "
+    "when fencing a re-admitted peer); then drop this mark"))
+def test_a_partition_longer_than_twice_the_peer_timeout_keeps_the_decode_room_unsafe(lan: Lan) -> None:
+    """The decode asks for a room, the prefill host's link goes down for 3 x the peer timeout before anything
+    was sent, then comes back: the failed decode room must become safe to reuse (the prefill never wrote)."""
+    backend = next((b for b in ("mooncake", "nixl") if b in _AVAILABLE), None)
+    if backend is None:
+        pytest.skip("neither nixl nor mooncake can be imported here")
+    cluster = Cluster(lan, backend).start()
+    cluster.room(1, 4)
+    cluster.exact(1)
+    decode = cluster.decode[0]
+    decode.send(cmd="room", room=2, seed=7, dst=[0, 1], positions=[0, 1], instance=INSTANCE, safe_bound_s=60)
+    time.sleep(0.5)                                           # the prefill ranks have the request, nothing sent
+    lan.down("p")
+    t_down = time.time()
+    assert decode.wait("result", BOUND_S, room=2)["status"] == "Failed"
+    time.sleep(max(0.0, 3 * PEER_TIMEOUT_S - (time.time() - t_down)))
+    lan.up("p")
+    try:
+        safe = decode.wait("safe", 10.0 + 2 * PEER_TIMEOUT_S, room=2)
+    except AssertionError:
+        safe = {"safe": False}
+    assert safe["safe"], "the failed decode room never became safe to reuse after the partition ended"
 
 
 # ------------------------------------------------------------------------------------------ etcd discovery
