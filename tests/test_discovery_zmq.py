@@ -81,3 +81,18 @@ def test_a_restarted_server_is_reported_as_a_snapshot() -> None:
         live.close()
         reader.close()
         server.close()
+
+
+def test_discovery_services_are_a_plugin_axis() -> None:
+    from kvbridge.errors import PluginError, UnknownPluginError
+    from kvbridge.registry import Registry
+    from kvbridge.specs import DiscoverySpec, PluginKind
+
+    registry = Registry.build(env={})
+    rows = {r.name: r for r in registry.records() if r.kind is PluginKind.DISCOVERY}
+    assert rows["zmq"].distribution == "kvbridge" and rows["zmq"].capabilities[:1] == ("tcp://",)
+    assert "zmq" in registry.discovery_names()
+    with pytest.raises(UnknownPluginError, match=r"no discovery service opens nosuch:// URLs"):
+        open_discovery("nosuch://host:1", registry=registry)
+    with pytest.raises(PluginError, match="lowercase URL schemes"):
+        DiscoverySpec(name="bad", schemes=("Not A Scheme",), factory="x:y")
