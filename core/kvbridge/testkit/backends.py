@@ -213,7 +213,10 @@ class _BackendKit(KitTests):
     def agent_config(cls, backend_options: dict[str, str], **overrides: Any) -> AgentConfig:
         base: dict[str, Any] = {"heartbeat_interval_s": 0.1, "peer_timeout_s": max(10.0, cls.room_timeout_s),
                                 "bootstrap_timeout_s": cls.room_timeout_s, "waiting_timeout_s": cls.waiting_timeout_s,
-                                "staging_bytes": 1 << 20, "backend_options": options_of(backend_options)}
+                                "staging_bytes": 1 << 20, "backend_options": options_of(backend_options),
+                                # descriptors by default: the kit checks what the backend does with each one
+                                # (staged writes are test_byte_exact_through_staging's)
+                                "staging": "never"}
         base.update(overrides)
         return AgentConfig(**base)
 
@@ -580,6 +583,25 @@ class BasicBackendTests(_BackendKit):
         world = World(registry=kit_registry, backend=backend_spec.name, pairs=[(pt, dt)],
                       make_pool=lambda role, tp, r: KVPool(tp, r, role=role.value),
                       config=self.agent_config(backend_options, staging_bytes=0), label="kit-nostaging")
+        try:
+            self.kv_roundtrip(world, faults, pt, dt, _seed(request), split=3)
+        finally:
+            world.close()
+
+    @_pairs("descriptor_tp_pairs")
+    def test_byte_exact_through_staging(self, kit_registry: Registry, backend_spec: BackendSpec,
+                                        backend_options: dict[str, str], faults: FaultInjector,
+                                        pt_dt: tuple[int, int], request: pytest.FixtureRequest) -> None:
+        """The same, with every regular slice staged (``AgentConfig.staging="always"``): each chunk goes as a
+        few large writes from the prefill's staging area into the decode's, scattered on arrival.
+
+        Troubleshooting: see test_byte_exact_delivery; a backend must also write into a registered staging
+        region (the component ``__staging__``) like any other.
+        """
+        pt, dt = pt_dt
+        world = World(registry=kit_registry, backend=backend_spec.name, pairs=[(pt, dt)],
+                      make_pool=lambda role, tp, r: KVPool(tp, r, role=role.value),
+                      config=self.agent_config(backend_options, staging="always"), label="kit-staged")
         try:
             self.kv_roundtrip(world, faults, pt, dt, _seed(request), split=3)
         finally:
