@@ -172,8 +172,10 @@ class PrefillSide(RoomTable[SendRoom]):
         room = self.rooms.get(abort.room)
         ack = Abort(room=abort.room, agent=ctx.name, reason=abort.reason, quiesced=True)
         if room is None:   # nothing was written for it: confirm now, fail the sender if it comes later
-            if abort.room not in self._tombstones and self._peers.get(abort.agent) is None:
-                raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a peer")
+            if self._peers.get(abort.agent) is None:
+                # not (or no longer) a peer: nothing of ours can land in its memory; confirm, change nothing
+                ctx.post(env.address, ack, incarnation=env.incarnation)
+                return
             if abort.room not in self._tombstones:
                 queued = self._early.get(abort.room, (0.0, []))[1]
                 if queued and all(q.agent != abort.agent for q in queued):

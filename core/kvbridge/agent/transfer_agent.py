@@ -239,9 +239,9 @@ class TransferAgent:
 
     # ------------------------------------------------------------------ progress
     def _busy(self) -> bool:
-        """A transfer is under way: frames or notices came within ``BUSY_WINDOW_S``, a prefill write is in
-        flight or queued (CUDA event, staging space), a staged scatter runs, or a decode request's data is
-        awaited (metadata sent within the window, or data arriving)."""
+        """A transfer is under way: frames (not heartbeats) or notices came within ``BUSY_WINDOW_S``, a prefill
+        write is in flight or queued (CUDA event, staging space), a staged scatter runs, or a decode request's
+        data is awaited (metadata sent within the window, or data arriving)."""
         now = time.monotonic()
         if now < self._busy_until:
             return True
@@ -274,8 +274,6 @@ class TransferAgent:
                 peer = self.peers.get(peer_id)
                 if peer is not None and peer.alive:
                     ctx.send_frame(peer.address, notice, "resent notice")
-            if frames:
-                self._busy_until = time.monotonic() + BUSY_WINDOW_S
             for frame in frames:
                 self.handle_frame(frame)
             for _peer, blob in notices:
@@ -325,10 +323,16 @@ class TransferAgent:
 
     def _dispatch(self, env: Envelope, peer: Peer | None) -> None:
         message = env.body
+        if not isinstance(message, Heartbeat):     # heartbeats alone do not make the progress thread poll fast
+            self._busy_until = time.monotonic() + BUSY_WINDOW_S
         if isinstance(message, Hello):
             self.peers.on_hello(message, env)
         elif isinstance(message, Welcome):
             self.peers.on_welcome(message, env)
+        elif isinstance(message, Abort) and peer is None and self.prefill is not None:
+            # a decode we forgot (silent for twice the peer timeout, e.g. a long partition) asks whether our
+            # writes into its room are over: we hold nothing for it any more, so it gets its acknowledgement
+            self.prefill.on_abort(message, env)
         elif peer is None:
             raise Dropped(f"{type(message).__name__} from {env.sender!r}, which is not a peer")
         elif isinstance(message, Heartbeat):
