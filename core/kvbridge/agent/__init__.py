@@ -24,6 +24,7 @@ Modules, one concern each (all internal except the names exported here):
 - ``handles``: ``Sender`` / ``Receiver``, thin over the role objects
 - ``buffers``: registration, byte views, the staging area
 - ``plans``: per (peer, component) slice / buffer-pair / staging-row caches
+- ``layers``: which buffers hold which model layer (layer-wise sends)
 - ``context``: what the parts share (identity, layout, backend, link, codec, lock)
 - ``config``: ``AgentConfig`` and protocol constants
 """
