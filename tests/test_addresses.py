@@ -7,6 +7,7 @@ address of this host); the multi-interface detection across network namespaces i
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -35,12 +36,15 @@ def server() -> Iterator[BootstrapServer]:
 
 
 def _free_port_pair() -> int:
-    """The first port of two consecutive free ports (checked by binding both, then released)."""
-    for _ in range(50):
+    """The first port of two consecutive free ports (checked by binding both, then released), below the
+    kernel's ephemeral range, so that no other socket of a busy host is handed one of them meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
         with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
+            try:
+                a.bind(("127.0.0.1", port))
+            except OSError:
                 continue
             with socket.socket() as b:
                 try:
