@@ -93,7 +93,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         "x the staging throughput")] = None
     staging_piece_bytes: Annotated[int, _doc(
         "a staged write is cut into pieces of at most this much (gather, write and scatter overlap)",
-        gt=0)] = 64 << 20
+        gt=0)] = 256 << 20
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0
