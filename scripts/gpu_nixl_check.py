@@ -54,9 +54,9 @@ def _sync(index: int) -> None:
 def _layout(tp: int, rank: int):
     from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 
-    bufs = tuple(BufferGeometry(name=f"{t}.{l}", num_items=POOL, item_shape=(PAGE, HEADS // tp, HEAD_DIM),
+    bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=POOL, item_shape=(PAGE, HEADS // tp, HEAD_DIM),
                                 dtype=DType.BFLOAT16, shard=ShardAxis(1, HEADS))
-                 for t in "kv" for l in range(LAYERS))
+                 for t in "kv" for layer in range(LAYERS))
     return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp,
                       tp_rank=rank, page_size=PAGE, model="gpu-check")
 

@@ -23,9 +23,9 @@ SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
 
 def kv_layout(tp: int, rank: int, *, page_size: int = P, heads: int = H, model: str = "m") -> PoolLayout:
     local = len(ref.units_held(heads, tp, rank))
-    bufs = tuple(BufferGeometry(name=f"{t}.{l}", num_items=NUM_PAGES, item_shape=(page_size, local, D),
+    bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=NUM_PAGES, item_shape=(page_size, local, D),
                                 dtype=DType.BFLOAT16, shard=ShardAxis(1, heads))
-                 for t in "kv" for l in range(LAYERS))
+                 for t in "kv" for layer in range(LAYERS))
     return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=tp,
                       tp_rank=rank, page_size=page_size, model=model)
 
@@ -347,7 +347,8 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
 
 
 @pytest.mark.parametrize("staging_bytes", [0, 1 << 20])
-def test_staging_collapses_token_rows_into_one_write_per_chunk(make_pair: Callable[..., Pair], staging_bytes: int) -> None:
+def test_staging_collapses_token_rows_into_one_write_per_chunk(make_pair: Callable[..., Pair],
+                                                                staging_bytes: int) -> None:
     pair = make_pair(2, 1, config=AgentConfig(staging_bytes=staging_bytes))
     src_pages, dst_pages = np.array([3, 9, 4, 11]), np.array([14, 2, 7, 1])
     fill(pair, 2, 5, src_pages, np.arange(4))

@@ -167,7 +167,8 @@ def test_the_senders_own_segment_is_never_a_destination() -> None:
         reg = backend.register_buffers("kv", [region_of(src.data)])
         own = msgspec.msgpack.decode(reg.descriptor)[0]
         forged = _forged("evil", _endpoint("evil", b"\0" * 16), [(0x10_0000, SIZE)], _descriptor(tuple(own)))
-        with pytest.raises(PeerDataError, match=rf"segment '{src.shm_name}' .* overlaps memory this backend registered"):
+        overlap = rf"segment '{src.shm_name}' .* overlaps memory this backend registered"
+        with pytest.raises(PeerDataError, match=overlap):
             backend.add_peer(forged)
     finally:
         backend.close()
@@ -322,7 +323,8 @@ def test_a_forged_hello_with_a_traversal_name_decodes_and_is_refused_by_the_back
 
 
 def test_a_forged_hello_with_a_negative_region_is_a_protocol_error() -> None:
-    raw = msgspec.msgpack.decode(Codec(sender="evil").encode(_hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),)),))))
+    hello = _hello((RemoteBuffers("kv", (RegionWire(0x10_0000, SIZE),)),))
+    raw = msgspec.msgpack.decode(Codec(sender="evil").encode(hello))
     raw[-1]["buffers"][0]["regions"][0][1] = -SIZE
     with pytest.raises(ProtocolError, match=r"Hello from 'evil': buffers of 'kv' region 0: .*non-positive length"):
         Codec().decode(msgspec.msgpack.encode(raw))

@@ -120,7 +120,8 @@ def test_kill_decode_rank_mid_transfer_fails_prefill_rooms_within_bound() -> Non
     server = BootstrapServer().start()
     cfg = _one_rank(Role.DECODE, server.address, seed=3, region_pages=8)
     request, layout, pool = _this_side(cfg)
-    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.PREFILL, link=ZmqLink(bootstrap=server.address),
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.PREFILL,
+                          link=ZmqLink(bootstrap=server.address),
                           instance=INSTANCE, config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
     child = _child(cfg)
@@ -148,7 +149,8 @@ def test_kill_prefill_rank_mid_transfer_fails_decode_rooms_within_bound() -> Non
     cfg = _one_rank(Role.PREFILL, server.address, seed=5, region_pages=8, pace_s=30.0)
     request, layout, pool = _this_side(cfg)
     child = _child(cfg)
-    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE, link=ZmqLink(bootstrap=server.address),
+    agent = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,
+                          link=ZmqLink(bootstrap=server.address),
                           config=AgentConfig(peer_timeout_s=1.0, heartbeat_interval_s=0.1))
     agent.start()
     try:

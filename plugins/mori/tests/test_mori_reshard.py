@@ -61,7 +61,8 @@ def test_one_list_form_call_per_component_with_one_entry_per_buffer(monkeypatch:
     assert len(calls) == 1
     lmds, loffs, rmds, roffs, sizes, uids = calls[0]
     assert len(lmds) == len(rmds) == len(uids) == model.buffers and len(set(uids)) == model.buffers
-    assert [md.id for md in lmds] == [md.id for md in src_be._tables.registrations[id(src.registered.handle)].handle.per_region]
+    registered = src_be._tables.registrations[id(src.registered.handle)].handle
+    assert [md.id for md in lmds] == [md.id for md in registered.per_region]
     # offsets are relative to each registered region, and every entry fits its region
     for md, offs, size in zip(rmds, roffs, sizes, strict=True):
         assert max(o + s for o, s in zip(offs, size, strict=True)) <= md.size

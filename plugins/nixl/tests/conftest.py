@@ -12,7 +12,7 @@ _AVAILABLE = kvbridge_nixl.probe()
 if not _AVAILABLE.available:
     pytest.skip(f"nixl unavailable: {_AVAILABLE.reason} ({_AVAILABLE.hint})", allow_module_level=True)
 
-from kvbridge_nixl.backend import NixlBackend
+from kvbridge_nixl.backend import NixlBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ def _shifted(xfer: ComponentTransfer, *, src: int = 0, dst: int = 0) -> Componen
 
 def test_out_of_bounds_refused(pair) -> None:  # type: ignore[no-untyped-def]
     pb, _, src, dst, preg, info, _ = pair
-    src_idx = np.array([0, 19]); dst_idx = np.array([1, 19])
+    src_idx = np.array([0, 19])
+    dst_idx = np.array([1, 19])
     xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 1, b"x")
     assert xfer is not None
     page = dst.pool[0][0].nbytes
