@@ -102,8 +102,14 @@ class Child(TaggedChild):
         return self.proc.poll() is None
 
     def signal(self, sig: int) -> float:
+        """Send ``sig``; returns the monotonic time that bounds its effect conservatively.
+
+        SIGCONT: the time just *before* the signal (the child may run, and act, before ``kill`` returns to us).
+        Any other signal: the time just *after* it (the child may act until then).
+        """
+        before = time.monotonic()
         os.kill(self.pid, sig)
-        return time.monotonic()
+        return before if sig == signal.SIGCONT else time.monotonic()
 
     def kill9(self) -> float:
         """SIGKILL and reap; returns the monotonic time of the kill."""
