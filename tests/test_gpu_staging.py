@@ -173,6 +173,13 @@ def test_cuda_pages_are_byte_exact_without_a_device_synchronize(make_world: Call
     assert no_device_sync == []
     if mode == "always":
         assert all(a.staging is not None and a.staging.free_bytes == 64 << 20 for a in world.prefill)
+        for a in world.prefill + world.decode:        # one kernel per piece, not one per buffer
+            assert _batched(a), f"{a.name} gathered or scattered buffer by buffer"
+
+
+def _batched(agent: TransferAgent) -> bool:
+    span = agent.buffers.span("kv")
+    return span is not None and any(index is not None for index in span._index.values())
 
 
 @pytest.mark.parametrize("kind, pt, dt", [(ref.TOKEN_MAJOR, 1, 1), (ref.TOKEN_MAJOR, 2, 1), (ref.HEAD_MAJOR, 1, 2)])
@@ -183,6 +190,46 @@ def test_cuda_layerwise_sends_are_byte_exact(make_world: Callable[..., World], k
     world = make_world(kind, pt, dt, config)
     _run(world, 4, layerwise=True)
     assert no_device_sync == []
+    if mode == "always":
+        assert all(_batched(a) for a in world.prefill + world.decode)
+
+
+def test_span_over_separate_cuda_allocations_matches_the_per_buffer_path() -> None:
+    """The CUDA view over several torch allocations (with gaps between them) gathers and scatters exactly what
+    the per-buffer kernels do, and never writes the gaps."""
+    from kvbridge.spans import BufferSpan
+    from kvbridge.staging import Rows, gather_rows, scatter_rows
+
+    item = 4096
+    bufs = [torch.randint(0, 256, (64, item), dtype=torch.uint8, device=PREFILL_DEV) for _ in range(6)]
+    spacer = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=PREFILL_DEV) for _ in range(3)]
+    guard = [s.clone() for s in spacer]
+    items = torch.tensor([5, 1, 63, 20], dtype=torch.int64, device=PREFILL_DEV)
+    for rows in (Rows(rows=1, cols=item, src_stride=item, dst_stride=item, src_col=0, dst_col=0),
+                 Rows(rows=16, cols=128, src_stride=256, dst_stride=256, src_col=128, dst_col=128)):
+        span = BufferSpan(bufs)
+        order = [3, 0, 5, 1]
+        index = span.run_index(buffers=order, rows=rows, side="src")
+        assert index is not None
+        staged = torch.zeros(len(order) * 4 * rows.nbytes, dtype=torch.uint8, device=PREFILL_DEV)
+        index.gather(items, staged)
+        want = torch.zeros_like(staged)
+        cursor = 0
+        for b in order:
+            gather_rows(bufs[b], rows, items.cpu().numpy(), want[cursor: cursor + 4 * rows.nbytes].view(4, -1))
+            cursor += 4 * rows.nbytes
+        assert torch.equal(staged, want)
+        before = [b.clone() for b in bufs]
+        noise = torch.randint(0, 256, staged.shape, dtype=torch.uint8, device=PREFILL_DEV)
+        back = span.run_index(buffers=order, rows=rows, side="dst")
+        assert back is not None
+        back.scatter(items, noise)
+        cursor = 0
+        for b in order:
+            scatter_rows(before[b], rows, items.cpu().numpy(), noise[cursor: cursor + 4 * rows.nbytes].view(4, -1))
+            cursor += 4 * rows.nbytes
+        assert all(torch.equal(x, y) for x, y in zip(bufs, before))
+    assert all(torch.equal(s, g) for s, g in zip(spacer, guard))
 
 
 def test_auto_stages_scattered_cuda_pages(make_world: Callable[..., World]) -> None:

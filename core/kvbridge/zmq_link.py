@@ -707,11 +707,14 @@ class ZmqLink:
         with self._recv_lock:
             if timeout_s > 0 and not self._poller.poll(max(1, math.ceil(timeout_s * 1000))):
                 return out   # (poll takes whole milliseconds: never round a short wait down to a spin)
-            while True:
+            # ask the socket first: a progress loop polls this thousands of times a second, and a failed
+            # NOBLOCK recv costs a raised exception each time
+            while int(self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
                     out.append(self._pull.recv(zmq.NOBLOCK))
                 except zmq.Again:
-                    return out
+                    break
+            return out
 
     # ---------------------------------------------------------------- discovery
     def publish(self, instance: str, tp_size: int, rank: int) -> None:

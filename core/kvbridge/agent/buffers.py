@@ -12,6 +12,7 @@ from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBac
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
 from kvbridge.registry import Registry
+from kvbridge.spans import BufferSpan
 from kvbridge.staging import STAGING, CudaStager, StagingArea, device_view, host_view, is_cuda
 
 log = logging.getLogger("kvbridge.agent")
@@ -32,6 +33,19 @@ class LocalBuffers:
         self.staging_registration: RegisteredBuffers | None = None
         self._keepalive: list[Any] = []      # registered memory must outlive the registration
         self._stager: CudaStager | None = None     # on the device of the first CUDA component
+        self._spans: dict[str, BufferSpan | None] = {}
+
+    def span(self, component: str) -> BufferSpan | None:
+        """Every buffer of a CUDA component as one tensor (batched gathers and scatters), else None."""
+        if component not in self._spans:
+            found = None
+            if self.is_cuda(component):
+                try:
+                    found = BufferSpan(self.views[component])
+                except Exception as exc:  # noqa: BLE001 - the per-buffer path still works
+                    log.warning("component %s: no batched staging (%s); one kernel per buffer", component, exc)
+            self._spans[component] = found
+        return self._spans[component]
 
     def stager(self) -> CudaStager | None:
         """This agent's CUDA stream for gathers, scatters and engine events (None for host memory)."""

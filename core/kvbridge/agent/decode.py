@@ -310,13 +310,20 @@ class DecodeSide(RoomTable[RecvRoom]):
                                 f"[{layers.start}, {layers.stop}) at {notice.offset} is outside the {nbytes} B "
                                 "reserved")
         items = dst[notice.first: notice.first + notice.count]
+        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
+        span = ctx.buffers.span(notice.component) if stager is not None and plan.uniform is not None else None
+        batched = None if span is None or plan.uniform is None else span.run_index(
+            buffers=plan.layers.buffers(layers), rows=plan.uniform, side="dst")
+        if stager is not None and batched is not None:     # one kernel for every buffer of the piece
+            where = stager.to_device(items)
+            staged = staging.view(offset + notice.offset, 1, size).view(-1)
+            return stager.run(lambda: batched.scatter(where[0], staged)), [where, batched]
         views = ctx.buffers.views[notice.component]
         parts, cursor = [], offset + notice.offset
         for b in plan.layers.buffers(layers):
             r = plan.rows[b]
             parts.append((b, staging.view(cursor, notice.count, r.nbytes)))
             cursor += notice.count * r.nbytes
-        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
         if stager is None:
             for b, part in parts:
                 scatter_rows(views[b], plan.rows[b], items, part)

@@ -39,6 +39,7 @@ class StagePlan:
     rows: tuple[Rows, ...]           # per buffer index
     layers: LayerMap
     layer_bytes: tuple[int, ...]     # staged bytes of one item in each layer
+    uniform: Rows | None = None      # the run pattern of every buffer when they share one (batched CUDA copies)
 
     @property
     def per_item(self) -> int:
@@ -142,7 +143,8 @@ class PlanCache:
             plan = None
             if rows is not None:
                 lm = self.layers(comp_index)
-                plan = StagePlan(rows=rows, layers=lm, layer_bytes=tuple(
+                plan = StagePlan(rows=rows, layers=lm, uniform=rows[0] if len(set(rows)) == 1 else None,
+                                 layer_bytes=tuple(
                     sum(rows[b].nbytes for b in lm.layer_buffers(layer)) for layer in range(lm.num_layers)))
             self._stage[key] = plan
         return self._stage[key]

@@ -248,14 +248,23 @@ class Poster:
         plan = self._plans.stage_plan_for(peer, piece.comp_index, self._plans.slice_for(peer, piece.comp_index),
                                           ctx.layout, peer.layout)
         assert plan is not None
-        views = ctx.buffers.views[comp.name]
         n = len(piece.src)
+        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
+        span = ctx.buffers.span(comp.name) if stager is not None and plan.uniform is not None else None
+        batched = None if span is None or plan.uniform is None else span.run_index(
+            buffers=piece.buffers, rows=plan.uniform, side="src")
+        if stager is not None and batched is not None:     # one kernel for every buffer of the piece
+            items = stager.to_device(piece.src)
+            staged = staging.view(p.local[0], 1, piece.nbytes).view(-1)
+            p.keep = [items, batched]
+            p.gathered = stager.run(lambda: batched.gather(items[0], staged), after=p.after)
+            return
+        views = ctx.buffers.views[comp.name]
         outs, cursor = [], p.local[0]
         for b in piece.buffers:
             size = plan.rows[b].nbytes
             outs.append((b, staging.view(cursor, n, size)))
             cursor += n * size
-        stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
         if stager is None:
             for b, out in outs:
                 gather_rows(views[b], plan.rows[b], piece.src, out)

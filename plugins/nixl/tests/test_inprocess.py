@@ -211,3 +211,26 @@ def test_derive_side_matches_given_item_sizes() -> None:
         assert told.item_nbytes.tolist() == given
         if n > 1:
             assert derived.item_nbytes.tolist() == given and derived.count.tolist() == told.count.tolist()
+
+
+def test_contiguous_pages_post_the_merged_plan(pair) -> None:  # type: ignore[no-untyped-def]
+    """Adjacent pages on both sides merge into one descriptor per buffer; NIXL gets those, not one
+    descriptor per page (prepped lists never merge), and the bytes are the reference's."""
+    pb, db, src, dst, preg, info, full = pair
+    src_idx, dst_idx = np.arange(2, 14, dtype=np.int64), np.arange(6, 18, dtype=np.int64)
+    xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", src_idx, dst_idx, 4, b"merged")
+    assert xfer is not None and len(xfer.plan) == len(dst.pool)       # one run per buffer
+    handle = pb.send_component(xfer)
+    assert handle.ndesc == len(xfer.plan)
+    wait_notices(db, {("prefill-0", b"merged")}, [(pb, handle)])
+    wait_done(pb, [handle])
+    pb.release(handle)
+    assert same_bytes(dst.pool, expected_decode(full, 1, 0, src_idx, dst_idx))
+    scattered_src, scattered_dst = request_pages(8, 12)
+    xfer = make_transfer(src, dst, preg, info.component("kv"), "decode-0", scattered_src, scattered_dst, 5, b"paged")
+    assert xfer is not None
+    handle = pb.send_component(xfer)
+    assert handle.ndesc > len(dst.pool)                                # scattered pages stay prepped
+    wait_notices(db, {("prefill-0", b"paged")}, [(pb, handle)])
+    wait_done(pb, [handle])
+    pb.release(handle)

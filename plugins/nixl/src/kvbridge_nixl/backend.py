@@ -56,6 +56,7 @@ log = logging.getLogger("kvbridge.nixl")
 _MEM_TYPE = {DeviceKind.CPU: "DRAM", DeviceKind.CUDA: "VRAM", DeviceKind.ROCM: "VRAM"}
 _AGENT_SEP = "#"          # agent name = endpoint name + "#" + random suffix (unique per instance)
 _PATTERN_CACHE = 256      # segment tuples remembered by identity
+MERGE_GAIN = 4            # post the merged plan when it has this many times fewer descriptors than items
 
 
 def _load_api() -> Any:
@@ -276,6 +277,10 @@ class NixlBackend:
         except Exception as exc:  # noqa: BLE001 - NIXL refused to prepare a dlist
             return self._failed(peer, "prep_xfer_dlist", exc)
         local_idx = indices(local.starts, pattern.groups, src_items)
+        if len(transfer.plan) * MERGE_GAIN <= local_idx.size:
+            # the planner merged adjacent runs (contiguous pages: one descriptor per buffer); prepped lists
+            # index one descriptor per item, and NIXL does not merge them: post the merged plan instead
+            return self._post_listed(peer, transfer)
         remote_idx = indices(remote.starts, pattern.groups, dst_items)
         # Prepped (prep once, index per request), never initialize_xfer here: initialize_xfer builds, checks
         # and resolves every descriptor against the registrations on each call, a per-request CPU cost that

@@ -1,0 +1,46 @@
+"""Profiling probe for issue 14 (not a benchmark): 128-token request latency per staging mode, or a 1 GiB
+same-TP sweep; run under py-spy to see where a request's fixed cost goes.
+
+    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
+    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda sweep 10
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from kvbridge import bench_transfer as bt
+from kvbridge.zmq_link import BootstrapServer
+
+
+def main() -> None:
+    device, what, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["auto"]
+    plugins = tuple(p for p in os.environ.get("PROBE_PLUGINS", "").split(",") if p)
+    poll = float(os.environ.get("PROBE_POLL_S", "0"))
+    dev, _why = bt.detect_device(device)
+    backend = bt.choose_backend(None, dev, plugins)
+    if what == "sweep":
+        opts = bt.Options(device=device, sizes=(1 << 30,), tp_pairs=((1, 1),), layouts=("token-major",),
+                          page_tokens=(16,), repeats=count, latency_requests=20, staging_mib=1200, plugins=plugins)
+        print(bt.format_report(bt.run(opts)), flush=True)
+        return
+    for mode in modes:
+        opts = bt.Options(device=device, staging_mode=mode, staging_mib=64, latency_requests=count, plugins=plugins)
+        r = dataclasses.replace(bt.resolve_options(opts, dev, backend), poll_s=poll)
+        server = BootstrapServer().start()
+        ranks = bt.Ranks(r, 1, 1, bt._devices(dev), plugins, 120)
+        try:
+            res = bt.Bench(r, ranks, server.address, sys.stdout).latency(count)
+        finally:
+            ranks.close()
+            server.close()
+        keys = ("p50_ms", "p99_ms", "bound_ms", "raw_transfer_ms", "control_rtt_ms", "error", "failed")
+        print(mode, json.dumps({k: res.get(k) for k in keys}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
