@@ -18,7 +18,7 @@ from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
-PROTOCOL_VERSION = 3                # 3: notices name layers and staged offsets; chunk = per-component sequence
+PROTOCOL_VERSION = 4                # 4: staging rings (reservation sizes, credits); 3: layers and staged offsets
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
@@ -93,6 +93,9 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
     prefix_len: int = 0
     #: staging fast path: component -> {prefill rank: byte offset reserved for it in our staging area}
     staging: dict[str, dict[int, int]] = {}
+    #: component -> {prefill rank: bytes reserved at that offset} where that is less than the whole slice: a
+    #: ring the sender reuses piece by piece, as :class:`Credit` frees its slots (absent: the whole slice)
+    staging_bytes: dict[str, dict[int, int]] = {}
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
@@ -115,6 +118,16 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unk
     offset: int = 0         # staged: where, in bytes inside the receiver's reservation for (sender, component)
     layer_first: int = 0
     layer_count: int = 0    # 0: every layer of the component
+
+
+class Credit(msgspec.Struct, frozen=True, kw_only=True, tag="credit", forbid_unknown_fields=True):
+    """Decode -> prefill rank: the staged piece ``chunk`` of ``component`` was scattered out of the ring, so
+    the slot it used may be written again. Naming the piece makes a duplicate or a replay harmless."""
+
+    room: int
+    agent: str
+    component: str
+    chunk: int
 
 
 class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid_unknown_fields=True):
@@ -152,7 +165,7 @@ class Goodbye(msgspec.Struct, frozen=True, kw_only=True, tag="goodbye", forbid_u
     agent: str
 
 
-Message = Hello | Welcome | TransferRequest | Notice | StatusPush | Abort | Heartbeat | Goodbye
+Message = Hello | Welcome | TransferRequest | Notice | Credit | StatusPush | Abort | Heartbeat | Goodbye
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, kw_only=True):

@@ -22,7 +22,7 @@ from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
 from kvbridge.staging import dest_index, scatter_rows, should_stage
-from kvbridge.wire import Abort, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
+from kvbridge.wire import Abort, Credit, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -96,6 +96,7 @@ class RecvRoom:
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
     staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
+    rings: set[Key] = field(default_factory=set)       # reservations smaller than the slice: credits free slots
 
 
 class DecodeSide(RoomTable[RecvRoom]):
@@ -199,6 +200,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         src_layout = next(iter(peers.values())).layout
         staging_area = ctx.buffers.staging
         staging: dict[str, dict[int, int]] = {}
+        rings: dict[str, dict[int, int]] = {}
         mode = ctx.config.staging
         for comp_index, comp in enumerate(ctx.layout.components):
             dst_items = room.indices[comp.name] = indices[comp.name].unpack()
@@ -214,14 +216,18 @@ class DecodeSide(RoomTable[RecvRoom]):
                 plan = self._plans.stage_plan_for(peer, comp_index, segs, src_layout, ctx.layout)
                 if (plan is not None and staging_area is not None and n_items
                         and should_stage(plan.rows, dst_items, mode=mode, below_bytes=self._plans.stage_below_bytes())):
-                    nbytes = plan.per_item * n_items
-                    offset = staging_area.alloc(nbytes)
-                    if offset is not None:           # full: plain descriptors for this one
+                    whole = plan.per_item * n_items
+                    found = _reserve(staging_area, whole, plan, ctx.config.staging_piece_bytes)
+                    if found is not None:            # none: plain descriptors for this one
+                        offset, nbytes = found
                         staging.setdefault(comp.name, {})[rank] = offset
                         room.staged[key] = (offset, nbytes, plan)
+                        if nbytes < whole:
+                            rings.setdefault(comp.name, {})[rank] = nbytes
+                            room.rings.add(key)
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
-                                  staging=staging)
+                                  staging=staging, staging_bytes=rings)
         room.metadata_at = time.monotonic()
         for peer in peers.values():
             self._peers.post(peer, request)
@@ -256,6 +262,11 @@ class DecodeSide(RoomTable[RecvRoom]):
                              f"[{notice.layer_first}, {notice.layer_first + notice.layer_count}) of a component "
                              f"with {covered.layers}")
             return
+        busy = self._slot_in_use(room, key, notice, layers) if notice.staged and key in room.rings else None
+        if busy is not None:
+            self._fail(room, f"prefill rank {notice.sender} wrote {notice.component} piece {notice.chunk} into the "
+                             f"ring slot of piece {busy}, whose scatter had not finished (no credit was sent)")
+            return
         pending = self._scatter(room, notice, layers) if notice.staged else None
         seen.add(notice.chunk)
         room.status = KVPoll.Transferring
@@ -263,7 +274,31 @@ class DecodeSide(RoomTable[RecvRoom]):
             room.scattering.append(Scatter(key=key, notice=notice, event=pending[0], keep=pending[1]))
             self._scattering.add(room.room)
             return
+        if notice.staged and key in room.rings:
+            self._credit(room, notice)
         self._count(room, key, notice, layers)
+
+    def _slot_in_use(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> int | None:
+        """The chunk of a piece still being scattered from the bytes this staged notice's piece overwrote."""
+        plan = room.staged[key][2]
+        lo, hi = notice.offset, notice.offset + notice.count * plan.span(layers)
+        for item in room.scattering:
+            other = item.notice
+            if item.key != key:
+                continue
+            o_layers = _layers_of(other, room.covered[key].layers) or range(0)
+            o_lo = other.offset
+            if lo < o_lo + other.count * plan.span(o_layers) and o_lo < hi:
+                return other.chunk
+        return None
+
+    def _credit(self, room: RecvRoom, notice: Notice) -> None:
+        """Tell the prefill rank that a staged piece left its ring slot."""
+        agent = room.targets.get(notice.sender)
+        peer = self._peers.get(agent) if agent is not None else None
+        if peer is not None and peer.alive:
+            self._peers.post(peer, Credit(room=room.room, agent=self._ctx.name, component=notice.component,
+                                          chunk=notice.chunk))
 
     def _count(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> None:
         """A notice's bytes sit in their items: cover them, and see whether the room is complete."""
@@ -356,6 +391,9 @@ class DecodeSide(RoomTable[RecvRoom]):
             finished = [item.event.query() for item in room.scattering]
             done = [item for item, f in zip(room.scattering, finished) if f]
             room.scattering = [item for item, f in zip(room.scattering, finished) if not f]
+            for item in done:
+                if item.key in room.rings and room.status is not KVPoll.Failed:
+                    self._credit(room, item.notice)
             if room.status not in (KVPoll.Failed, KVPoll.Success):
                 for item in done:
                     layers = _layers_of(item.notice, room.covered[item.key].layers)
@@ -474,3 +512,17 @@ def _layers_of(notice: Notice, layers: int) -> range | None:
         return range(0, layers)
     stop = notice.layer_first + notice.layer_count
     return range(notice.layer_first, stop) if stop <= layers else None
+
+
+def _reserve(area: Any, whole: int, plan: StagePlan, piece_bytes: int) -> tuple[int, int] | None:
+    """Staging space for one (prefill rank, component) slice: all of it when it fits, else a ring of four,
+    then two pieces, that the sender reuses as credits come back; (offset, bytes) or None when nothing fits.
+    A ring holds at least two items of the largest layer (a piece is never smaller than one)."""
+    offset = area.alloc(whole)
+    if offset is not None:
+        return offset, whole
+    piece = max(min(piece_bytes, whole), 2 * max(plan.layer_bytes, default=1))
+    for size in (4 * piece, 2 * piece):
+        if size < whole and (offset := area.alloc(size)) is not None:
+            return offset, size
+    return None

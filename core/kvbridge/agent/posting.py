@@ -23,7 +23,7 @@ import numpy as np
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
-from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom
+from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
 from kvbridge.errors import GeometryError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
@@ -47,6 +47,7 @@ class Write:
     dst: np.ndarray
     first: int | None
     staged_at: int | None
+    ring_bytes: int | None = None       # the reservation at ``staged_at`` is a ring of this many bytes
 
 
 def _position_in(dst_all: np.ndarray, d_idx: np.ndarray) -> int | None:
@@ -115,7 +116,8 @@ class Poster:
                 s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
                 first = _coverage_start(dst_all, d_idx, f"room {room.room} {comp.name}")
             writes.append(Write(peer=peer, comp_index=comp_index, segs=segs, src=s_idx, dst=d_idx, first=first,
-                                 staged_at=req.staging.get(comp.name, {}).get(ctx.layout.tp_rank)))
+                                 staged_at=req.staging.get(comp.name, {}).get(ctx.layout.tp_rank),
+                                 ring_bytes=req.staging_bytes.get(comp.name, {}).get(ctx.layout.tp_rank)))
         return writes
 
     # ------------------------------------------------------------------ posting
@@ -184,24 +186,48 @@ class Poster:
         plan = self._plans.stage_plan_for(peer, write.comp_index, write.segs, ctx.layout, peer.layout)
         if plan is None:
             return False
+        comp = ctx.layout.components[write.comp_index]
+        largest = max(plan.layer_bytes[layer] for layer in group)
         limit = min(ctx.config.staging_piece_bytes, staging.nbytes)
-        if max(plan.layer_bytes[layer] for layer in group) > limit:
+        ring = None
+        if write.ring_bytes is not None:
+            ring = self._ring(room, peer.agent, comp.name, write.staged_at, write.ring_bytes, limit, largest)
+            if ring is None:
+                return False                   # the ring cannot hold one item of one layer
+            limit = ring.slot_bytes
+        if largest > limit:
             return False                       # one item of one layer does not fit a piece
         pieces = _cut(plan, write, group, limit)
         local = staging.alloc(pieces[0].nbytes)
         if local is None:
             return False                       # our staging area is full: plain descriptors, the notice says so
-        comp = ctx.layout.components[write.comp_index]
         for i, piece in enumerate(pieces):
             notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name,
                             chunk=room.next_seq(peer.agent, comp.name), last=last and i == len(pieces) - 1,
                             nbytes=piece.nbytes, first=write.first + piece.start, count=len(piece.src),
                             staged=True, offset=piece.remote_offset - write.staged_at,
                             layer_first=piece.layers.start, layer_count=len(piece.layers))
-            frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
+            frame = b"" if ring is not None else ctx.codec.encode(notice, to=peer.address,
+                                                                  to_incarnation=peer.incarnation)
             room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, piece=piece, after=after,
-                                        local=(local, piece.nbytes) if i == 0 else None))
+                                        local=(local, piece.nbytes) if i == 0 else None, ring=ring))
         return True
+
+    @staticmethod
+    def _ring(room: SendRoom, agent: str, component: str, base: int, ring_bytes: int, limit: int,
+              largest: int) -> StagingRing | None:
+        """The peer's ring for this component (made on first use: two slots or more when they hold a piece
+        of at least one item of the largest layer, else one slot of the whole reservation)."""
+        found = room.rings.get((agent, component))
+        if found is None:
+            slot = min(limit, ring_bytes // 2)
+            if slot < largest:
+                slot = ring_bytes
+            if slot < largest or slot <= 0:
+                return None
+            found = room.rings[(agent, component)] = StagingRing(base=base, slot_bytes=slot,
+                                                                 slots=[None] * (ring_bytes // slot))
+        return found if found.slot_bytes >= largest else None
 
     def pump(self, room: SendRoom) -> None:
         """Move the room's queued writes on: allocate staging for pieces (in order, while there is room),
@@ -219,6 +245,8 @@ class Poster:
             if p.piece is not None and p.local is not None and p.gathered is None:
                 self._gather(room, p)
         while room.pending and _ready(room.pending[0]):
+            if room.pending[0].ring is not None and not self._place(room.pending[0]):
+                break                          # every ring slot still holds a piece the peer has not scattered
             p = room.pending.popleft()
             try:
                 self._post_pending(room, p)
@@ -226,6 +254,21 @@ class Poster:
                 if p.local is not None and staging is not None:
                     staging.free(*p.local)
                 raise
+
+    def _place(self, p: Pending) -> bool:
+        """Give a ring piece a free slot and encode its notice with that offset; False when none is free."""
+        assert p.ring is not None and p.piece is not None
+        peer = self._peers.get(p.peer)
+        if peer is None:
+            return True                        # the peer is gone: posting drops the piece
+        offset = p.ring.take(p.notice.chunk)
+        if offset is None:
+            return False
+        p.piece.remote_offset = p.ring.base + offset
+        p.notice = _with(p.notice, offset=offset)
+        p.frame = self._ctx.codec.encode(p.notice, to=peer.address, to_incarnation=peer.incarnation)
+        p.ring = None
+        return True
 
     def drop(self, room: SendRoom) -> None:
         """The room failed: forget its queued writes, once no queued gather still reads or writes memory."""

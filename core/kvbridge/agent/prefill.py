@@ -19,7 +19,7 @@ from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
 from kvbridge.slicing import served_ranks
-from kvbridge.wire import Abort, Envelope, KVPoll, StatusPush, TransferRequest
+from kvbridge.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -188,6 +188,17 @@ class PrefillSide(RoomTable[SendRoom]):
         self._fail(room, f"aborted by decode {abort.agent}: {abort.reason}")
         room.must_confirm[abort.agent] = (env.address, env.incarnation)
         self._active.add(room.room)
+
+    def on_credit(self, credit: Credit, env: Envelope) -> None:
+        """A decode rank scattered a staged piece out of its ring: that slot may take the next piece."""
+        room = self.rooms.get(credit.room)
+        if room is None:
+            return                             # the room ended: its ring went with it
+        if credit.agent != env.sender or credit.agent not in room.requests:
+            raise Dropped(f"credit for room {credit.room} from {env.sender!r}, which is not a participant")
+        ring = room.rings.get((credit.agent, credit.component))
+        if ring is not None and ring.release(credit.chunk) and room.pending:
+            self._active.add(room.room)        # the progress loop posts what waited for the slot
 
     def _accept_request(self, room: SendRoom, req: TransferRequest) -> None:
         if room.status is KVPoll.Failed:

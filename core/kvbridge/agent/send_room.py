@@ -39,6 +39,32 @@ class Piece:
 
 
 @dataclass(slots=True, kw_only=True)
+class StagingRing:
+    """A peer's staging reservation smaller than the slice it receives: ``len(slots)`` slots of ``slot_bytes``
+    at ``base``, each holding the chunk number of the piece written into it until that piece's credit."""
+
+    base: int                                  # offset of the reservation in the peer's staging area
+    slot_bytes: int
+    slots: list[int | None]
+
+    def take(self, chunk: int) -> int | None:
+        """The reservation-relative offset of a free slot, now holding ``chunk``; None when all are busy."""
+        for i, held in enumerate(self.slots):
+            if held is None:
+                self.slots[i] = chunk
+                return i * self.slot_bytes
+        return None
+
+    def release(self, chunk: int) -> bool:
+        """Free the slot of ``chunk``; False when no slot holds it (a duplicate or stale credit)."""
+        for i, held in enumerate(self.slots):
+            if held == chunk:
+                self.slots[i] = None
+                return True
+        return False
+
+
+@dataclass(slots=True, kw_only=True)
 class Pending:
     """A write not posted yet: a plain one waiting for the engine's CUDA work (``after``), or a staged piece
     waiting for space in our staging area, then for its gather."""
@@ -52,6 +78,7 @@ class Pending:
     local: tuple[int, int] | None = None       # (offset, bytes) of our staging area, once allocated
     gathered: Any = None                       # the gather's CUDA event, or True once done on the host
     keep: list[Any] = field(default_factory=list)   # device tensors the queued gather still reads
+    ring: StagingRing | None = None            # the peer's ring: the piece waits for a slot, offset set then
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,6 +108,7 @@ class SendRoom:
     #                                                                          (address, incarnation)
     nbytes: int = 0
     descriptors: int = 0
+    rings: dict[tuple[str, str], StagingRing] = field(default_factory=dict)    # (decode agent, component)
 
     @property
     def busy(self) -> bool:

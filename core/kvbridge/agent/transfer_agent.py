@@ -31,6 +31,7 @@ from kvbridge.staging import StagingArea
 from kvbridge.wire import (
     Abort,
     Codec,
+    Credit,
     Envelope,
     Goodbye,
     Heartbeat,
@@ -351,6 +352,10 @@ class TransferAgent:
         elif isinstance(message, Notice):
             if self.decode is not None:
                 self.decode.on_notice(message, env)
+        elif isinstance(message, Credit):
+            if self.prefill is None:
+                raise ProtocolError(f"{self.name} is a decode rank and got a staging credit from {message.agent}")
+            self.prefill.on_credit(message, env)
         elif isinstance(message, StatusPush):
             if self.decode is not None:
                 self.decode.on_status(message, env)
