@@ -9,10 +9,10 @@ says so, and no step may take more than ``--timeout`` (90 s), so the whole run s
 
 1. ``kvbridge bench transfer`` on the GPUs (prefill ranks on GPU 0, decode ranks on GPU 1, NIXL VRAM): the
    issue's "before" cases first (4 GiB requests of a 32-layer GQA pool, 16-token token-major pages: same TP
-   contiguous and scattered, prefill TP 2 -> decode TP 1 scattered with a 5 GiB staging area as measured
-   before), the sweep (1 GiB requests, 16- and 64-token pages, TP 1-1, 2-1, 1-2, 4-2, token- and head-major,
-   scattered, + contiguous for 1-1), 128-token latency, layer-wise streaming, and last TP 2 -> 1 with staging
-   off (4.2M per-token descriptors).
+   contiguous and scattered, prefill TP 2 -> decode TP 1 scattered with ``--staging-mib`` of staging (5 GiB
+   when not given, as measured before; a smaller area stages through rings), the sweep (1 GiB requests,
+   16- and 64-token pages, TP 1-1, 2-1, 1-2, 4-2, token- and head-major, scattered, + contiguous for 1-1),
+   128-token latency, layer-wise streaming, and last TP 2 -> 1 with staging off (4.2M per-token descriptors).
 2. ``kvbridge_nixl.bench`` two-process GPU 0 -> GPU 1, 64 layers x 255 pages of 32 KiB: 1 GiB as one
    descriptor and as 32,640 scattered ones (the issue's first two rows).
 3. ``gpu-before-after.md``: the issue's table, today's numbers next to the new ones, and the goals.
@@ -58,7 +58,7 @@ def issue_cases(dry: bool, staging_bytes: int | None) -> tuple[tuple[bt.Case, ..
              bt.Case(**common, prefill_tp=1, decode_tp=1, placement="scattered", label="same TP scattered",
                      staging_bytes=staging_bytes),
              bt.Case(**common, prefill_tp=2, decode_tp=1, placement="scattered",
-                     staging_bytes=(5 * GIB) if not dry else (64 << 20), label="TP 2->1 staged"))
+                     staging_bytes=staging_bytes or ((5 * GIB) if not dry else (64 << 20)), label="TP 2->1 staged"))
     last = (bt.Case(**{**common, "repeats": 1}, prefill_tp=2, decode_tp=1, placement="scattered", staging_bytes=0,
                     warmup=False, label="TP 2->1 per-token"),)
     return first, last

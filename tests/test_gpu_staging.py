@@ -70,7 +70,7 @@ class World:
 def make_world() -> Iterator[Callable[..., World]]:
     made: list[TransferAgent] = []
 
-    def make(kind: str, pt: int, dt: int, config: AgentConfig) -> World:
+    def make(kind: str, pt: int, dt: int, config: AgentConfig, decode_config: AgentConfig | None = None) -> World:
         hub, registry = LocalHub(), Registry.build(plugins=[kvbridge_nixl])
         src = [tensors(kind, pt, r, PREFILL_DEV) for r in range(pt)]
         dst = [tensors(kind, dt, r, DECODE_DEV) for r in range(dt)]
@@ -78,7 +78,8 @@ def make_world() -> Iterator[Callable[..., World]]:
                              registry=registry, link=hub.link(f"p{r}"), instance="gpu", config=config)
                for r in range(pt)]
         dec = [TransferAgent(layout=layout_of(kind, dt, r), buffers={"kv": dst[r]}, role=Role.DECODE, backend="nixl",
-                             registry=registry, link=hub.link(f"d{r}"), config=config) for r in range(dt)]
+                             registry=registry, link=hub.link(f"d{r}"), config=decode_config or config)
+               for r in range(dt)]
         made.extend(pre + dec)
         for a in pre + dec:
             a.start(0.0005)
@@ -230,6 +231,20 @@ def test_span_over_separate_cuda_allocations_matches_the_per_buffer_path() -> No
             cursor += 4 * rows.nbytes
         assert all(torch.equal(x, y) for x, y in zip(bufs, before))
     assert all(torch.equal(s, g) for s, g in zip(spacer, guard))
+
+
+@pytest.mark.parametrize("kind, pt, dt", [(ref.TOKEN_MAJOR, 1, 1), (ref.TOKEN_MAJOR, 2, 1), (ref.HEAD_MAJOR, 1, 2)])
+def test_cuda_staging_ring_is_byte_exact(make_world: Callable[..., World], kind: str, pt: int, dt: int,
+                                         no_device_sync: list[str]) -> None:
+    """The decode's 4 MiB area cannot hold the request's slice: a ring of 1 MiB slots, reused on credits
+    sent when each scatter's event completed."""
+    pre = AgentConfig(staging="always", staging_bytes=64 << 20, staging_piece_bytes=1 << 20)
+    dec = AgentConfig(staging="always", staging_bytes=4 << 20, staging_piece_bytes=1 << 20)
+    world = make_world(kind, pt, dt, pre, dec)
+    receivers = _run(world, 5)
+    assert no_device_sync == []
+    assert all(r.nbytes > (4 << 20) for r in receivers) or pt > dt
+    assert all(_batched(a) for a in world.prefill + world.decode)
 
 
 def test_auto_stages_scattered_cuda_pages(make_world: Callable[..., World]) -> None:

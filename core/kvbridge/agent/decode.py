@@ -217,7 +217,8 @@ class DecodeSide(RoomTable[RecvRoom]):
                 if (plan is not None and staging_area is not None and n_items
                         and should_stage(plan.rows, dst_items, mode=mode, below_bytes=self._plans.stage_below_bytes())):
                     whole = plan.per_item * n_items
-                    found = _reserve(staging_area, whole, plan, ctx.config.staging_piece_bytes)
+                    found = _reserve(staging_area, whole, plan, ctx.config.staging_piece_bytes,
+                                     len(peers) - list(peers).index(rank))
                     if found is not None:            # none: plain descriptors for this one
                         offset, nbytes = found
                         staging.setdefault(comp.name, {})[rank] = offset
@@ -514,15 +515,18 @@ def _layers_of(notice: Notice, layers: int) -> range | None:
     return range(notice.layer_first, stop) if stop <= layers else None
 
 
-def _reserve(area: Any, whole: int, plan: StagePlan, piece_bytes: int) -> tuple[int, int] | None:
-    """Staging space for one (prefill rank, component) slice: all of it when it fits, else a ring of four,
-    then two pieces, that the sender reuses as credits come back; (offset, bytes) or None when nothing fits.
-    A ring holds at least two items of the largest layer (a piece is never smaller than one)."""
+def _reserve(area: Any, whole: int, plan: StagePlan, piece_bytes: int, share: int) -> tuple[int, int] | None:
+    """Staging space for one (prefill rank, component) slice: all of it when it fits, else a ring of up to
+    four pieces (no more than the free space over the ``share`` slices of the request still to place), then
+    of two, that the sender reuses as credits come back; (offset, bytes) or None when nothing fits. A ring
+    holds at least two items of the largest layer (a piece is never smaller than one)."""
     offset = area.alloc(whole)
     if offset is not None:
         return offset, whole
-    piece = max(min(piece_bytes, whole), 2 * max(plan.layer_bytes, default=1))
-    for size in (4 * piece, 2 * piece):
+    least = 2 * max(plan.layer_bytes, default=1)
+    piece = max(min(piece_bytes, whole), least)
+    fair = area.free_bytes // max(1, share) // 64 * 64
+    for size in (min(4 * piece, max(fair, 2 * least)), 2 * least):
         if size < whole and (offset := area.alloc(size)) is not None:
             return offset, size
     return None
