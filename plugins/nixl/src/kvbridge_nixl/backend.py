@@ -269,6 +269,10 @@ class NixlBackend:
         if src_items.size * pattern.item_bytes != transfer.plan.total_nbytes:
             raise RegionError(f"{transfer.component}: the plan moves {transfer.plan.total_nbytes} B but its items "
                               f"and segments say {src_items.size * pattern.item_bytes} B")
+        if len(transfer.plan) * MERGE_GAIN <= src_items.size * int(pattern.nseg.sum()):
+            # the planner merged adjacent runs (contiguous pages: one descriptor per buffer); prepped lists
+            # index one descriptor per item and segment, and NIXL does not merge them: post the merged plan
+            return self._post_listed(peer, transfer)
         try:
             local = self._local_dlist(transfer, pattern, src_items)
             remote = self._remote_dlist(peer, transfer, pattern, dst_items)
@@ -277,10 +281,6 @@ class NixlBackend:
         except Exception as exc:  # noqa: BLE001 - NIXL refused to prepare a dlist
             return self._failed(peer, "prep_xfer_dlist", exc)
         local_idx = indices(local.starts, pattern.groups, src_items)
-        if len(transfer.plan) * MERGE_GAIN <= local_idx.size:
-            # the planner merged adjacent runs (contiguous pages: one descriptor per buffer); prepped lists
-            # index one descriptor per item, and NIXL does not merge them: post the merged plan instead
-            return self._post_listed(peer, transfer)
         remote_idx = indices(remote.starts, pattern.groups, dst_items)
         # Prepped (prep once, index per request), never initialize_xfer here: initialize_xfer builds, checks
         # and resolves every descriptor against the registrations on each call, a per-request CPU cost that
