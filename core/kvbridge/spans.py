@@ -58,6 +58,7 @@ class RunIndex:
     starts: Any          # int64 [B, 1, 1] on the device
     item_rows: int       # span rows per item (every buffer of the index has the same item size)
     runs: Any            # int64 [1, 1, R] on the device: rows of one item's runs, in order
+    offsets: Any         # int64 [B, 1, R]: starts + runs (the index of item 0)
 
     @property
     def nbytes_per_item(self) -> int:
@@ -66,7 +67,9 @@ class RunIndex:
 
     def rows_of(self, items: Any) -> Any:
         """The span rows of every run (buffer-major, then item, then run) of ``items`` (int64, on the device)."""
-        return (self.starts + items.view(1, -1, 1) * self.item_rows + self.runs).view(-1)
+        import torch
+
+        return torch.add(self.offsets, items.view(1, -1, 1), alpha=self.item_rows).view(-1)   # one kernel
 
     def _staged(self, staged: Any, count: int) -> Any:
         if staged.numel() != count * self.word or not staged.is_contiguous() \
@@ -153,7 +156,8 @@ class BufferSpan:
         starts = np.array([(self.bases[b] - self.lo) // word for b in buffers], np.int64).reshape(-1, 1, 1)
         return RunIndex(span=span, word=word, element=element,
                         starts=torch.from_numpy(starts).to(self.device), item_rows=item // word,
-                        runs=torch.from_numpy(runs).to(self.device))
+                        runs=torch.from_numpy(runs).to(self.device),
+                        offsets=torch.from_numpy(starts + runs).to(self.device))
 
 
 def _cuda_range(addr: int, nbytes: int) -> Any:

@@ -329,13 +329,13 @@ class CudaStager:
         device tensor and the pinned one, both to keep alive until the work that reads them is done."""
         torch = self._torch
         host = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).pin_memory()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            return host.to(self.device, non_blocking=True), host
+        with torch.cuda.stream(self.stream):          # (the stream's context sets its device too)
+            return host.to(self.stream.device, non_blocking=True), host
 
     def run(self, work: Any, after: Any = None) -> Any:
         """Queue ``work()`` on our stream after ``after`` (an event, or None); return the event that ends it."""
         torch = self._torch
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
             work()

@@ -61,6 +61,7 @@ from kvbridge.discovery import (
 from kvbridge.links import InstanceInfo
 from kvbridge.wire import MAX_MESSAGE_BYTES
 
+_POLLIN = int(zmq.POLLIN)      # a plain int: enum flag arithmetic costs microseconds per poll
 log = logging.getLogger(__name__)
 
 _MAX_FRAME = MAX_MESSAGE_BYTES + 64          # a frame above this is refused by ZMQ before it is read
@@ -709,7 +710,7 @@ class ZmqLink:
                 return out   # (poll takes whole milliseconds: never round a short wait down to a spin)
             # ask the socket first: a progress loop polls this thousands of times a second, and a failed
             # NOBLOCK recv costs a raised exception each time
-            while int(self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            while int(self._pull.getsockopt(zmq.EVENTS)) & _POLLIN:
                 try:
                     out.append(self._pull.recv(zmq.NOBLOCK))
                 except zmq.Again:
