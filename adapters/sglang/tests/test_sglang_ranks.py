@@ -135,6 +135,28 @@ def test_pp2_tp2_to_pp1_tp1(tmp_path: Path) -> None:
     assert len(dec["verified"]) == 6 and dec["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
 
 
+def test_pp4_tp1_to_pp1_tp2(tmp_path: Path) -> None:
+    """Four prefill stages of one layer each (TP 1) -> decode PP 1, TP 2 (hetero TP: each decode rank takes
+    half the heads of every stage); Mamba layers on stages 1 and 3; every stage counted before Success."""
+    mamba = dict(MAMBA, layers=[1, 3])
+    sc = scenario(prefill={"tp": 1, "pp": 4}, decode={"tp": 2}, layers=4, state=[mamba], requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    for res in decode_results(results):
+        assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 1, "dp": 1, "pp": 4}
+
+
+def test_pp2_tp2_to_pp2_tp1_equal_stages(tmp_path: Path) -> None:
+    """PP equal on both sides: decode stage k reads only prefill stage k (its own layers), TP 2 -> 1."""
+    sc = scenario(prefill={"tp": 2, "pp": 2}, decode={"tp": 1, "pp": 2}, layers=4, requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    decs = decode_results(results)
+    assert len(decs) == 2
+    for res in decs:
+        assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
+
+
 def test_dp_routing_by_registered_rank(tmp_path: Path) -> None:
     """Prefill with 2 attention-DP ranks that do not follow the bootstrap room: each prefill sender registers
     its DP rank at the bootstrap server, decode resolves it with SGLang's own query_prefill_dp_ranks, and

@@ -265,7 +265,9 @@ def state_parts(args: Any, *, tp_size: int, device: DeviceKind, device_id: int,
         ptrs = list(args.state_data_ptrs[i])
         lens = list(args.state_data_lens[i])
         items = list(args.state_item_lens[i])
-        if not (len(ptrs) == len(lens) == len(items)) or not ptrs:
+        if not ptrs and not lens and not items:
+            continue            # a pipeline stage that holds none of this state's layers: nothing to move
+        if not (len(ptrs) == len(lens) == len(items)):
             raise GeometryError(f"KVArgs: state component {i} ({name}) has {len(ptrs)}/{len(lens)}/{len(items)} "
                                 "pointers/lengths/item lengths")
         if any(p.name == name for p in parts):
