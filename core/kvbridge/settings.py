@@ -94,6 +94,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     staging_piece_bytes: Annotated[int, _doc(
         "a staged write is cut into pieces of at most this much (gather, write and scatter overlap)",
         gt=0)] = 256 << 20
+    checksums: Annotated[bool, _doc(
+        "decode: ask for per-destination digests of every write and verify them on arrival (host memory)")] = False
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0
@@ -123,7 +125,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
 AGENT_KEYS = ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s", "secret",
-              "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "backend_options")
+              "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "checksums",
+              "backend_options")
 
 
 def _as_text(value: Any) -> str:

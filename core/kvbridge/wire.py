@@ -96,6 +96,8 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
     #: component -> {prefill rank: bytes reserved at that offset} where that is less than the whole slice: a
     #: ring the sender reuses piece by piece, as :class:`Credit` frees its slots (absent: the whole slice)
     staging_bytes: dict[str, dict[int, int]] = {}
+    #: digest every write: notices carry a checksum of each (buffer, item) slice this rank receives
+    digests: bool = False
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
@@ -118,6 +120,9 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unk
     offset: int = 0         # staged: where, in bytes inside the receiver's reservation for (sender, component)
     layer_first: int = 0
     layer_count: int = 0    # 0: every layer of the component
+    #: when the request asked for them: uint32 little-endian digests of the slice each (buffer, item) moved,
+    #: buffer by buffer (the layers' buffers in layer order), item by item (``kvbridge.digests``)
+    digests: bytes = b""
 
 
 class Credit(msgspec.Struct, frozen=True, kw_only=True, tag="credit", forbid_unknown_fields=True):

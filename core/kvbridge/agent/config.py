@@ -26,6 +26,8 @@ class AgentConfig:
     #                                        of piece k+1 overlaps the write of piece k, the scatter of k too.
     #                                        Each piece costs the engine thread ~0.3-0.5 ms (posting, notice,
     #                                        bounds checks): a piece must take longer than that on the wire
+    checksums: bool = False                # decode: ask every prefill rank for per-destination digests and
+    #                                        verify each write against them (host memory; ``kvbridge.digests``)
     backend_options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

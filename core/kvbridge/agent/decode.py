@@ -20,6 +20,7 @@ from kvbridge.agent.config import TICK_S
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
+from kvbridge.digests import digest_items
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
 from kvbridge.staging import dest_index, scatter_rows, should_stage
 from kvbridge.wire import Abort, Credit, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
@@ -228,7 +229,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                             room.rings.add(key)
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
-                                  staging=staging, staging_bytes=rings)
+                                  staging=staging, staging_bytes=rings, digests=ctx.config.checksums)
         room.metadata_at = time.monotonic()
         for peer in peers.values():
             self._peers.post(peer, request)
@@ -279,6 +280,35 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._credit(room, notice)
         self._count(room, key, notice, layers)
 
+    def _verified(self, room: RecvRoom, notice: Notice, layers: range) -> bool:
+        """Check the landed bytes of a notice against its digests; a mismatch (or none sent) fails the room
+        naming the component, the buffer and the destination page."""
+        ctx = self._ctx
+        agent = room.targets[notice.sender]
+        peer = self._peers.get(agent)
+        comp_index = ctx.layout.component_names.index(notice.component)
+        comp = ctx.layout.components[comp_index]
+        items = room.indices[notice.component][notice.first: notice.first + notice.count]
+        if peer is None:
+            return False
+        segs = self._plans.slice_for(peer, comp_index)
+        buffers = [b for b in self._plans.layers(comp_index).buffers(layers) if len(segs.buffers[b])]
+        want = np.frombuffer(notice.digests, dtype="<u4")
+        if want.size != len(buffers) * len(items):
+            self._fail(room, f"prefill rank {notice.sender} sent {want.size} digests for {notice.component} "
+                             f"chunk {notice.chunk}; {len(buffers)} buffers x {len(items)} items landed")
+            return False
+        views = ctx.buffers.views[notice.component]
+        for k, b in enumerate(buffers):
+            got = digest_items(views[b], items, self._plans.run_bytes(peer, comp_index, b, "dst"))
+            bad = np.flatnonzero(got != want[k * len(items): (k + 1) * len(items)])
+            if bad.size:
+                self._fail(room, f"checksum mismatch: {notice.component} buffer {comp.buffers[b].name} "
+                                 f"destination page {int(items[bad[0]])} ({bad.size} of {len(items)} items differ) "
+                                 f"from prefill rank {notice.sender}, chunk {notice.chunk}")
+                return False
+        return True
+
     def _slot_in_use(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> int | None:
         """The chunk of a piece still being scattered from the bytes this staged notice's piece overwrote."""
         plan = room.staged[key][2]
@@ -303,6 +333,8 @@ class DecodeSide(RoomTable[RecvRoom]):
 
     def _count(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> None:
         """A notice's bytes sit in their items: cover them, and see whether the room is complete."""
+        if self._ctx.config.checksums and notice.count and not self._verified(room, notice, layers):
+            return
         room.received.setdefault(key, set()).add(notice.chunk)
         room.covered[key].add(notice.first, notice.count, layers)
         room.nbytes += notice.nbytes

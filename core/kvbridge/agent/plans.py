@@ -6,8 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.backends.base import PeerInfo
+from kvbridge.digests import run_bytes
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.planner import BufferPair
 from kvbridge.slicing import ComponentSlice, Segments
@@ -66,6 +69,7 @@ class PlanCache:
         self._layer_pairs: dict[tuple[str, int, int, int], tuple[list[BufferPair], tuple[Segments, ...]]] = {}
         self._layers: dict[int, LayerMap] = {}
         self._below: float | None = None
+        self._run_bytes: dict[tuple[str, int, int, str], np.ndarray] = {}
 
     def layers(self, comp_index: int) -> LayerMap:
         """The layers of one of our components (the peer's are the same: buffer names must match)."""
@@ -166,9 +170,19 @@ class PlanCache:
                                                             for b, s in enumerate(segs.buffers)))
         return found
 
+    def run_bytes(self, peer: Peer, comp_index: int, buffer: int, side: str) -> np.ndarray:
+        """Byte offsets, inside one item, of the runs of one buffer's slice on ``side`` (digest order)."""
+        key = (peer.agent, comp_index, buffer, side)
+        found = self._run_bytes.get(key)
+        if found is None:
+            found = self._run_bytes[key] = run_bytes(self.slice_for(peer, comp_index).buffers[buffer], side)
+        return found
+
     def forget(self, agent: str) -> None:
         for cache in (self._slices, self._pairs, self._rows, self._stage):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]
         for lkey in [k for k in self._layer_pairs if k[0] == agent]:
             del self._layer_pairs[lkey]
+        for rkey in [k for k in self._run_bytes if k[0] == agent]:
+            del self._run_bytes[rkey]

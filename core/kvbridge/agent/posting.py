@@ -25,6 +25,7 @@ from kvbridge.agent.peers import Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
+from kvbridge.digests import digest_items
 from kvbridge.errors import GeometryError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.slicing import ComponentSlice
@@ -133,12 +134,20 @@ class Poster:
         first = write.first
         notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=seq, last=last,
                         first=first or 0, count=len(write.src), layer_first=group.start, layer_count=len(group))
-        self._post_plain(room, peer, write.comp_index, write.segs, group, write.src, write.dst, notice, after)
+        s_idx, d_idx = write.src, write.dst
+        if first is None:       # all of the request's items in another order: put them in the request's order
+            dst_all = room.requests[peer.agent].indices[comp.name].unpack()
+            order = np.argsort(d_idx, kind="stable")
+            pick = order[np.searchsorted(d_idx[order], dst_all)]
+            s_idx, d_idx = s_idx[pick], d_idx[pick]
+        self._post_plain(room, peer, write.comp_index, write.segs, group, s_idx, d_idx, notice, after)
 
     def _post_plain(self, room: SendRoom, peer: Peer, comp_index: int, segs: ComponentSlice, group: range,
                     s_idx: np.ndarray, d_idx: np.ndarray, notice: Notice, after: Any) -> None:
         ctx = self._ctx
         comp = ctx.layout.components[comp_index]
+        if self._wants_digests(room, peer):
+            notice = _with(notice, digests=self._digests(peer, comp_index, s_idx, group))
         if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
             order = np.argsort(s_idx, kind="stable")
             s_idx, d_idx = s_idx[order], d_idx[order]
@@ -201,17 +210,39 @@ class Poster:
         local = staging.alloc(pieces[0].nbytes)
         if local is None:
             return False                       # our staging area is full: plain descriptors, the notice says so
+        digests = self._wants_digests(room, peer)
         for i, piece in enumerate(pieces):
             notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name,
                             chunk=room.next_seq(peer.agent, comp.name), last=last and i == len(pieces) - 1,
                             nbytes=piece.nbytes, first=write.first + piece.start, count=len(piece.src),
                             staged=True, offset=piece.remote_offset - write.staged_at,
-                            layer_first=piece.layers.start, layer_count=len(piece.layers))
+                            layer_first=piece.layers.start, layer_count=len(piece.layers),
+                            digests=self._digests(peer, write.comp_index, piece.src, piece.layers) if digests
+                            else b"")
             frame = b"" if ring is not None else ctx.codec.encode(notice, to=peer.address,
                                                                   to_incarnation=peer.incarnation)
             room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, piece=piece, after=after,
                                         local=(local, piece.nbytes) if i == 0 else None, ring=ring))
         return True
+
+    @staticmethod
+    def _wants_digests(room: SendRoom, peer: Peer) -> bool:
+        req = room.requests.get(peer.agent)
+        return req is not None and req.digests
+
+    def _digests(self, peer: Peer, comp_index: int, src_items: np.ndarray, layers: range) -> bytes:
+        """Digests of what this write moves to ``peer``: each buffer of ``layers`` that has a slice, each source
+        item in the order of the destination items the notice names (``kvbridge.digests``). Host memory only:
+        device buffers send none (the decode then fails the room saying so)."""
+        ctx = self._ctx
+        views = ctx.buffers.views.get(ctx.layout.components[comp_index].name) or []
+        if not views or not isinstance(views[0], np.ndarray):
+            return b""
+        segs = self._plans.slice_for(peer, comp_index)
+        buffers = [b for b in self._plans.layers(comp_index).buffers(layers) if len(segs.buffers[b])]
+        parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))
+                 for b in buffers]
+        return np.concatenate(parts).astype("<u4").tobytes() if parts else b""
 
     @staticmethod
     def _ring(room: SendRoom, agent: str, component: str, base: int, ring_bytes: int, limit: int,

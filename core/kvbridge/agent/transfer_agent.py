@@ -89,6 +89,10 @@ class TransferAgent:
         try:
             self.buffers.register(buffers)
             self.buffers.setup_staging(staging, config.staging_bytes)
+            if config.checksums and role is Role.DECODE and any(
+                    not isinstance(v, np.ndarray) for views in self.buffers.views.values() for v in views):
+                raise KVBridgeError("AgentConfig.checksums verifies host memory only: this decode rank's buffers "
+                                    "are device memory")
         except BaseException:
             engine.close()
             raise

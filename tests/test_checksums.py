@@ -1,0 +1,152 @@
+"""Per-destination checksums (``AgentConfig(checksums=True)`` on the decode): every write carries digests of
+exactly the bytes each decode rank receives, so they hold for any TP ratio; a byte planted into a landed
+page (descriptor path) or into a scattered piece (staged path) fails the room naming the component, the
+buffer and the destination page; a prefill that sends no digests fails it too. Byte-exact against the
+independent reference with checksums on, over loopback and NIXL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from test_staging_paths import BACKENDS, POOL, World, check, fill, wait, worlds
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.agent import decode as decode_module
+from kvbridge.agent import posting as posting_module
+from kvbridge.digests import digest_items, run_bytes
+from kvbridge.errors import TransferError
+from kvbridge.slicing import Segments
+from kvbridge.testkit import reference as ref
+from kvbridge.wire import KVPoll
+
+make_world = pytest.fixture(worlds, name="make_world")
+
+
+def _config(mode: str, checksums: bool = True) -> AgentConfig:
+    return AgentConfig(staging=mode, staging_bytes=1 << 20, staging_piece_bytes=12 << 10, checksums=checksums)
+
+
+def _room(world: World, room: int, n: int = 9, seed: int = 3) -> tuple[list[Any], list[Any], np.ndarray]:
+    rng = np.random.default_rng(room)
+    src_pages, dst_pages = rng.permutation(POOL)[:n], rng.permutation(POOL)[:n]
+    fill(world, seed, src_pages)
+    receivers = [d.receiver(room, "inst") for d in world.decode]
+    for rc in receivers:
+        rc.send_metadata({"kv": dst_pages})
+    senders = [a.sender(room) for a in world.prefill]
+    wait(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+    for s in senders:
+        try:
+            s.send(src_pages[:4], last=False)
+            s.send(src_pages[4:], last=True)
+        except TransferError:       # the decode already failed the room (a planted byte): its reason is checked
+            pass
+    return senders, receivers, dst_pages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("kind, pt, dt", [(ref.TOKEN_MAJOR, 2, 1), (ref.TOKEN_MAJOR, 1, 2), (ref.HEAD_MAJOR, 4, 2)])
+def test_checksums_hold_across_tp_ratios(make_world: Callable[..., World], backend: str, mode: str, kind: str,
+                                         pt: int, dt: int) -> None:
+    world = make_world(backend, kind, pt, dt, prefill=_config(mode, False), decode=_config(mode))
+    senders, receivers, dst_pages = _room(world, 31)
+    wait(lambda: all(r.poll() == KVPoll.Success for r in receivers), 60)
+    wait(lambda: all(s.safe_to_reuse for s in senders), 60)
+    check(world, 3, dst_pages)
+
+
+def _first_run_byte(dec: TransferAgent, notice: Any) -> tuple[int, int, int]:
+    """(buffer, page, byte) of the first byte this notice moved into the decode's pages."""
+    room = dec.decode.rooms[notice.room]
+    peer = dec.peers.get(room.targets[notice.sender])
+    segs = dec.decode._plans.slice_for(peer, 0)
+    layer = notice.layer_first
+    buffer = next(b for b in dec.decode._plans.layers(0).buffers(range(layer, layer + max(1, notice.layer_count)))
+                  if len(segs.buffers[b]))
+    page = int(room.indices["kv"][notice.first])
+    return buffer, page, int(dec.decode._plans.run_bytes(peer, 0, buffer, "dst")[0])
+
+
+def test_a_byte_planted_into_a_landed_page_fails_the_room(make_world: Callable[..., World],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Descriptor path, TP 2 -> 1: one byte of a landed page flipped before its notice is counted."""
+    world = make_world("loopback", ref.TOKEN_MAJOR, 2, 1, prefill=_config("never", False), decode=_config("never"))
+    dec = world.decode[0]
+    planted: list[tuple[int, int]] = []
+    real = decode_module.DecodeSide.on_notice
+
+    def corrupt(self: Any, notice: Any, env: Any) -> None:
+        if not planted and notice.room == 32 and notice.count:
+            buffer, page, byte = _first_run_byte(dec, notice)
+            world.dst[0][buffer][page, byte] ^= 0x5A
+            planted.append((buffer, page))
+        real(self, notice, env)
+
+    monkeypatch.setattr(decode_module.DecodeSide, "on_notice", corrupt)
+    _, receivers, _ = _room(world, 32)
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    buffer, page = planted[0]
+    reason = receivers[0].failure_reason
+    name = dec.layout.components[0].buffers[buffer].name
+    assert "checksum mismatch" in reason and f"kv buffer {name} " in reason and f"page {page} " in reason, reason
+
+
+def test_a_byte_planted_into_a_scattered_piece_fails_the_room(make_world: Callable[..., World],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged path, TP 2 -> 1: the scatter leaves one wrong byte in a page (as a bad staging copy would)."""
+    world = make_world("loopback", ref.TOKEN_MAJOR, 2, 1, prefill=_config("always", False),
+                       decode=_config("always"))
+    real = decode_module.scatter_rows
+    hit: list[bool] = []
+
+    def bad_scatter(buf: np.ndarray, rows: Any, items: np.ndarray, staged: np.ndarray, **kw: Any) -> None:
+        real(buf, rows, items, staged, **kw)
+        if not hit:
+            buf[int(items[0]), rows.dst_col] ^= 0x01
+            hit.append(True)
+
+    monkeypatch.setattr(decode_module, "scatter_rows", bad_scatter)
+    _, receivers, _ = _room(world, 33)
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    assert "checksum mismatch" in receivers[0].failure_reason, receivers[0].failure_reason
+
+
+def test_a_prefill_that_sends_no_digests_fails_the_room(make_world: Callable[..., World],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(posting_module.Poster, "_wants_digests", staticmethod(lambda room, peer: False))
+    world = make_world("loopback", ref.TOKEN_MAJOR, 1, 1, prefill=_config("never", False), decode=_config("never"))
+    _, receivers, _ = _room(world, 34)
+    wait(lambda: receivers[0].poll() == KVPoll.Failed)
+    assert "sent 0 digests" in receivers[0].failure_reason
+
+
+def test_the_digest_sees_every_byte_and_every_swap() -> None:
+    rng = np.random.default_rng(0)
+    view = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
+    segs = Segments(np.array([512, 2048], np.int64), np.array([0, 1024], np.int64), np.array([256, 1024], np.int64))
+    index = run_bytes(segs, "src")
+    assert index.size == 1280 and index[0] == 512 and index[256] == 2048
+    items = np.arange(8)
+    base = digest_items(view, items, index)
+    for byte in (0, 255, 256, 1279):          # first and last byte of each run
+        bent = view.copy()
+        bent[3, index[byte]] ^= 0x80
+        assert (digest_items(bent, items, index) != base).tolist() == [k == 3 for k in range(8)]
+    swapped = view.copy()
+    a, b = index[0:4].copy(), index[4:8].copy()
+    if not np.array_equal(view[5, a], view[5, b]):
+        swapped[5, a], swapped[5, b] = view[5, b], view[5, a]
+        assert digest_items(swapped, items, index)[5] != base[5]
+    outside = view.copy()
+    outside[:, 0:512] ^= 0xFF                 # bytes no run covers change nothing
+    assert np.array_equal(digest_items(outside, items, index), base)
+
+
+def test_settings_turn_checksums_on() -> None:
+    from kvbridge.settings import load_settings
+
+    assert load_settings(env={"KVBRIDGE_CHECKSUMS": "true"}, check_backend=False).agent_config().checksums is True
