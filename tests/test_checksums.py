@@ -6,6 +6,7 @@ independent reference with checksums on, over loopback and NIXL."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ def _first_run_byte(dec: TransferAgent, notice: Any) -> tuple[int, int, int]:
     buffer = next(b for b in dec.decode._plans.layers(0).buffers(range(layer, layer + max(1, notice.layer_count)))
                   if len(segs.buffers[b]))
     page = int(room.indices["kv"][notice.first])
-    return buffer, page, int(dec.decode._plans.run_bytes(peer, 0, buffer, "dst")[0])
+    return buffer, page, int(dec.decode._plans.run_bytes(peer, 0, buffer, "dst").index[0])
 
 
 def test_a_byte_planted_into_a_landed_page_fails_the_room(make_world: Callable[..., World],
@@ -124,26 +125,42 @@ def test_a_prefill_that_sends_no_digests_fails_the_room(make_world: Callable[...
     assert "sent 0 digests" in receivers[0].failure_reason
 
 
+@pytest.mark.parametrize("segs", [
+    Segments(np.array([512, 2048], np.int64), np.array([0, 1024], np.int64), np.array([256, 1024], np.int64)),
+    Segments(np.arange(16, dtype=np.int64) * 256 + 64, np.arange(16, dtype=np.int64) * 128,
+             np.full(16, 100, np.int64)),                              # regular runs, lengths not words
+    Segments(np.array([1024], np.int64), np.array([0], np.int64), np.array([2048], np.int64))])
+def test_every_run_shape_digests_the_same_bytes_as_the_reference(segs: Segments) -> None:
+    """The fast paths (one run, regular runs) digest what gathering every run byte would."""
+    rng = np.random.default_rng(1)
+    view = rng.integers(0, 256, (16, 4096), dtype=np.uint8)
+    runs = run_bytes(segs, "src")
+    general = dataclasses.replace(runs, regular=False)
+    items = rng.permutation(16)[:9]
+    np.testing.assert_array_equal(digest_items(view, items, runs), digest_items(view, items, general))
+
+
 def test_the_digest_sees_every_byte_and_every_swap() -> None:
     rng = np.random.default_rng(0)
     view = rng.integers(0, 256, (8, 4096), dtype=np.uint8)
     segs = Segments(np.array([512, 2048], np.int64), np.array([0, 1024], np.int64), np.array([256, 1024], np.int64))
-    index = run_bytes(segs, "src")
-    assert index.size == 1280 and index[0] == 512 and index[256] == 2048
+    runs = run_bytes(segs, "src")
+    index = runs.index
+    assert runs.nbytes == 1280 and index[0] == 512 and index[256] == 2048 and not runs.regular
     items = np.arange(8)
-    base = digest_items(view, items, index)
+    base = digest_items(view, items, runs)
     for byte in (0, 255, 256, 1279):          # first and last byte of each run
         bent = view.copy()
         bent[3, index[byte]] ^= 0x80
-        assert (digest_items(bent, items, index) != base).tolist() == [k == 3 for k in range(8)]
+        assert (digest_items(bent, items, runs) != base).tolist() == [k == 3 for k in range(8)]
     swapped = view.copy()
     a, b = index[0:4].copy(), index[4:8].copy()
     if not np.array_equal(view[5, a], view[5, b]):
         swapped[5, a], swapped[5, b] = view[5, b], view[5, a]
-        assert digest_items(swapped, items, index)[5] != base[5]
+        assert digest_items(swapped, items, runs)[5] != base[5]
     outside = view.copy()
     outside[:, 0:512] ^= 0xFF                 # bytes no run covers change nothing
-    assert np.array_equal(digest_items(outside, items, index), base)
+    assert np.array_equal(digest_items(outside, items, runs), base)
 
 
 def test_settings_turn_checksums_on() -> None:

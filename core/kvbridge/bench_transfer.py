@@ -1259,7 +1259,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
                                            "device_reason": why, "layer_group": opts.layer_group,
                                            "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
                               "cases": [], "baselines": [], "latency": None, "layerwise": None,
-                              "host_staging": None, "goals": [], "plots": [], "notes": []}
+                              "host_staging": None, "checksums": None, "goals": [], "plots": [], "notes": []}
     m = result["machine"]
     print(f"kvbridge bench transfer: {device} ({why}), backend {backend}, {len(cases)} cases", file=out)
     if device == "cuda":
@@ -1300,6 +1300,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
         ranks.close()
         server.close()
     result["host_staging"] = _host_staging()
+    result["checksums"] = _checksum_cost()
     result["goals"] = goals(result)
     result["wall_s"] = time.perf_counter() - started
     result["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -1318,6 +1319,35 @@ def _host_staging() -> dict[str, Any]:
     return {"what": "token-major TP 4->2 slices of 512 pages x 8 buffers, host numpy",
             "gather_gbps": gather, "scatter_gbps": scatter, "memcpy_gbps": memcpy,
             "gather_vs_memcpy": gather / memcpy, "scatter_vs_memcpy": scatter / memcpy}
+
+
+def _checksum_cost() -> dict[str, Any]:
+    """What ``AgentConfig(checksums=True)`` costs each side: digesting the slices of a token-major TP 4 -> 2
+    request (512 pages x 8 buffers of 512-byte runs per token row, host numpy) against memcpy of the bytes."""
+    from kvbridge.digests import digest_items, run_bytes
+    from kvbridge.slicing import Segments
+
+    rng = np.random.default_rng(1)
+    page, cols, stride = 16, 512, 1024
+    bufs = [rng.integers(0, 255, (1024, page * stride), dtype=np.uint8) for _ in range(8)]
+    segs = Segments(np.arange(page, dtype=np.int64) * stride + cols, np.arange(page, dtype=np.int64) * cols,
+                    np.full(page, cols, np.int64))
+    index, items = run_bytes(segs, "src"), rng.permutation(1024)[:512]
+    nbytes = 8 * len(items) * index.nbytes
+    flat_src = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    flat_dst = np.empty_like(flat_src)
+    best_digest = best_copy = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for buf in bufs:
+            digest_items(buf, items, index)
+        t1 = time.perf_counter()
+        np.copyto(flat_dst, flat_src)
+        t2 = time.perf_counter()
+        best_digest, best_copy = min(best_digest, t1 - t0), min(best_copy, t2 - t1)
+    return {"what": "token-major TP 4->2 slices of 512 pages x 8 buffers, host numpy", "bytes": nbytes,
+            "digest_gbps": nbytes / best_digest / 1e9, "memcpy_gbps": nbytes / best_copy / 1e9,
+            "digest_vs_memcpy": best_copy / best_digest}
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1424,6 +1454,10 @@ def format_report(result: dict[str, Any]) -> str:
                      f"({hs['gather_vs_memcpy']:.2f}x / {hs['scatter_vs_memcpy']:.2f}x)")
     elif hs:
         lines.append(f"host staging: {hs['error']}")
+    ck = result.get("checksums")
+    if ck:
+        lines.append(f"checksums ({ck['what']}): digest {ck['digest_gbps']:.1f} GB/s vs memcpy "
+                     f"{ck['memcpy_gbps']:.1f} GB/s ({ck['digest_vs_memcpy']:.2f}x), paid once on each side")
     rows = goals(result)
     if rows:
         where = "" if m["device"] == "cuda" else " (GPU targets; host figures for orientation only)"

@@ -6,16 +6,18 @@ that decode rank (the slice's segments, in segment order), and the decode digest
 landed in its own items: with any TP ratio the two agree byte for byte, or the room fails naming the
 component, the buffer (its layer) and the destination page.
 
-The digest is a position-weighted sum of the 32-bit words of a run, mod 2^64, folded to 32 bits: any single
+The digest is a position-weighted sum of the 64-bit words of the runs, mod 2^64, folded to 32 bits: any single
 changed byte, and any swap of two different words, changes it (the weights are odd). It guards against
 corruption, not against an adversary (the control channel's HMAC does that). Host memory, vectorized with
 numpy, bounded temporary memory.
 
-    index = run_bytes(segments, "src")                 # byte offsets of the runs inside one item, cached
-    d = digest_items(buffer_view, items, index)        # uint32 per item
+    runs = run_bytes(segments, "src")                  # the runs inside one item (cache it)
+    d = digest_items(buffer_view, items, runs)         # uint32 per item
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,39 +37,66 @@ def _weights(words: int) -> np.ndarray:
     return found
 
 
-def run_bytes(segments: Segments, side: str) -> np.ndarray:
-    """The byte offsets (int64) inside one item of every run of ``segments`` on ``side`` ("src"/"dst"),
-    run after run: the order both sides digest in."""
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """The runs of one buffer's slice inside an item, on one side: ``count`` runs of ``length`` bytes from
+    ``start`` every ``stride`` bytes when regular (the common case: a page, a head slice, a head slice per token
+    row), else the byte offsets of every run byte (``index``), run after run."""
+
+    index: np.ndarray
+    start: int
+    length: int
+    stride: int
+    count: int
+    regular: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.index.size)
+
+
+def run_bytes(segments: Segments, side: str) -> Runs:
+    """The runs of ``segments`` on ``side`` ("src"/"dst"), in segment order: the order both sides digest in."""
     offsets = segments.src_off if side == "src" else segments.dst_off
-    if len(segments) == 0:
-        return np.zeros(0, np.int64)
     lengths = segments.nbytes
+    if len(segments) == 0:
+        return Runs(np.zeros(0, np.int64), 0, 0, 0, 0, True)
     starts = np.repeat(offsets - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return starts + np.arange(int(lengths.sum()), dtype=np.int64)
+    index = starts + np.arange(int(lengths.sum()), dtype=np.int64)
+    count, length, first = len(segments), int(lengths[0]), int(offsets[0])
+    stride = int(offsets[1] - offsets[0]) if count > 1 else length
+    regular = bool(np.all(lengths == length)) and stride >= length and bool(
+        np.array_equal(offsets, first + stride * np.arange(count, dtype=np.int64)))
+    return Runs(index, first, length, stride, count, regular)
 
 
-def digest_items(view: np.ndarray, items: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """uint32 digest of ``view[item][index]`` for every item (``view``: ``[num_items, item_nbytes]`` uint8)."""
-    n, size = len(items), int(index.size)
+def _slices(view: np.ndarray, batch: np.ndarray, runs: Runs) -> np.ndarray:
+    """``[len(batch), runs.nbytes]`` uint8: the runs of those items, contiguous (one gather of those bytes)."""
+    n, item = len(batch), view.shape[1]
+    if runs.regular:
+        if runs.count == 1 or runs.stride == runs.length:
+            return view[batch, runs.start: runs.start + runs.nbytes]
+        row, col = divmod(runs.start, runs.stride)
+        if item % runs.stride == 0 and col + runs.length <= runs.stride and row + runs.count <= item // runs.stride:
+            grid = view.reshape(view.shape[0], item // runs.stride, runs.stride)
+            return grid[batch, row: row + runs.count, col: col + runs.length].reshape(n, -1)
+    return view[batch[:, None], runs.index[None, :]]
+
+
+def digest_items(view: np.ndarray, items: np.ndarray, runs: Runs) -> np.ndarray:
+    """uint32 digest of the runs of ``view[item]`` for every item (``view``: ``[num_items, item_nbytes]``)."""
+    n, size = len(items), runs.nbytes
     out = np.zeros(n, np.uint32)
     if n == 0 or size == 0:
         return out
-    contiguous = bool(index[-1] - index[0] == size - 1)        # one run (a whole page, a head-major slice)
-    words = -(-size // 4)
+    words = -(-size // 8)
     weights = _weights(words)
-    per = max(1, BATCH_BYTES // max(1, size))
+    per = max(1, BATCH_BYTES // max(1, view.shape[1]))
     for a in range(0, n, per):
         batch = np.asarray(items[a: a + per])
-        if contiguous:
-            data = view[batch, int(index[0]): int(index[0]) + size]
-        else:
-            data = view[batch[:, None], index[None, :]]
-        if size % 4:
-            data = np.concatenate([data, np.zeros((len(batch), words * 4 - size), np.uint8)], axis=1)
-        else:
-            data = np.ascontiguousarray(data)
-        word = data.view(np.uint32).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            total = (word * weights[None, :]).sum(axis=1, dtype=np.uint64)
+        data = _slices(view, batch, runs)
+        if size % 8:
+            data = np.concatenate([data, np.zeros((len(batch), words * 8 - size), np.uint8)], axis=1)
+        total = np.ascontiguousarray(data).view(np.uint64) @ weights     # mod 2^64
         out[a: a + per] = ((total >> np.uint64(32)) ^ total).astype(np.uint32)
     return out

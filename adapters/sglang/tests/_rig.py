@@ -37,9 +37,9 @@ class Run:
         self.tmp = tmp
         self.procs: dict[tuple[str, int, int, int], subprocess.Popen[bytes]] = {}
         self.results: dict[tuple[str, int, int, int], Path] = {}
-        base = dict(os.environ, PYTHONUNBUFFERED="1", KVBRIDGE_BACKEND="loopback", OMP_NUM_THREADS="1",
-                    KVBRIDGE_STAGING_MIB="4", KVBRIDGE_PEER_TIMEOUT_S="3", KVBRIDGE_HEARTBEAT_S="0.5",
-                    KVBRIDGE_BOOTSTRAP_TIMEOUT_S="120", KVBRIDGE_WAITING_TIMEOUT_S="120", **(env or {}))
+        base = {**os.environ, "PYTHONUNBUFFERED": "1", "KVBRIDGE_BACKEND": "loopback", "OMP_NUM_THREADS": "1",
+                "KVBRIDGE_STAGING_MIB": "4", "KVBRIDGE_PEER_TIMEOUT_S": "3", "KVBRIDGE_HEARTBEAT_S": "0.5",
+                "KVBRIDGE_BOOTSTRAP_TIMEOUT_S": "120", "KVBRIDGE_WAITING_TIMEOUT_S": "120", **(env or {})}
         for key in self.ranks():
             role, dp, pp, tp = key
             result = tmp / f"{role}-dp{dp}-pp{pp}-tp{tp}.json"

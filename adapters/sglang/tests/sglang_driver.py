@@ -403,8 +403,36 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
         server.close()
 
 
+def plant_one_byte(out: dict[str, Any]) -> None:
+    """Flip one landed byte of the first notice with items, before the agent counts it (scenario "plant")."""
+    from kvbridge.agent import decode as decode_module
+
+    real = decode_module.DecodeSide.on_notice
+
+    def corrupt(self: Any, notice: Any, env: Any) -> None:
+        if "planted" not in out and notice.count and not notice.staged:
+            room = self.rooms.get(notice.room)
+            if room is not None:
+                peer = self._peers.get(room.targets[notice.sender])
+                comp_index = self._ctx.layout.component_names.index(notice.component)
+                segs = self._plans.slice_for(peer, comp_index)
+                layers = range(notice.layer_first, notice.layer_first + max(1, notice.layer_count))
+                buffer = next(b for b in self._plans.layers(comp_index).buffers(layers) if len(segs.buffers[b]))
+                item = int(room.indices[notice.component][notice.first])
+                byte = int(self._plans.run_bytes(peer, comp_index, buffer, "dst").index[0])
+                self._ctx.buffers.views[notice.component][buffer][item, byte] ^= 0x42
+                out["planted"] = {"room": notice.room, "component": notice.component,
+                                  "buffer": self._ctx.layout.components[comp_index].buffers[buffer].name,
+                                  "item": item}
+        real(self, notice, env)
+
+    decode_module.DecodeSide.on_notice = corrupt
+
+
 def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str, Any]) -> None:
     mgr, classes, (pools, model, server, KVClassType) = setup(sc, "decode", dp, pp, tp_rank)
+    if sc.get("plant") and tp_rank == 0:
+        plant_one_byte(out)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 

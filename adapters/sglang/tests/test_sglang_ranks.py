@@ -157,6 +157,22 @@ def test_pp2_tp2_to_pp2_tp1_equal_stages(tmp_path: Path) -> None:
         assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
 
 
+def test_checksums_across_tp_with_mamba_and_a_planted_byte(tmp_path: Path) -> None:
+    """KVBRIDGE_CHECKSUMS=1: prefill TP 2 -> decode TP 1 with a Mamba slot, staging off so writes land in
+    place; the decode flips one landed byte of its first notice: exactly that request fails naming the
+    component, buffer and page, every other request verifies byte for byte (no false positive)."""
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, state=[MAMBA], requests=5, plant=True)
+    r, results = run(sc, tmp_path, env={"KVBRIDGE_CHECKSUMS": "1", "KVBRIDGE_STAGING_MIB": "0"})
+    check_clean(r, results)
+    dec = decode_results(results)[0]
+    planted = dec["planted"]
+    assert list(dec["failed"]) == [str(planted["room"])], dec["failed"]
+    reason = dec["failed"][str(planted["room"])]
+    assert ("checksum mismatch" in reason and f"{planted['component']} buffer {planted['buffer']} " in reason
+            and f"page {planted['item']} " in reason), reason
+    assert len(dec["verified"]) == 4
+
+
 def test_dp_routing_by_registered_rank(tmp_path: Path) -> None:
     """Prefill with 2 attention-DP ranks that do not follow the bootstrap room: each prefill sender registers
     its DP rank at the bootstrap server, decode resolves it with SGLang's own query_prefill_dp_ranks, and

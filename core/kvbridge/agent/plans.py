@@ -6,11 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.backends.base import PeerInfo
-from kvbridge.digests import run_bytes
+from kvbridge.digests import Runs, run_bytes
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.planner import BufferPair
 from kvbridge.slicing import ComponentSlice, Segments
@@ -69,7 +67,7 @@ class PlanCache:
         self._layer_pairs: dict[tuple[str, int, int, int], tuple[list[BufferPair], tuple[Segments, ...]]] = {}
         self._layers: dict[int, LayerMap] = {}
         self._below: float | None = None
-        self._run_bytes: dict[tuple[str, int, int, str], np.ndarray] = {}
+        self._run_bytes: dict[tuple[str, int, int, str], Runs] = {}
 
     def layers(self, comp_index: int) -> LayerMap:
         """The layers of one of our components (the peer's are the same: buffer names must match)."""
@@ -170,7 +168,7 @@ class PlanCache:
                                                             for b, s in enumerate(segs.buffers)))
         return found
 
-    def run_bytes(self, peer: Peer, comp_index: int, buffer: int, side: str) -> np.ndarray:
+    def run_bytes(self, peer: Peer, comp_index: int, buffer: int, side: str) -> Runs:
         """Byte offsets, inside one item, of the runs of one buffer's slice on ``side`` (digest order)."""
         key = (peer.agent, comp_index, buffer, side)
         found = self._run_bytes.get(key)

@@ -57,6 +57,7 @@ class Settings:
     waiting_timeout_s: float = 300.0
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    checksums: bool = False         # decode: per-destination digests of every write, verified on arrival
     backend_options: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -82,10 +83,11 @@ class Settings:
                                                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"), 300.0),
                    peer_timeout_s=_float(env, ("KVBRIDGE_PEER_TIMEOUT_S",), 10.0),
                    heartbeat_interval_s=_float(env, ("KVBRIDGE_HEARTBEAT_S",), 1.0),
+                   checksums=(env.get("KVBRIDGE_CHECKSUMS") or "").strip().lower() in ("1", "true", "yes", "on"),
                    backend_options=options)
 
     def agent_config(self) -> AgentConfig:
         return AgentConfig(heartbeat_interval_s=self.heartbeat_interval_s, peer_timeout_s=self.peer_timeout_s,
                            bootstrap_timeout_s=self.bootstrap_timeout_s, waiting_timeout_s=self.waiting_timeout_s,
-                           secret=self.secret, staging_bytes=self.staging_bytes,
+                           secret=self.secret, staging_bytes=self.staging_bytes, checksums=self.checksums,
                            backend_options=dict(self.backend_options))
