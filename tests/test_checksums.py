@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_staging_paths import BACKENDS, POOL, World, check, fill, wait, worlds
+from test_staging_paths import BACKENDS, POOL, World, check, open_room, wait, worlds
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent import decode as decode_module
@@ -33,12 +33,7 @@ def _config(mode: str, checksums: bool = True) -> AgentConfig:
 def _room(world: World, room: int, n: int = 9, seed: int = 3) -> tuple[list[Any], list[Any], np.ndarray]:
     rng = np.random.default_rng(room)
     src_pages, dst_pages = rng.permutation(POOL)[:n], rng.permutation(POOL)[:n]
-    fill(world, seed, src_pages)
-    receivers = [d.receiver(room, "inst") for d in world.decode]
-    for rc in receivers:
-        rc.send_metadata({"kv": dst_pages})
-    senders = [a.sender(room) for a in world.prefill]
-    wait(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+    senders, receivers = open_room(world, room, src_pages, dst_pages, seed)
     for s in senders:
         try:
             s.send(src_pages[:4], last=False)

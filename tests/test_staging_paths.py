@@ -128,14 +128,22 @@ def check(world: World, seed: int, pages: np.ndarray) -> None:
             assert not buf[untouched].any(), f"decode rank {r} buffer {b}: bytes outside the request changed"
 
 
-def run_room(world: World, room: int, src_pages: np.ndarray, dst_pages: np.ndarray, splits: list[int],
-             seed: int = 7) -> tuple[list, list, list[dict]]:
+def open_room(world: World, room: int, src_pages: np.ndarray, dst_pages: np.ndarray,
+              seed: int = 7) -> tuple[list, list]:
+    """Fill the source pages, ask for ``dst_pages`` on every decode rank, wait until every prefill rank is
+    asked: (senders, receivers)."""
     fill(world, seed, src_pages)
     receivers = [d.receiver(room, "inst") for d in world.decode]
     for rc in receivers:
         rc.send_metadata({"kv": dst_pages})
     senders = [a.sender(room) for a in world.prefill]
     wait(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+    return senders, receivers
+
+
+def run_room(world: World, room: int, src_pages: np.ndarray, dst_pages: np.ndarray, splits: list[int],
+             seed: int = 7) -> tuple[list, list, list[dict]]:
+    senders, receivers = open_room(world, room, src_pages, dst_pages, seed)
     reservations = [dict(d.decode.rooms[room].staged) for d in world.decode]
     bounds = [0, *splits, len(src_pages)]
     for s in senders:
