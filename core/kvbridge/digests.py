@@ -37,7 +37,7 @@ def _weights(words: int) -> np.ndarray:
     return found
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Runs:
     """The runs of one buffer's slice inside an item, on one side: ``count`` runs of ``length`` bytes from
     ``start`` every ``stride`` bytes when regular (the common case: a page, a head slice, a head slice per token
@@ -60,14 +60,14 @@ def run_bytes(segments: Segments, side: str) -> Runs:
     offsets = segments.src_off if side == "src" else segments.dst_off
     lengths = segments.nbytes
     if len(segments) == 0:
-        return Runs(np.zeros(0, np.int64), 0, 0, 0, 0, True)
+        return Runs(index=np.zeros(0, np.int64), start=0, length=0, stride=0, count=0, regular=True)
     starts = np.repeat(offsets - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
     index = starts + np.arange(int(lengths.sum()), dtype=np.int64)
     count, length, first = len(segments), int(lengths[0]), int(offsets[0])
     stride = int(offsets[1] - offsets[0]) if count > 1 else length
     regular = bool(np.all(lengths == length)) and stride >= length and bool(
         np.array_equal(offsets, first + stride * np.arange(count, dtype=np.int64)))
-    return Runs(index, first, length, stride, count, regular)
+    return Runs(index=index, start=first, length=length, stride=stride, count=count, regular=regular)
 
 
 def _slices(view: np.ndarray, batch: np.ndarray, runs: Runs) -> np.ndarray:

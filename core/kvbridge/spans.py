@@ -48,7 +48,7 @@ def _element(word: int, addr: int) -> tuple[Any, int]:
     return torch.uint8, 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunIndex:
     """The runs of some buffers of a span, as span rows: ``starts[b] + item * item_rows + runs``."""
 
