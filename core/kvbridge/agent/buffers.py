@@ -12,8 +12,8 @@ from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBac
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
 from kvbridge.registry import Registry
-from kvbridge.spans import BufferSpan
-from kvbridge.staging import STAGING, CudaStager, StagingArea, device_view, host_view, is_cuda
+from kvbridge.spans import BufferSpan, RunIndex
+from kvbridge.staging import STAGING, CudaStager, Rows, StagingArea, device_view, host_view, is_cuda
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -46,6 +46,12 @@ class LocalBuffers:
                     log.warning("component %s: no batched staging (%s); one kernel per buffer", component, exc)
             self._spans[component] = found
         return self._spans[component]
+
+    def batched(self, component: str, buffers: Sequence[int], rows: Rows | None, side: str) -> RunIndex | None:
+        """One index kernel over ``buffers`` of a CUDA component when they share the run pattern ``rows``
+        (None: host memory, mixed patterns, or runs too small; the caller copies buffer by buffer)."""
+        span = self.span(component) if rows is not None else None
+        return None if span is None or rows is None else span.run_index(buffers=buffers, rows=rows, side=side)
 
     def stager(self) -> CudaStager | None:
         """This agent's CUDA stream for gathers, scatters and engine events (None for host memory)."""

@@ -291,8 +291,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         items = room.indices[notice.component][notice.first: notice.first + notice.count]
         if peer is None:
             return False
-        segs = self._plans.slice_for(peer, comp_index)
-        buffers = [b for b in self._plans.layers(comp_index).buffers(layers) if len(segs.buffers[b])]
+        buffers = self._plans.sliced_buffers(peer, comp_index, layers)
         want = np.frombuffer(notice.digests, dtype="<u4")
         if want.size != len(buffers) * len(items):
             self._fail(room, f"prefill rank {notice.sender} sent {want.size} digests for {notice.component} "
@@ -379,9 +378,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                 "reserved")
         items = dst[notice.first: notice.first + notice.count]
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
-        span = ctx.buffers.span(notice.component) if stager is not None and plan.uniform is not None else None
-        batched = None if span is None or plan.uniform is None else span.run_index(
-            buffers=plan.layers.buffers(layers), rows=plan.uniform, side="dst")
+        batched = ctx.buffers.batched(notice.component, plan.layers.buffers(layers), plan.uniform, "dst")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
             where = stager.to_device(items)
             staged = staging.view(offset + notice.offset, 1, size).view(-1)

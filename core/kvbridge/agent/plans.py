@@ -168,6 +168,12 @@ class PlanCache:
                                                             for b, s in enumerate(segs.buffers)))
         return found
 
+    def sliced_buffers(self, peer: Peer, comp_index: int, layers: range) -> list[int]:
+        """The buffers of ``layers`` this pair moves bytes of (those with a non-empty slice), in layer order:
+        the order of a notice's digests."""
+        segs = self.slice_for(peer, comp_index)
+        return [b for b in self.layers(comp_index).buffers(layers) if len(segs.buffers[b])]
+
     def run_bytes(self, peer: Peer, comp_index: int, buffer: int, side: str) -> Runs:
         """Byte offsets, inside one item, of the runs of one buffer's slice on ``side`` (digest order)."""
         key = (peer.agent, comp_index, buffer, side)

@@ -238,10 +238,8 @@ class Poster:
         views = ctx.buffers.views.get(ctx.layout.components[comp_index].name) or []
         if not views or not isinstance(views[0], np.ndarray):
             return b""
-        segs = self._plans.slice_for(peer, comp_index)
-        buffers = [b for b in self._plans.layers(comp_index).buffers(layers) if len(segs.buffers[b])]
         parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))
-                 for b in buffers]
+                 for b in self._plans.sliced_buffers(peer, comp_index, layers)]
         return np.concatenate(parts).astype("<u4").tobytes() if parts else b""
 
     @staticmethod
@@ -324,9 +322,7 @@ class Poster:
         assert plan is not None
         n = len(piece.src)
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
-        span = ctx.buffers.span(comp.name) if stager is not None and plan.uniform is not None else None
-        batched = None if span is None or plan.uniform is None else span.run_index(
-            buffers=piece.buffers, rows=plan.uniform, side="src")
+        batched = ctx.buffers.batched(comp.name, piece.buffers, plan.uniform, "src")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
             items = stager.to_device(piece.src)
             staged = staging.view(p.local[0], 1, piece.nbytes).view(-1)
