@@ -140,6 +140,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
         deadline = time.monotonic() + timeout_s + 30
         finished: set[str] = set()
         exited_at: dict[str, float] = {}
+        next_look = time.monotonic() + _POLL_S
         while len(finished) < len(procs):
             try:
                 msg = results.get(timeout=_POLL_S)
@@ -167,8 +168,10 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                     break
                 elif kind == "finished":
                     finished.add(f"{msg[1]}{msg[2]}")
-                continue
             now = time.monotonic()
+            if msg is not None and now < next_look:
+                continue          # a steady stream of results must not hide a dead rank: look every _POLL_S
+            next_look = now + _POLL_S
             gone = [p for p in procs if p.name not in finished and p.exitcode is not None]
             for p in gone:
                 exited_at.setdefault(p.name, now)
