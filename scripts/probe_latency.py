@@ -2,7 +2,7 @@
 same-TP sweep; run under py-spy to see where a request's fixed cost goes.
 
     PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
-    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda sweep 10
+    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda sweep 10 scattered
 """
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ def main() -> None:
     dev, _why = bt.detect_device(device)
     backend = bt.choose_backend(None, dev, plugins)
     if what == "sweep":
+        placements = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else None
         opts = bt.Options(device=device, sizes=(1 << 30,), tp_pairs=((1, 1),), layouts=("token-major",),
-                          page_tokens=(16,), repeats=count, latency_requests=20, staging_mib=1200, plugins=plugins)
-        print(bt.format_report(bt.run(opts)), flush=True)
+                          page_tokens=(16,), repeats=count, latency_requests=20, staging_mib=1200, plugins=plugins,
+                          placements=placements)
+        result = bt.run(opts)
+        print(bt.format_report(result), flush=True)
+        for case in result["cases"]:
+            post = [round(x * 1e3, 3) for x in case.get("post_s") or []]
+            print(f"{case['case']}: median {case.get('median_s', 0) * 1e3:.3f} ms, post_ms {post}", flush=True)
         return
     for mode in modes:
         opts = bt.Options(device=device, staging_mode=mode, staging_mib=64, latency_requests=count, plugins=plugins)
