@@ -403,7 +403,12 @@ class _Rank:
             if "staging" not in {f.name for f in dataclasses.fields(AgentConfig)}:
                 raise ValueError(f"staging mode {case.staging_mode!r}: this build's AgentConfig has no staging=")
             extra["staging"] = case.staging_mode
-        config = AgentConfig(peer_timeout_s=max(30.0, self.timeout_s / 4), bootstrap_timeout_s=self.timeout_s,
+        # Bench ranks drive progress from their own loop and run no heartbeat thread (an engine's agent does:
+        # start()), so a send() of millions of descriptors (staging off) keeps the prefill silent for as long
+        # as it takes: give those cases (no staging) a peer timeout beyond it instead of measuring a peer death.
+        silent_s = 10 * self.timeout_s if case.staging_mode == "never" or case.staging_bytes == 0 else 0.0
+        config = AgentConfig(peer_timeout_s=max(30.0, self.timeout_s / 4, silent_s),
+                             bootstrap_timeout_s=self.timeout_s,
                              waiting_timeout_s=self.timeout_s, staging_bytes=staging_bytes, **extra)
         role = Role.PREFILL if prefill else Role.DECODE
         self.agent = TransferAgent(layout=layout, buffers={"kv": buffers}, role=role, backend=self.backend,
