@@ -170,6 +170,10 @@ def test_gpu_link_reads_the_topology_matrix() -> None:
             "GPU1\tNV18\t X \t0-31\t0\n")
     assert bt.gpu_link(topo) == "NV18" and bt.gpu_link(topo, 1, 0) == "NV18"
     assert bt.gpu_link(None) is None and bt.gpu_link("GPU0\n") is None
+    run = Path(__file__).resolve().parents[1] / "docs/results/gpu-transfer-5fdff66.json"
+    recorded = json.loads(run.read_text())["machine"]["topology"]
+    assert recorded.startswith("\x1b[4mGPU0")          # what nvidia-smi printed on the H100 host: underlined
+    assert bt.gpu_link(recorded) == "NV18" and bt.gpu_link(recorded, 1, 0) == "NV18"
 
 
 def test_main_returns_non_zero_on_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -1164,7 +1165,8 @@ def gpu_link(topo: str | None, a: int = 0, b: int = 1) -> str | None:
     """The cell of ``nvidia-smi topo -m`` between GPU ``a`` and GPU ``b`` (e.g. ``NV18``, ``SYS``)."""
     if not topo:
         return None
-    lines = [ln.split() for ln in topo.splitlines() if ln.strip()]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", topo)       # nvidia-smi underlines the header row
+    lines = [ln.split() for ln in plain.splitlines() if ln.strip()]
     header = lines[0] if lines else []
     columns = [h for h in header if h.startswith("GPU")]
     for row in lines[1:]:
@@ -1188,9 +1190,10 @@ def machine_info(device: str, devices: tuple[str, str], command: str) -> dict[st
         "command": command, "cpu": cpu or platform.processor(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "platform": platform.platform(),
         "versions": _version("kvbridge", "torch", "numpy", "nixl", "nixl-cu12", "nixl-cu13", "pyzmq", "matplotlib"),
-        # a copy of the tree without .git (a GPU host): KVBRIDGE_REV=<commit> names what was measured
-        "git": _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
-        or os.environ.get("KVBRIDGE_REV"),
+        # a copy of the tree (a GPU host) may sit in a stale or foreign git: KVBRIDGE_REV=<commit>, when set,
+        # names what was measured
+        "git": os.environ.get("KVBRIDGE_REV")
+        or _run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]),
         "device": device, "devices": list(devices),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,   # other jobs at the start
     }
