@@ -59,10 +59,12 @@ if ! .venv-sglang/bin/python -c 'import sglang, torch' 2>/dev/null; then
     starlette msgspec aiohttp pyzmq triton pydantic tqdm ipython transformers==5.19.0 sentencepiece==0.2.1 \
     apache-tvm-ffi==0.1.11 compressed-tensors gguf dill pluggy pytest pytest-timeout
 fi
-# NIXL too: the adapter's tests run one scenario over a real transfer engine (torch stays the CPU build)
-if ! .venv-sglang/bin/python -c 'import nixl' 2>/dev/null; then
+# NIXL and Mooncake too: the adapter's tests run one scenario over each real transfer engine (torch stays the
+# CPU build)
+if ! .venv-sglang/bin/python -c 'import nixl, mooncake.engine' 2>/dev/null; then
   echo 'torch==2.13.0' > .venv-sglang/constraints.txt
-  PIP_CONSTRAINT=.venv-sglang/constraints.txt .venv-sglang/bin/python -m pip install -q --disable-pip-version-check nixl
+  PIP_CONSTRAINT=.venv-sglang/constraints.txt .venv-sglang/bin/python -m pip install -q --disable-pip-version-check \
+    nixl mooncake-transfer-engine-non-cuda
 fi
 .venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . -e plugins/mamba -e plugins/swa \
-  -e plugins/nsa -e plugins/row -e plugins/nixl -e adapters/sglang
+  -e plugins/nsa -e plugins/row -e plugins/nixl -e plugins/mooncake -e adapters/sglang

@@ -516,6 +516,7 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                 pending_safe.remove(r)
                 flush(out)
         time.sleep(0.002)
+    out["backends"] = sorted({agent.backend_name for agent in mgr.agents.values()})   # what really moved the bytes
     end = time.monotonic() + sc.get("safe_wait_s", 10)
     while pending_safe and time.monotonic() < end:
         for r in list(pending_safe):

@@ -175,19 +175,22 @@ def test_checksums_across_tp_with_mamba_and_a_planted_byte(tmp_path: Path) -> No
     assert len(dec["verified"]) == 4
 
 
-def test_tp2_to_tp1_with_mamba_over_nixl(tmp_path: Path) -> None:
-    """The same adapter over a real transfer engine: NIXL (UCX between the rank processes, host memory), prefill
-    TP 2 -> decode TP 1 with a Mamba slot, chunked prefill, prefix hits and aux rows, staged and plain writes."""
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_tp2_to_tp1_with_mamba_over_a_transfer_engine(tmp_path: Path, backend: str) -> None:
+    """The same adapter over a real transfer engine (NIXL: UCX; Mooncake: its TCP transport; between the rank
+    processes, host memory): prefill TP 2 -> decode TP 1 with a Mamba slot, chunked prefill, prefix hits and aux
+    rows, staged and plain writes."""
     need_sglang()
-    probe = subprocess.run([str(PYTHON), "-c", "import kvbridge_nixl; print(kvbridge_nixl.probe().available)"],
-                           capture_output=True, text=True, timeout=120)
+    check = f"import kvbridge_{backend} as b; print(b.probe().available)"
+    probe = subprocess.run([str(PYTHON), "-c", check], capture_output=True, text=True, timeout=120)
     if probe.stdout.strip() != "True":
-        pytest.skip(f"nixl is not usable in .venv-sglang: {probe.stdout.strip()} {probe.stderr.strip()[-200:]}")
+        pytest.skip(f"{backend} is not usable in .venv-sglang: {probe.stdout.strip()} {probe.stderr.strip()[-200:]}")
     sc = scenario(prefill={"tp": 2}, decode={"tp": 1}, state=[MAMBA], requests=6)
-    r, results = run(sc, tmp_path, env={"KVBRIDGE_BACKEND": "nixl", "KVBRIDGE_STAGING_MIB": "1"})
+    r, results = run(sc, tmp_path, env={"KVBRIDGE_BACKEND": backend, "KVBRIDGE_STAGING_MIB": "1"})
     check_clean(r, results)
     dec = decode_results(results)[0]
     assert len(dec["verified"]) == 6 and not dec["failed"], dec
+    assert dec["backends"] == [backend], dec["backends"]
 
 
 def test_dp_routing_by_registered_rank(tmp_path: Path) -> None:
