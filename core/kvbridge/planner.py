@@ -85,40 +85,81 @@ def _relative_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_item: int, dst_
     return src_rel[starts], dst_rel[starts], np.add.reduceat(lens, starts)
 
 
-def plan_transfer(pairs: Sequence[BufferPair], src_idx: np.ndarray, dst_idx: np.ndarray) -> TransferPlan:
-    """Plan the copy of items ``src_idx[k] -> dst_idx[k]`` for every buffer pair.
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
+class PairGroup:
+    """Buffer pairs that share item sizes and segments (e.g. all K layers): planned once, then broadcast."""
+
+    src_item_nbytes: int
+    dst_item_nbytes: int
+    segments: Segments
+    members: np.ndarray          # int32 buffer indices
+    src_base: np.ndarray         # uint64, one per member
+    dst_base: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
+class PairGroups:
+    """A list of buffer pairs grouped for :func:`plan_transfer`. Grouping costs a Python step per pair, so a
+    sender that plans many requests over the same pairs groups them once and passes this instead::
+
+        groups = PairGroups.of(pairs)
+        plan = plan_transfer(groups, src_pages, dst_pages)      # same plan as plan_transfer(pairs, ...)
+    """
+
+    groups: tuple[PairGroup, ...]
+    src_num_items: int           # the smallest of the pairs': indices are checked against it
+    dst_num_items: int
+
+    @classmethod
+    def of(cls, pairs: Sequence[BufferPair]) -> PairGroups:
+        if not pairs:
+            return cls(groups=(), src_num_items=0, dst_num_items=0)
+        found: dict[tuple[int, int, bytes], list[int]] = {}
+        for b, pair in enumerate(pairs):
+            if len(pair.segments):
+                found.setdefault((pair.src_item_nbytes, pair.dst_item_nbytes, pair.segments.key()), []).append(b)
+        groups = tuple(PairGroup(src_item_nbytes=pairs[m[0]].src_item_nbytes,
+                                 dst_item_nbytes=pairs[m[0]].dst_item_nbytes, segments=pairs[m[0]].segments,
+                                 members=np.array(m, dtype=np.int32),
+                                 src_base=np.array([pairs[b].src_base for b in m], dtype=_U64),
+                                 dst_base=np.array([pairs[b].dst_base for b in m], dtype=_U64))
+                       for m in found.values())
+        return cls(groups=groups, src_num_items=min(p.src_num_items for p in pairs),
+                   dst_num_items=min(p.dst_num_items for p in pairs))
+
+
+def plan_transfer(pairs: Sequence[BufferPair] | PairGroups, src_idx: np.ndarray,
+                  dst_idx: np.ndarray) -> TransferPlan:
+    """Plan the copy of items ``src_idx[k] -> dst_idx[k]`` for every buffer pair (``pairs``: a list, or the
+    same list grouped once with :meth:`PairGroups.of`).
 
     Pairs are sorted by source index first so that runs merge maximally; descriptors come out grouped
     by buffer, in ascending source address within a buffer (so engines can merge further).
     """
     if len(src_idx) != len(dst_idx):
         raise GeometryError(f"{len(src_idx)} source items but {len(dst_idx)} destination items")
-    if not pairs or len(src_idx) == 0:
+    if len(src_idx) == 0 or (not isinstance(pairs, PairGroups) and not pairs):
         return TransferPlan.empty()
+    grouped = pairs if isinstance(pairs, PairGroups) else PairGroups.of(pairs)
     src_idx = np.asarray(src_idx, dtype=np.int64)
     dst_idx = np.asarray(dst_idx, dtype=np.int64)
-    check_indices(src_idx, min(p.src_num_items for p in pairs), "source")
-    check_indices(dst_idx, min(p.dst_num_items for p in pairs), "destination")
+    check_indices(src_idx, grouped.src_num_items, "source")
+    check_indices(dst_idx, grouped.dst_num_items, "destination")
+    if not grouped.groups:
+        return TransferPlan.empty()
     if src_idx.size > 1 and np.any(src_idx[1:] < src_idx[:-1]):
         order = np.argsort(src_idx, kind="stable")
         src_idx, dst_idx = src_idx[order], dst_idx[order]
-    groups: dict[tuple[int, int, bytes], list[int]] = {}
-    for b, pair in enumerate(pairs):
-        if len(pair.segments):
-            groups.setdefault((pair.src_item_nbytes, pair.dst_item_nbytes, pair.segments.key()), []).append(b)
-    if not groups:
-        return TransferPlan.empty()
     out_src, out_dst, out_len, out_buf = [], [], [], []
-    for members in groups.values():
-        first = pairs[members[0]]
-        rs, rd, rl = _relative_runs(src_idx, dst_idx, first.src_item_nbytes, first.dst_item_nbytes, first.segments)
-        src_base = np.array([pairs[b].src_base for b in members], dtype=_U64)
-        dst_base = np.array([pairs[b].dst_base for b in members], dtype=_U64)
-        out_src.append((src_base[:, None] + rs.astype(_U64)[None, :]).ravel())
-        out_dst.append((dst_base[:, None] + rd.astype(_U64)[None, :]).ravel())
-        out_len.append(np.broadcast_to(rl.astype(_U64)[None, :], (len(members), rl.size)).ravel())
-        out_buf.append(np.repeat(np.array(members, dtype=np.int32), rl.size))
+    for g in grouped.groups:
+        rs, rd, rl = _relative_runs(src_idx, dst_idx, g.src_item_nbytes, g.dst_item_nbytes, g.segments)
+        out_src.append((g.src_base[:, None] + rs.astype(_U64)[None, :]).ravel())
+        out_dst.append((g.dst_base[:, None] + rd.astype(_U64)[None, :]).ravel())
+        out_len.append(np.broadcast_to(rl.astype(_U64)[None, :], (g.members.size, rl.size)).ravel())
+        out_buf.append(np.repeat(g.members, rl.size))
+    if len(grouped.groups) == 1:
+        return TransferPlan(out_src[0], out_dst[0], out_len[0], out_buf[0])
     buf = np.concatenate(out_buf)
-    final: np.ndarray | slice = np.argsort(buf, kind="stable") if len(groups) > 1 else slice(None)
+    final = np.argsort(buf, kind="stable")
     return TransferPlan(np.concatenate(out_src)[final], np.concatenate(out_dst)[final],
                         np.concatenate(out_len)[final], buf[final])

@@ -10,7 +10,7 @@ from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.backends.base import PeerInfo
 from kvbridge.digests import Runs, run_bytes
 from kvbridge.geometry import PoolLayout, Rank
-from kvbridge.planner import BufferPair
+from kvbridge.planner import BufferPair, PairGroups
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.staging import DEFAULT_DESCRIPTOR_COST_US, Rows, regular_rows, stage_threshold
 from kvbridge.wire import Role
@@ -65,6 +65,7 @@ class PlanCache:
         self._rows: dict[tuple[str, int], tuple[Rows, ...] | None] = {}
         self._stage: dict[tuple[str, int], StagePlan | None] = {}
         self._layer_pairs: dict[tuple[str, int, int, int], tuple[list[BufferPair], tuple[Segments, ...]]] = {}
+        self._layer_groups: dict[tuple[str, int, int, int], tuple[PairGroups, tuple[Segments, ...]]] = {}
         self._layers: dict[int, LayerMap] = {}
         self._below: float | None = None
         self._run_bytes: dict[tuple[str, int, int, str], Runs] = {}
@@ -168,6 +169,16 @@ class PlanCache:
                                                             for b, s in enumerate(segs.buffers)))
         return found
 
+    def layer_groups(self, peer: Peer, comp_index: int, segs: ComponentSlice,
+                     layers: range) -> tuple[PairGroups, tuple[Segments, ...]]:
+        """:meth:`layer_pairs` grouped for the planner (grouping is a Python step per buffer: done once)."""
+        key = (peer.agent, comp_index, layers.start, layers.stop)
+        found = self._layer_groups.get(key)
+        if found is None:
+            pairs, segments = self.layer_pairs(peer, comp_index, segs, layers)
+            found = self._layer_groups[key] = (PairGroups.of(pairs), segments)
+        return found
+
     def sliced_buffers(self, peer: Peer, comp_index: int, layers: range) -> list[int]:
         """The buffers of ``layers`` this pair moves bytes of (those with a non-empty slice), in layer order:
         the order of a notice's digests."""
@@ -188,5 +199,7 @@ class PlanCache:
                 del cache[key]
         for lkey in [k for k in self._layer_pairs if k[0] == agent]:
             del self._layer_pairs[lkey]
+        for gkey in [k for k in self._layer_groups if k[0] == agent]:
+            del self._layer_groups[gkey]
         for rkey in [k for k in self._run_bytes if k[0] == agent]:
             del self._run_bytes[rkey]
