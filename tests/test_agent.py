@@ -322,7 +322,9 @@ def test_status_order_supports_min_reduction() -> None:
     assert min(KVPoll.Success, KVPoll.Failed) is KVPoll.Failed
 
 
-def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pair: Callable[..., Pair]) -> None:
+@pytest.mark.parametrize("delta", [1, -1])     # a newer decode; an older one (4: before 64-bit digests)
+def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pair: Callable[..., Pair],
+                                                                        delta: int) -> None:
     import msgspec
 
     from kvbridge import wire
@@ -331,7 +333,7 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     dec = pair.decode[0]
     hello = dec.peers.hello()
     raw = msgspec.msgpack.decode(dec.context.codec.encode(hello, to=""))
-    raw[0] = wire.PROTOCOL_VERSION + 1                     # a newer decode speaks version 2
+    raw[0] = wire.PROTOCOL_VERSION + delta
     future_hello = msgspec.msgpack.encode(raw)
     info = dec.link.lookup("inst")
     assert info is not None
@@ -343,7 +345,7 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     assert target.state is HandshakeState.REFUSED
     assert target.reason == (
         f"prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
-        f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + 1}")
+        f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + delta}")
 
 
 @pytest.mark.parametrize("staging_bytes", [0, 1 << 20])

@@ -117,7 +117,7 @@ def test_a_prefill_that_sends_no_digests_fails_the_room(make_world: Callable[...
     world = make_world("loopback", ref.TOKEN_MAJOR, 1, 1, prefill=_config("never", False), decode=_config("never"))
     _, receivers, _ = _room(world, 34)
     wait(lambda: receivers[0].poll() == KVPoll.Failed)
-    assert "sent 0 digests" in receivers[0].failure_reason
+    assert "sent 0 B of digests" in receivers[0].failure_reason
 
 
 @pytest.mark.parametrize("segs", [
@@ -156,6 +156,50 @@ def test_the_digest_sees_every_byte_and_every_swap() -> None:
     outside = view.copy()
     outside[:, 0:512] ^= 0xFF                 # bytes no run covers change nothing
     assert np.array_equal(digest_items(outside, items, runs), base)
+
+
+def test_the_digest_is_the_weighted_sum_of_32_bit_words() -> None:
+    """The two-matmul form on 64-bit words equals its definition: sum of e_p * word_p over 32-bit words, mod 2^64,
+    e_p = 2p + 1 modulo 2^33 (computed here the slow, obvious way, in Python integers)."""
+    from kvbridge.digests import _weights
+
+    rng = np.random.default_rng(3)
+    view = rng.integers(0, 256, (3, 200), dtype=np.uint8)              # 200 B: padded to 25 words of 8 B
+    runs = run_bytes(Segments(np.array([0], np.int64), np.array([0], np.int64), np.array([200], np.int64)), "src")
+    lo, hi = _weights(25)
+    weights = [int(w) for pair in zip(lo, hi) for w in (pair[0], (int(pair[0]) << 32) + int(pair[1]))]
+    assert all(w % (1 << 33) == 2 * p + 1 for p, w in enumerate(weights))
+    for item in range(3):
+        words = np.concatenate([view[item], np.zeros(8, np.uint8)]).view(np.uint32)
+        want = sum(int(x) * w for x, w in zip(words, weights)) % (1 << 64)
+        assert int(digest_items(view, np.array([item]), runs)[0]) == want
+
+
+def test_the_digest_has_no_blind_pairs_of_words() -> None:
+    """What a sum over 64-bit words mod 2^64 misses (two flipped top bits cancel: 2^63 * (odd + odd)) and what a
+    fold to 32 bits may cancel: every one of these changes the digest now, for every position tried."""
+    rng = np.random.default_rng(7)
+    view = rng.integers(0, 256, (1, 2048), dtype=np.uint8)
+    runs = run_bytes(Segments(np.array([0], np.int64), np.array([0], np.int64), np.array([2048], np.int64)), "src")
+    one = np.zeros(1, np.int64)
+    base = digest_items(view, one, runs)[0]
+    words = view.view(np.uint32)
+    for bit in (0, 7, 15, 31):                                       # the same bit flipped in two words
+        for a, b in ((0, 1), (1, 3), (0, 511), (17, 400), (255, 256)):
+            bent = words.copy()
+            bent[0, a] ^= np.uint32(1 << bit)
+            bent[0, b] ^= np.uint32(1 << bit)
+            assert digest_items(bent.view(np.uint8), one, runs)[0] != base, (bit, a, b)
+    for a, b in ((0, 1), (2, 300), (100, 511)):                      # swaps of words that differ in one bit only
+        bent = words.copy()
+        bent[0, b] = bent[0, a] ^ np.uint32(1 << 31)
+        ref = digest_items(bent.view(np.uint8), one, runs)[0]
+        bent[0, a], bent[0, b] = bent[0, b], bent[0, a]
+        assert digest_items(bent.view(np.uint8), one, runs)[0] != ref, (a, b)
+    for byte in range(0, 2048, 7):                                   # any single changed byte, any value
+        bent = view.copy()
+        bent[0, byte] ^= np.uint8(rng.integers(1, 256))
+        assert digest_items(bent, one, runs)[0] != base, byte
 
 
 def test_settings_turn_checksums_on() -> None:

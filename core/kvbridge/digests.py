@@ -6,13 +6,17 @@ that decode rank (the slice's segments, in segment order), and the decode digest
 landed in its own items: with any TP ratio the two agree byte for byte, or the room fails naming the
 component, the buffer (its layer) and the destination page.
 
-The digest is a position-weighted sum of the 64-bit words of the runs, mod 2^64, folded to 32 bits: any single
-changed byte, and any swap of two different words, changes it (the weights are odd). It guards against
-corruption, not against an adversary (the control channel's HMAC does that). Host memory, vectorized with
-numpy, bounded temporary memory.
+The digest is a position-weighted sum of the 32-bit words of the runs, mod 2^64, with 64-bit weights
+``random * 2^33 + 2 * position + 1``: odd, and for any two positions their sum and difference have a 2-adic
+valuation below 33. So a change confined to one word (any single changed bit or byte), any swap of two different
+words, and the same bit flipped in any two words always change it: such a change is a nonzero multiple of 2^64
+only if its valuation reached 64, and it stays below. (A sum over 64-bit words cannot promise this: two flipped
+top bits add ``2^63 * (odd + odd)``, which vanishes.) It guards against corruption, not against an adversary (the
+control channel's HMAC does that). Host memory, vectorized with numpy: computed on 64-bit words as
+``X @ lo_weights + (X >> 32) @ hi_correction``, which is the same sum, in bounded temporary memory.
 
     runs = run_bytes(segments, "src")                  # the runs inside one item (cache it)
-    d = digest_items(buffer_view, items, runs)         # uint32 per item
+    d = digest_items(buffer_view, items, runs)         # uint64 per item
 """
 
 from __future__ import annotations
@@ -24,16 +28,24 @@ import numpy as np
 from kvbridge.slicing import Segments
 
 BATCH_BYTES = 16 << 20          # items are digested in batches of about this many bytes
-_WEIGHTS: dict[int, np.ndarray] = {}
+SHIFT_BYTES = 1 << 20           # the high halves are formed in pieces of about this many bytes (cache-sized)
+_WEIGHTS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _weights(words: int) -> np.ndarray:
-    """Odd 64-bit weights per word position (fixed: both sides must agree)."""
+def _weights(words: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``words`` 64-bit words: ``lo`` and ``hi`` such that ``X @ lo + (X >> 32) @ hi`` (mod 2^64) is the
+    sum over 32-bit words ``p`` of ``e_p * word_p`` with ``e_p = random * 2^33 + 2p + 1`` (fixed: both sides
+    must agree). Word ``2j`` is the low half of ``X[j]`` (weight ``lo[j]``), word ``2j + 1`` the high half,
+    whose weight ``2^32 * lo[j] + hi[j]`` is made ``= 4j + 3`` modulo 2^33 by ``hi[j]``."""
     found = _WEIGHTS.get(words)
     if found is None:
         rng = np.random.Generator(np.random.PCG64(0x6B76627269646765))     # 'kvbridge'
-        found = rng.integers(0, 2**63 - 1, words, dtype=np.int64).view(np.uint64) | np.uint64(1)
-        _WEIGHTS[words] = found
+        j = np.arange(words, dtype=np.uint64)
+        mask = np.uint64((1 << 33) - 1)
+        high = rng.integers(0, 2**31, (2, words), dtype=np.int64).view(np.uint64) << np.uint64(33)
+        lo = high[0] | (j * np.uint64(4) + np.uint64(1))
+        hi = high[1] | ((j * np.uint64(4) + np.uint64(3) - np.uint64(1 << 32)) & mask)
+        found = _WEIGHTS[words] = (lo, hi)
     return found
 
 
@@ -84,19 +96,26 @@ def _slices(view: np.ndarray, batch: np.ndarray, runs: Runs) -> np.ndarray:
 
 
 def digest_items(view: np.ndarray, items: np.ndarray, runs: Runs) -> np.ndarray:
-    """uint32 digest of the runs of ``view[item]`` for every item (``view``: ``[num_items, item_nbytes]``)."""
+    """uint64 digest of the runs of ``view[item]`` for every item (``view``: ``[num_items, item_nbytes]``)."""
     n, size = len(items), runs.nbytes
-    out = np.zeros(n, np.uint32)
+    out = np.zeros(n, np.uint64)
     if n == 0 or size == 0:
         return out
     words = -(-size // 8)
-    weights = _weights(words)
+    lo, hi = _weights(words)
     per = max(1, BATCH_BYTES // max(1, view.shape[1]))
+    rows = max(1, SHIFT_BYTES // (8 * words))
+    high = np.empty((min(rows, per, n), words), np.uint64)
     for a in range(0, n, per):
         batch = np.asarray(items[a: a + per])
         data = _slices(view, batch, runs)
         if size % 8:
             data = np.concatenate([data, np.zeros((len(batch), words * 8 - size), np.uint8)], axis=1)
-        total = np.ascontiguousarray(data).view(np.uint64) @ weights     # mod 2^64
-        out[a: a + per] = ((total >> np.uint64(32)) ^ total).astype(np.uint32)
+        x = np.ascontiguousarray(data).view(np.uint64)
+        total = x @ lo                                                   # mod 2^64
+        for r in range(0, len(batch), rows):
+            part = high[: min(rows, len(batch) - r)]
+            np.right_shift(x[r: r + len(part)], np.uint64(32), out=part)
+            total[r: r + len(part)] += part @ hi
+        out[a: a + per] = total
     return out

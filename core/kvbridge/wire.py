@@ -18,7 +18,7 @@ from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
-PROTOCOL_VERSION = 4                # 4: staging rings (reservation sizes, credits); 3: layers and staged offsets
+PROTOCOL_VERSION = 5                # 5: digests, credits name the request; 4: staging rings; 3: layers, offsets
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
@@ -120,7 +120,7 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unk
     offset: int = 0         # staged: where, in bytes inside the receiver's reservation for (sender, component)
     layer_first: int = 0
     layer_count: int = 0    # 0: every layer of the component
-    #: when the request asked for them: uint32 little-endian digests of the slice each (buffer, item) moved,
+    #: when the request asked for them: uint64 little-endian digests of the slice each (buffer, item) moved,
     #: buffer by buffer (the layers' buffers in layer order), item by item (``kvbridge.digests``)
     digests: bytes = b""
 

@@ -292,11 +292,13 @@ class DecodeSide(RoomTable[RecvRoom]):
         if peer is None:
             return False
         buffers = self._plans.sliced_buffers(peer, comp_index, layers)
-        want = np.frombuffer(notice.digests, dtype="<u4")
-        if want.size != len(buffers) * len(items):
-            self._fail(room, f"prefill rank {notice.sender} sent {want.size} digests for {notice.component} "
-                             f"chunk {notice.chunk}; {len(buffers)} buffers x {len(items)} items landed")
+        expected = len(buffers) * len(items)
+        if len(notice.digests) != 8 * expected:
+            self._fail(room, f"prefill rank {notice.sender} sent {len(notice.digests)} B of digests for "
+                             f"{notice.component} chunk {notice.chunk}; {len(buffers)} buffers x {len(items)} items "
+                             f"landed, {8 * expected} B expected")
             return False
+        want = np.frombuffer(notice.digests, dtype="<u8")
         views = ctx.buffers.views[notice.component]
         for k, b in enumerate(buffers):
             got = digest_items(views[b], items, self._plans.run_bytes(peer, comp_index, b, "dst"))

@@ -151,8 +151,8 @@ class Poster:
         if s_idx.size > 1 and np.any(s_idx[1:] < s_idx[:-1]):   # the structured form is sorted by source
             order = np.argsort(s_idx, kind="stable")
             s_idx, d_idx = s_idx[order], d_idx[order]
-        pairs, segments = self._plans.layer_pairs(peer, comp_index, segs, group)
-        plan = plan_transfer(pairs, s_idx, d_idx)
+        grouped, segments = self._plans.layer_groups(peer, comp_index, segs, group)
+        plan = plan_transfer(grouped, s_idx, d_idx)
         notice = _with(notice, nbytes=plan.total_nbytes, staged=False, offset=0)
         frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
         if len(plan) == 0:
@@ -240,7 +240,7 @@ class Poster:
             return b""
         parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))
                  for b in self._plans.sliced_buffers(peer, comp_index, layers)]
-        return np.concatenate(parts).astype("<u4").tobytes() if parts else b""
+        return np.concatenate(parts).astype("<u8").tobytes() if parts else b""
 
     @staticmethod
     def _ring(room: SendRoom, agent: str, component: str, base: int, ring_bytes: int, limit: int,

@@ -89,10 +89,11 @@ class TransferAgent:
         try:
             self.buffers.register(buffers)
             self.buffers.setup_staging(staging, config.staging_bytes)
-            if config.checksums and role is Role.DECODE and any(
-                    not isinstance(v, np.ndarray) for views in self.buffers.views.values() for v in views):
-                raise KVBridgeError("AgentConfig.checksums verifies host memory only: this decode rank's buffers "
-                                    "are device memory")
+            unreadable = [c.name for c in layout.components
+                          if not all(isinstance(v, np.ndarray) for v in self.buffers.views.get(c.name) or [None])]
+            if config.checksums and role is Role.DECODE and unreadable:
+                raise KVBridgeError(f"AgentConfig.checksums verifies host memory only: this decode rank's buffers "
+                                    f"of {unreadable} are device memory (tensors or raw regions)")
         except BaseException:
             engine.close()
             raise
