@@ -98,6 +98,9 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
     staging_bytes: dict[str, dict[int, int]] = {}
     #: digest every write: notices carry a checksum of each (buffer, item) slice this rank receives
     digests: bool = False
+    #: drawn at random per request: the request's credits carry it, so a credit of an earlier request that
+    #: reused the room number frees no slot of this one
+    nonce: int = 0
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
@@ -133,6 +136,7 @@ class Credit(msgspec.Struct, frozen=True, kw_only=True, tag="credit", forbid_unk
     agent: str
     component: str
     chunk: int
+    nonce: int = 0                             # the request's (TransferRequest.nonce)
 
 
 class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid_unknown_fields=True):

@@ -9,6 +9,7 @@ last write, or the backend proves the writer gone; silence proves nothing (a sto
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class RecvRoom:
     indices: dict[str, np.ndarray] = field(default_factory=dict)
     staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
     rings: set[Key] = field(default_factory=set)       # reservations smaller than the slice: credits free slots
+    nonce: int = field(default_factory=lambda: secrets.randbits(63))   # TransferRequest.nonce, in credits
 
 
 class DecodeSide(RoomTable[RecvRoom]):
@@ -229,7 +231,8 @@ class DecodeSide(RoomTable[RecvRoom]):
                             room.rings.add(key)
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
-                                  staging=staging, staging_bytes=rings, digests=ctx.config.checksums)
+                                  staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
+                                  nonce=room.nonce)
         room.metadata_at = time.monotonic()
         for peer in peers.values():
             self._peers.post(peer, request)
@@ -269,7 +272,11 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._fail(room, f"prefill rank {notice.sender} wrote {notice.component} piece {notice.chunk} into the "
                              f"ring slot of piece {busy}, whose scatter had not finished (no credit was sent)")
             return
-        pending = self._scatter(room, notice, layers) if notice.staged else None
+        try:
+            pending = self._scatter(room, notice, layers) if notice.staged else None
+        except ProtocolError as exc:           # a piece outside the reservation: this room cannot complete
+            self._fail(room, str(exc))
+            return
         seen.add(notice.chunk)
         room.status = KVPoll.Transferring
         if pending is not None:
@@ -330,7 +337,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         peer = self._peers.get(agent) if agent is not None else None
         if peer is not None and peer.alive:
             self._peers.post(peer, Credit(room=room.room, agent=self._ctx.name, component=notice.component,
-                                          chunk=notice.chunk))
+                                          chunk=notice.chunk, nonce=room.nonce))
 
     def _count(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> None:
         """A notice's bytes sit in their items: cover them, and see whether the room is complete."""
@@ -374,7 +381,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                 "which has no staging reservation")
         offset, nbytes, plan = reserved
         size = notice.count * plan.span(layers)
-        if notice.first + notice.count > len(dst) or notice.offset + size > nbytes:
+        if notice.first + notice.count > len(dst) or notice.offset < 0 or notice.offset + size > nbytes:
             raise ProtocolError(f"room {room.room}: staged piece [{notice.first}, +{notice.count}) x layers "
                                 f"[{layers.start}, {layers.stop}) at {notice.offset} is outside the {nbytes} B "
                                 "reserved")

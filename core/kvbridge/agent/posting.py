@@ -34,6 +34,8 @@ from kvbridge.wire import Notice
 
 log = logging.getLogger("kvbridge.agent")
 
+MAX_RING_SLOTS = 64          # a ring uses at most this many slots of its reservation (each take() scans them)
+
 StateIndices = Mapping[str, tuple[np.ndarray, int]]
 
 
@@ -254,8 +256,8 @@ class Poster:
                 slot = ring_bytes
             if slot < largest or slot <= 0:
                 return None
-            found = room.rings[(agent, component)] = StagingRing(base=base, slot_bytes=slot,
-                                                                 slots=[None] * (ring_bytes // slot))
+            found = room.rings[(agent, component)] = StagingRing(
+                base=base, slot_bytes=slot, slots=[None] * min(MAX_RING_SLOTS, ring_bytes // slot))
         return found if found.slot_bytes >= largest else None
 
     def pump(self, room: SendRoom) -> None:
@@ -385,6 +387,9 @@ class Poster:
         staging.free(*p.local)
         p.local = None
         comp = ctx.layout.components[piece.comp_index]
+        ring = room.rings.get((peer.agent, comp.name))
+        if ring is not None:
+            ring.release(p.notice.chunk)       # its slot was never written: no credit will come for it
         self._post_plain(room, peer, piece.comp_index, self._plans.slice_for(peer, piece.comp_index), piece.layers,
                          piece.src, piece.dst, p.notice, None)
         log.debug("%s: room %d %s piece %d went as descriptors", ctx.name, room.room, comp.name, p.notice.chunk)

@@ -19,6 +19,7 @@ from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
 from kvbridge.slicing import served_ranks
+from kvbridge.staging import STAGING
 from kvbridge.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
@@ -196,6 +197,9 @@ class PrefillSide(RoomTable[SendRoom]):
             return                             # the room ended: its ring went with it
         if credit.agent != env.sender or credit.agent not in room.requests:
             raise Dropped(f"credit for room {credit.room} from {env.sender!r}, which is not a participant")
+        if credit.nonce != room.requests[credit.agent].nonce:
+            raise Dropped(f"credit for room {credit.room} from {env.sender!r} names another request of that room "
+                          "(an earlier one that used the same number)")
         ring = room.rings.get((credit.agent, credit.component))
         if ring is not None and ring.release(credit.chunk) and room.pending:
             self._active.add(room.room)        # the progress loop posts what waited for the slot
@@ -399,3 +403,24 @@ def _validate_request(peer: Peer, req: TransferRequest) -> None:
         raise ProtocolError(f"request names components {sorted(req.indices)}, the pool has {sorted(names)}")
     for comp in peer.layout.components:
         check_indices(req.indices[comp.name].unpack(), comp.num_items, f"room {req.room} {comp.name} destination")
+    _validate_staging(peer, req)
+
+
+def _validate_staging(peer: Peer, req: TransferRequest) -> None:
+    """Reservations must lie inside the staging area the decode registered (rings: a positive size)."""
+    area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
+    size = area.regions[0].nbytes if area is not None and area.regions else 0
+    names = set(peer.layout.component_names)
+    for name in set(req.staging) | set(req.staging_bytes):
+        if name not in names:
+            raise ProtocolError(f"request reserves staging for {name!r}, the pool has {sorted(names)}")
+        offsets, rings = req.staging.get(name, {}), req.staging_bytes.get(name, {})
+        orphans = sorted(set(rings) - set(offsets))
+        if orphans:
+            raise ProtocolError(f"request gives {name} ring sizes for prefill ranks {orphans} without a reservation")
+        for rank, offset in offsets.items():
+            ring = rings.get(rank)
+            if not 0 <= offset < size or (ring is not None and not 0 < ring <= size - offset):
+                what = f"offset {offset}" + (f" and ring of {ring} B" if ring is not None else "")
+                raise ProtocolError(f"request reserves {name} staging for prefill rank {rank} at {what}, outside "
+                                    f"the {size} B staging area the decode registered")
