@@ -28,7 +28,7 @@ from test_checksums_paths import (
     settle,
     start_room,
 )
-from test_staging_paths import POOL, World, check, fill, layout_of, spec, wait, worlds
+from test_staging_paths import World, check, fill, layout_of, wait, worlds
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent import posting as posting_module
@@ -191,9 +191,4 @@ def test_a_failed_verification_harms_no_other_room(make_world: Callable[..., Wor
 
 def _check_pages(world: World, seed: int, pages: np.ndarray) -> None:
     """The requested pages hold the reference bytes (other rooms' pages are not looked at)."""
-    for r in range(world.dt):
-        for b, buf in enumerate(world.dst[r]):
-            want = ref.expected_pages(spec(world.kind), seed, b % world.layers, b // world.layers, world.dt, r,
-                                      np.arange(len(pages)))
-            got = buf.reshape(POOL, *spec(world.kind).local_page_shape(world.dt))[pages]
-            assert np.array_equal(got, want), f"decode rank {r} buffer {b} differs"
+    check(world, seed, pages, others_untouched=False)

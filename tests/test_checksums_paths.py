@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_staging_paths import LAYERS, POOL, World, check, fill, wait, worlds
+from test_staging_paths import LAYERS, POOL, World, check, open_room, wait, worlds
 
 from kvbridge.agent import AgentConfig
 from kvbridge.agent import decode as decode_module
@@ -79,12 +79,7 @@ def start_room(world: World, room: int, n: int, seed: int = 5) -> tuple[list[Any
                                                                            np.ndarray]:
     rng = np.random.default_rng(room)
     src_pages, dst_pages = rng.permutation(POOL)[:n], rng.permutation(POOL)[:n]
-    fill(world, seed, src_pages)
-    receivers = [d.receiver(room, "inst") for d in world.decode]
-    for rc in receivers:
-        rc.send_metadata({"kv": dst_pages})
-    senders = [a.sender(room) for a in world.prefill]
-    wait(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+    senders, receivers = open_room(world, room, src_pages, dst_pages, seed)
     return senders, receivers, src_pages, dst_pages
 
 
