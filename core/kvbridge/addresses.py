@@ -21,7 +21,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-__all__ = ["NoFreePort", "advertised_host", "endpoint_host_port", "format_tcp", "is_unspecified",
+__all__ = ["NoFreePort", "advertised_host", "endpoint_host_port", "format_tcp", "is_ipv6_literal", "is_unspecified",
            "parse_port_range", "route_source"]
 
 _UNSPECIFIED = {"", "*", "0.0.0.0", "::", "[::]"}
@@ -37,12 +37,25 @@ class NoFreePort(OSError):
 
 
 def is_unspecified(host: str) -> bool:
-    """``0.0.0.0``, ``::``, ``*`` or empty: every interface, never an address a peer can reach."""
+    """``0.0.0.0``, ``::``, ``*`` or empty: every interface, never an address a peer can reach. Other spellings
+    the resolver reads as 0.0.0.0 (``0``, ``0.0``, ``0x0``, ``000.000.000.000``) are too."""
     host = host.strip()
     if host in _UNSPECIFIED:
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(host) == b"\0\0\0\0"
+    except OSError:
+        return False
+
+
+def is_ipv6_literal(host: str) -> bool:
+    """``fe80::1``, ``::1``, ``fe80::1%eth0`` (no brackets)."""
+    try:
+        return isinstance(ipaddress.ip_address(host.split("%")[0]), ipaddress.IPv6Address)
     except ValueError:
         return False
 
@@ -99,7 +112,11 @@ def advertised_host(*, bind: str, advertise: str | None, toward: tuple[str, int]
         if is_unspecified(advertise):
             raise ValueError(f"advertise={advertise!r} is an unspecified address that peers cannot reach; "
                              "give this host's address on the network the peers use")
-        return _strip(advertise.strip())
+        host = _strip(advertise.strip())
+        if ":" in host and not is_ipv6_literal(host):
+            raise ValueError(f"advertise={advertise!r} is not a host (an IPv6 literal has colons; a port does not "
+                             "belong here: the link picks it)")
+        return host
     if not is_unspecified(bind):
         return _strip(bind.strip())
     if toward is None:

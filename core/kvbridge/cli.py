@@ -78,7 +78,8 @@ def _demo(args: argparse.Namespace) -> int:
         backend = args.backend or settings.backend or default_backend()
         summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
-                           dump=args.dump, metrics_port=args.metrics_port, settings_file=args.config)
+                           dump=args.dump, metrics_port=args.metrics_port or settings.metrics_port,
+                           settings_file=args.config)
     except PluginError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvbridge._markers import hookimpl
-from kvbridge.addresses import is_unspecified
+from kvbridge.addresses import is_ipv6_literal, is_unspecified
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import InstanceInfo
 from kvbridge.specs import DiscoverySpec, resolve
@@ -136,6 +136,8 @@ def check_address(address: str) -> str:
             raise DiscoveryError(f"not a control address (port): {address!r}")
         if is_unspecified(host.strip("[]")):
             raise DiscoveryError(f"an unspecified address cannot be reached by peers: {address!r}")
+        if host.startswith("[") and not is_ipv6_literal(host[1:-1]):
+            raise DiscoveryError(f"not a control address (brackets hold an IPv6 literal only): {address!r}")
     return address
 
 

@@ -66,6 +66,10 @@ class SettingsError(KVBridgeError, ValueError):
     """An option is unknown or its value is invalid (the message names the key and where it came from)."""
 
 
+_MAX_S = 10 * 365 * 86400.0     # timeouts are finite: ten years at most
+_MAX_BYTES = 1 << 48            # sizes: 256 TiB at most
+
+
 def _doc(text: str, **constraints: Any) -> msgspec.Meta:
     return msgspec.Meta(description=text, **constraints)
 
@@ -78,14 +82,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         "`kvbridge demo`: `nixl` when usable)")] = ""
     backend_options: Annotated[dict[str, Any], _doc(
         "options of the selected backend (tables below); environment: `k=v,k=v`")] = {}
-    heartbeat_interval_s: Annotated[float, _doc("how often an agent tells each peer it is alive (s)", gt=0)] = 0.5
-    peer_timeout_s: Annotated[float, _doc("a peer silent this long is dead and its rooms fail (s)", gt=0)] = 3.0
+    heartbeat_interval_s: Annotated[float, _doc("how often an agent tells each peer it is alive (s)", gt=0,
+                                                le=_MAX_S)] = 0.5
+    peer_timeout_s: Annotated[float, _doc("a peer silent this long is dead and its rooms fail (s)", gt=0,
+                                          le=_MAX_S)] = 3.0
     bootstrap_timeout_s: Annotated[float, _doc(
-        "connect(), and a prefill room waiting for its decode's request (s)", gt=0)] = 30.0
-    waiting_timeout_s: Annotated[float, _doc("a decode room waiting for data after send_metadata (s)", gt=0)] = 120.0
+        "connect(), and a prefill room waiting for its decode's request (s)", gt=0, le=_MAX_S)] = 30.0
+    waiting_timeout_s: Annotated[float, _doc("a decode room waiting for data after send_metadata (s)", gt=0,
+                                             le=_MAX_S)] = 120.0
     secret: Annotated[str, _doc("shared secret: HMAC on every control frame (empty: none; see Security)")] = ""
     staging_bytes: Annotated[int, _doc(
-        "staging area (host, or on the GPU of CUDA buffers); 0: off", ge=0)] = 32 << 20
+        "staging area (host, or on the GPU of CUDA buffers); 0: off", ge=0, le=_MAX_BYTES)] = 32 << 20
     staging: Annotated[Literal["auto", "always", "never"], _doc(
         "when a slice is gathered into the staging area: `auto` (cost model), `always`, `never`")] = "auto"
     staging_below_bytes: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc(
@@ -93,7 +100,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         "x the staging throughput")] = None
     staging_piece_bytes: Annotated[int, _doc(
         "a staged write is cut into pieces of at most this much (gather, write and scatter overlap)",
-        gt=0)] = 256 << 20
+        gt=0, le=_MAX_BYTES)] = 256 << 20
     checksums: Annotated[bool, _doc(
         "decode: ask for per-destination digests of every write and verify them on arrival (host memory)")] = False
     metrics_port: Annotated[int, _doc(
@@ -251,6 +258,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise SettingsError(f"cannot read the configuration file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return data
 
 
@@ -263,6 +272,8 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         if not var.startswith(ENV_PREFIX) or var == CONFIG_ENV or var in OTHER_ENV:
             continue
         key = names.get(var)
+        if key is None and var.upper() in names:
+            raise SettingsError(f"{var} in the environment: settings variables are upper case ({var.upper()})")
         if key is None:
             near = difflib.get_close_matches(var, list(names), n=1, cutoff=0.9)
             if near:
@@ -308,6 +319,9 @@ def load_settings(file: str | os.PathLike[str] | None = None, *, env: Mapping[st
         merged[key] = value
         sources[key] = "keyword argument"
     settings = parse_options(Settings, merged, "setting", sources)
+    if settings.heartbeat_interval_s >= settings.peer_timeout_s:
+        raise SettingsError(f"heartbeat_interval_s={settings.heartbeat_interval_s} must be below peer_timeout_s="
+                            f"{settings.peer_timeout_s} (a live peer would be judged dead between two heartbeats)")
     if check_backend and settings.backend_options and settings.backend:
         check_backend_options(settings.backend, settings.backend_options)
     return settings

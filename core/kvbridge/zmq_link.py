@@ -200,12 +200,17 @@ class BootstrapServer:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                wait_ms = 50 if not self._parked else max(1, min(50, int(1000 * (
-                    min(p.deadline for p in self._parked) - time.monotonic())) + 1))
-                if poller.poll(wait_ms):
-                    self._receive()
-                self._expire(time.monotonic())
-                self._answer_parked(time.monotonic())
+                try:
+                    wait_ms = 50 if not self._parked else max(1, min(50, int(1000 * (
+                        min(p.deadline for p in self._parked) - time.monotonic())) + 1))
+                    if poller.poll(wait_ms):
+                        self._receive()
+                    self._expire(time.monotonic())
+                    self._answer_parked(time.monotonic())
+                except Exception:       # one bad request must never stop the server for everyone
+                    self.rejected += 1
+                    log.exception("bootstrap: error while serving; the server goes on")
+                    self._parked.clear()
         finally:
             self._sock.close(0)
 
@@ -278,12 +283,22 @@ class BootstrapServer:
         except DiscoveryError as exc:
             return _Answer(info=None, error=str(exc))
         ranks = self._ranks.setdefault(request.instance, {})
+        old = ranks.get(request.rank)
+        if old is not None and old.address != request.address and math.isfinite(old.expires):
+            # a new life of this rank (a restart under the same name): the other ranks' records may be the dead
+            # life's, still leased. Forget the leased ones; live ranks publish again within their renewal
+            # interval, so a lookup never assembles the new rank with a dead one.
+            stale = [r for r, e in ranks.items() if r != request.rank and math.isfinite(e.expires)]
+            for r in stale:
+                del ranks[r]
+            if stale:
+                log.info("bootstrap: rank %d of %r restarted at %s; ranks %s wait until they publish again",
+                         request.rank, request.instance, request.address, stale)
         others = {e.tp_size for r, e in ranks.items() if r != request.rank}
         if others and request.tp_size not in others:
             return _Answer(info=None, error=f"instance {request.instance!r} already has TP {others.pop()}, "
                                             f"rank says {request.tp_size}")
         expires = time.monotonic() + request.lease_s if request.lease_s > 0 else math.inf
-        old = ranks.get(request.rank)
         ranks[request.rank] = _Entry(request.tp_size, request.address, expires)
         if old is None or old.address != request.address or old.tp_size != request.tp_size:
             self._changed(request.instance)
@@ -331,7 +346,7 @@ class BootstrapServer:
         answer = self._changes(request)
         if answer is not None:
             return answer
-        if request.wait_s <= 0:
+        if not request.wait_s > 0:             # zero, negative or NaN: answer now (NaN would poison the poll)
             return _Answer(info=None, revision=self._revision, epoch=self._epoch)
         wait = min(request.wait_s, _MAX_WATCH_WAIT_S)
         self._parked.append(_Parked(ident, request, time.monotonic() + wait))

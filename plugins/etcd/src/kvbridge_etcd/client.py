@@ -130,7 +130,10 @@ class EtcdDiscovery:
         return self._instance_prefix(instance) + str(rank).encode()
 
     def _instance_prefix(self, instance: str) -> bytes:
-        return f"{self._root}{quote(instance, safe='')}/".encode()
+        try:
+            return f"{self._root}{quote(instance, safe='')}/".encode()
+        except UnicodeEncodeError as exc:
+            raise DiscoveryError(f"instance name {instance!r:.80} cannot be encoded as UTF-8 ({exc.reason})") from None
 
     def _parse_key(self, key: bytes) -> tuple[str, int] | None:
         text = key.decode(errors="replace")
@@ -189,6 +192,8 @@ class EtcdDiscovery:
         try:
             with self._lock:
                 _, live = self._records(self._client, self._instance_prefix(instance))
+                if any(r.rank == rank and r.address != address for r in live.values()):
+                    live = self._forget_other_life(instance, rank, address, live)
                 others = {r.tp_size for r in live.values() if r.rank != rank}
                 if others and tp_size not in others:
                     raise DiscoveryError(f"instance {instance!r} already has TP {sorted(others)[0]} (live ranks "
@@ -208,6 +213,25 @@ class EtcdDiscovery:
         except _errors() as exc:
             raise DiscoveryError(f"could not publish rank {rank} of {instance!r} at {self.url}: "
                                  f"{type(exc).__name__}: {exc}") from exc
+
+    def _forget_other_life(self, instance: str, rank: int, address: str,
+                           live: dict[bytes, RankRecord]) -> dict[bytes, RankRecord]:
+        """Rank ``rank`` of ``instance`` starts a new life (its key holds another address): the instance's other
+        keys may be the dead life's, still leased, and a lookup would mix the two. Delete them; the live ranks'
+        keep-alive puts theirs back within a third of the TTL (it puts again a key that no longer holds its
+        record), the dead ones stay gone."""
+        kept: dict[bytes, RankRecord] = {}
+        for key, record in live.items():
+            if record.rank == rank:
+                kept[key] = record
+                continue
+            value = seal_record(self._secret, key, record)
+            txn = {"compare": [{"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)}],
+                   "success": [{"request_delete_range": {"key": _b64(key)}}], "failure": []}
+            self._client.post(self._client.get_url("/kv/txn"), json=txn)    # only if it still holds that record
+        log.info("etcd discovery: rank %d of %r restarted at %s; its other ranks wait until they are put again",
+                 rank, instance, address)
+        return kept
 
     def withdraw(self, instance: str, rank: int) -> None:
         with self._lock:
