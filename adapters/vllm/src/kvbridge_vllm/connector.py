@@ -9,9 +9,12 @@ Flow (the proxy in ``examples/vllm-disagg`` drives it):
    decode's request is already there, ``save_kv_layer`` posts each layer as the forward pass writes it,
    else the whole request goes once the decode asks (after ``wait_for_save``). ``request_finished`` keeps
    the blocks (``True``) and returns
-   ``{"do_remote_prefill": true, "room": ..., "instance": ..., "bootstrap": ...}``.
+   ``{"do_remote_prefill": true, "room": ..., "instance": ..., "bootstrap": ..., "prompt_digest": ...}``.
+   A client's ``room`` that is not a valid id, or is in use by another request here, is replaced by a fresh one.
 2. The decode instance (``kv_consumer``) gets the request with those params. ``get_num_new_matched_tokens``
-   claims every prompt token beyond its local prefix cache hit, loaded asynchronously; once vLLM allocated
+   computes the prompt itself when ``prompt_digest`` names another prompt (params of another request would
+   load that request's KV), else claims every prompt token beyond its local prefix cache hit, loaded
+   asynchronously; once vLLM allocated
    blocks, the worker opens a ``Receiver`` for the room with the blocks after the prefix (``prefix_len`` =
    the local hit, so the prefill sends only what decode lacks).
 3. Each prefill worker sends when the decode's request arrives and reports the request in
@@ -25,6 +28,7 @@ names it in ``bootstrap``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -89,10 +94,19 @@ def _room(params: dict[str, Any]) -> int:
     room = params.get("room")
     if room is None:
         return secrets.randbits(63) or 1
+    if isinstance(room, bool) or not (isinstance(room, int) or (isinstance(room, str) and room.isdigit())):
+        raise KVBridgeError(f"kv_transfer_params room={room!r:.40} is not an integer")
     room = int(room)
     if not 0 < room <= MAX_ROOM:
         raise KVBridgeError(f"kv_transfer_params room={room} is not a 63-bit positive id")
     return room
+
+
+def prompt_digest(token_ids: Any) -> str:
+    """A fingerprint of a prompt's token ids: the prefill hands it out with the room, and a decode loads the
+    room only into a request whose prompt has the same one (params of another prompt would load its KV)."""
+    ids = np.asarray(token_ids if token_ids is not None else (), dtype=np.int64)
+    return hashlib.blake2b(ids.tobytes(), digest_size=12).hexdigest()
 
 
 def _wait_for_port(address: str, timeout_s: float) -> None:
@@ -138,14 +152,35 @@ class KVBridgeConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if self.produce and params.get("do_remote_decode") and request.request_id not in self._producing:
             delay = float(params.get("kvbridge_delay_send_s", 0.0)) if self.settings.test_hooks else 0.0
-            self._producing[request.request_id] = _Producing(room=_room(params), delay_s=delay,
+            self._producing[request.request_id] = _Producing(room=self._new_room(request.request_id, params),
+                                                              delay_s=delay,
                                                               prompt_len=len(request.prompt_token_ids or ()))
         if self.consume and params.get("do_remote_prefill"):
+            want = params.get("prompt_digest")
+            if want is not None and want != prompt_digest(request.prompt_token_ids):
+                log.warning("kvbridge: request %s: kv_transfer_params (room %s) were made for another prompt; "
+                            "computing it here instead of loading that KV", request.request_id, params.get("room"))
+                params["do_remote_prefill"] = False
+                return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 self._local_hits[request.request_id] = num_computed_tokens
                 return count, True
         return 0, False
+
+    def _new_room(self, req_id: str, params: dict[str, Any]) -> int:
+        """The room of a request this prefill produces: the client's ``room`` when it is a valid id not in use
+        by another request here, else a fresh one (the room handed back in ``request_finished`` is the truth)."""
+        try:
+            room = _room(params)
+        except KVBridgeError as exc:
+            log.warning("kvbridge: request %s: %s; using a fresh room", req_id, exc)
+            return secrets.randbits(63) or 1
+        if any(p.room == room for p in self._producing.values()):
+            log.warning("kvbridge: request %s: room %d is in use by another request here; using a fresh room",
+                        req_id, room)
+            return secrets.randbits(63) or 1
+        return room
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -159,7 +194,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             flip = int(params.get("kvbridge_flip_layer", -1)) if self.settings.test_hooks else -1
             spec = LoadSpec(room=_room(params), instance=str(params["instance"]), block_ids=tuple(ids[first:end]),
                             prefix_len=local, flip_layer=flip)
-        except (KeyError, KVBridgeError, ValueError) as exc:
+        except (KeyError, KVBridgeError, ValueError, TypeError) as exc:
             spec = LoadSpec(room=1, instance="", block_ids=tuple(ids[first:end]), prefix_len=local)
             log.warning("kvbridge: request %s has bad kv_transfer_params %s: %s", request.request_id, params, exc)
         if params.get("bootstrap") and params["bootstrap"] != self.settings.bootstrap:
@@ -205,7 +240,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if state is None or not state.saved:
             return False, None
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "room": state.room,
-                      "instance": self.instance, "bootstrap": self.settings.bootstrap}
+                      "instance": self.instance, "bootstrap": self.settings.bootstrap,
+                      "prompt_digest": prompt_digest(request.prompt_token_ids)}
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

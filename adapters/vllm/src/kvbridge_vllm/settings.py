@@ -11,6 +11,7 @@ Unknown keys are refused with the list of known ones (a typo must not silently f
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -58,16 +59,16 @@ class Settings:
             default = known[key].default
             if isinstance(default, bool) or key in ("serve_bootstrap", "shm_remap"):
                 values[key] = value if value is None else _bool(key, value)
-            elif isinstance(default, float):
-                values[key] = float(value)
-            elif isinstance(default, int):
-                values[key] = int(value)
+            elif isinstance(default, (int, float)):
+                values[key] = _number(key, value, type(default))
             elif key == "backend_options":
                 if not isinstance(value, Mapping):
                     raise KVBridgeError(f"kv_connector_extra_config: backend_options={value!r} is not a mapping")
                 values[key] = {str(k): str(v) for k, v in value.items()}
+            elif not isinstance(value, str):
+                raise KVBridgeError(f"kv_connector_extra_config: {key}={value!r:.60} is not a string")
             else:
-                values[key] = str(value)
+                values[key] = value
         if not values.get("secret") and os.environ.get("KVBRIDGE_SECRET"):
             values["secret"] = os.environ["KVBRIDGE_SECRET"]
         return cls(**values)
@@ -83,6 +84,19 @@ class Settings:
 
     def remap_to_shm(self) -> bool:
         return self.backend == "loopback" if self.shm_remap is None else self.shm_remap
+
+
+def _number(key: str, value: object, kind: type) -> Any:
+    """``value`` as ``kind`` (int or float), finite and not negative, or an error naming the key."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise KVBridgeError(f"kv_connector_extra_config: {key}={value!r:.60} is not a number") from None
+    if not math.isfinite(number) or number < 0:
+        raise KVBridgeError(f"kv_connector_extra_config: {key}={value!r:.60} must be a finite number >= 0")
+    return number
 
 
 def _bool(key: str, value: object) -> bool:

@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from kvbridge_vllm.layout import KV_COMPONENT, KVPool
 from kvbridge_vllm.settings import Settings
 
 log = logging.getLogger("kvbridge.vllm")
+_FINISHED_EARLY = 4096      # finished request ids remembered in case their save comes after (odd order)
 
 __all__ = ["LoadSpec", "SaveSpec", "WorkerSide"]
 
@@ -69,6 +71,7 @@ class _Sending:
     ready_at: float = 0.0
     computed: bool = True        # False while the forward pass that completes the prompt still runs
     layers_posted: int = 0       # layers already posted (layer-wise, while the forward pass ran)
+    written: set[int] = field(default_factory=set)   # layers save_layer reported written (any order)
     groups: list[tuple[int, int]] = field(default_factory=list)   # the layer groups posted, for the test hook
 
 
@@ -79,6 +82,7 @@ class _Receiving:
     instance: str = ""
     failed: str = ""
     flip_layer: int = -1
+    abandoned: bool = False      # vLLM finished (aborted) the request before its KV arrived
 
 
 class WorkerSide:
@@ -93,6 +97,8 @@ class WorkerSide:
                                                      secret=settings.secret_bytes, context=zmq_context))
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, _Receiving] = {}
+        self._unsendable: set[str] = set()       # prefill requests whose room could not be opened
+        self._finished_early: OrderedDict[str, None] = OrderedDict()   # named finished before any save of theirs
         self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
         self._load_errors: set[int] = set()
         # Sends wait for the decode's request, which arrives after vLLM finished the prefill request (maybe
@@ -143,9 +149,31 @@ class WorkerSide:
         if self.prefill is None:
             raise KVBridgeError(f"request {req_id}: this worker does not produce KV (kv_role)")
         with self._lock:
-            if req_id not in self._sending:
-                self._sending[req_id] = _Sending(sender=self.prefill.sender(spec.room), delay_s=spec.delay_s,
-                                                 blocks=np.asarray(spec.block_ids, dtype=np.int64), computed=False)
+            if req_id not in self._sending and req_id not in self._unsendable:
+                sender = self._open_sender(req_id, spec)
+                if sender is not None:
+                    self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s, computed=False,
+                                                     blocks=np.asarray(spec.block_ids, dtype=np.int64),
+                                                     finished=self._was_finished(req_id))
+
+    def _was_finished(self, req_id: str) -> bool:
+        """vLLM already named this request finished (before its first save: not vLLM's order, but then it will
+        not name it again, and its blocks would wait forever)."""
+        if req_id in self._finished_early:
+            del self._finished_early[req_id]
+            return True
+        return False
+
+    def _open_sender(self, req_id: str, spec: SaveSpec) -> Sender | None:
+        """The room's sender; None (logged, and the request reported done once vLLM finished it) when the room
+        cannot be opened, e.g. another request of this worker holds it: never an exception in the forward pass."""
+        assert self.prefill is not None
+        try:
+            return self.prefill.sender(spec.room)
+        except KVBridgeError as exc:
+            log.error("kvbridge: request %s: cannot send its KV: %s", req_id, exc)
+            self._unsendable.add(req_id)
+            return None
 
     def save_layer(self, req_id: str, layer: int) -> None:
         """Layer ``layer`` (wire order) of every block of the request is written: post the layers up to it
@@ -154,9 +182,13 @@ class WorkerSide:
             state = self._sending.get(req_id)
             if state is None or state.sent or state.computed or state.delay_s or layer < state.layers_posted:
                 return
-            if state.sender.poll() < KVPoll.WaitingForInput:
+            state.written.add(layer)
+            upto = state.layers_posted
+            while upto in state.written:                 # only layers written with every layer before them
+                upto += 1
+            if upto == state.layers_posted or state.sender.poll() < KVPoll.WaitingForInput:
                 return
-            self._post_layers(req_id, state, range(state.layers_posted, layer + 1))
+            self._post_layers(req_id, state, range(state.layers_posted, upto))
 
     def _post_layers(self, req_id: str, state: _Sending, layers: range) -> None:
         skip = state.sender.decode_prefix_len // self.block_size
@@ -180,8 +212,12 @@ class WorkerSide:
         with self._lock:
             state = self._sending.get(req_id)
             if state is None:
-                state = self._sending[req_id] = _Sending(sender=self.prefill.sender(spec.room), delay_s=spec.delay_s,
-                                                         blocks=np.asarray(spec.block_ids, dtype=np.int64))
+                sender = None if req_id in self._unsendable else self._open_sender(req_id, spec)
+                if sender is None:
+                    return
+                state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
+                                                         blocks=np.asarray(spec.block_ids, dtype=np.int64),
+                                                         finished=self._was_finished(req_id))
             elif state.computed:
                 return
             state.computed = True
@@ -270,15 +306,29 @@ class WorkerSide:
     # ------------------------------------------------------------------ every step
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
         """(requests whose source blocks vLLM may free, requests whose load ended, well or not)."""
+        finished_req_ids = set(finished_req_ids)
         with self._lock:
             done_sending = self._finished_sends(finished_req_ids)
+        for req_id in finished_req_ids:      # aborted while loading: tell the prefill, free once nothing lands
+            recv = self._receiving.get(req_id)
+            if recv is not None and recv.receiver is not None and not recv.abandoned:
+                recv.abandoned = True
+                if recv.receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+                    recv.receiver.abort("vLLM finished the request before its KV arrived")
         return done_sending, self._finished_loads()
 
     def _finished_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
+        done_sending: set[str] = set()
         for req_id in finished_req_ids:
             if req_id in self._sending:      # saves are posted in the step that completes the prompt,
                 self._sending[req_id].finished = True    # always before vLLM finishes the request
-        done_sending: set[str] = set()
+            elif req_id in self._unsendable:
+                self._unsendable.discard(req_id)
+                done_sending.add(req_id)
+            elif self.prefill is not None and req_id not in self._receiving:   # a save may still come (odd order)
+                self._finished_early[req_id] = None
+                while len(self._finished_early) > _FINISHED_EARLY:
+                    self._finished_early.popitem(last=False)
         for req_id, state in list(self._sending.items()):
             self._advance_send(req_id, state)
             status = state.sender.poll()
@@ -312,9 +362,13 @@ class WorkerSide:
             elif status == KVPoll.Failed:
                 if not recv.receiver.safe_to_reuse:
                     continue
-                log.warning("kvbridge: request %s (room %d) failed to load: %s", req_id, recv.receiver.room,
-                            recv.receiver.failure_reason)
-                self._load_errors.update(int(b) for b in recv.blocks)
+                if recv.abandoned:           # nothing will read these blocks: no load error to report
+                    log.debug("kvbridge: request %s (room %d): load abandoned: %s", req_id, recv.receiver.room,
+                              recv.receiver.failure_reason)
+                else:
+                    log.warning("kvbridge: request %s (room %d) failed to load: %s", req_id, recv.receiver.room,
+                                recv.receiver.failure_reason)
+                    self._load_errors.update(int(b) for b in recv.blocks)
             else:
                 continue
             recv.receiver.clear()
