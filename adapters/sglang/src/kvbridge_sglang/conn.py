@@ -52,6 +52,46 @@ from kvbridge_sglang.settings import Settings
 log = logging.getLogger("kvbridge.sglang")
 
 ABORTED = "Aborted by AbortReq."
+MAX_ROOM = (1 << 63) - 1
+
+
+def _room_error(room: Any) -> str:
+    """Why ``room`` cannot name a kvbridge room ("" when it can)."""
+    if isinstance(room, bool) or not isinstance(room, (int, np.integer)):
+        return f"bootstrap_room {room!r:.40} is not an integer"
+    return "" if 0 <= int(room) <= MAX_ROOM else f"bootstrap_room {int(room)} is outside 0..2**63-1"
+
+
+def _pages(kv_indices: Any) -> np.ndarray:
+    """SGLang's page indices as int64, refusing what a cast would silently change (floats, bools)."""
+    arr = np.ravel(np.asarray(kv_indices))
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise KVBridgeError(f"kv_indices must be integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class _RefusedRoom:
+    """The sender of a room that could not be opened (a reused or invalid ``bootstrap_room``): Failed with the
+    reason from the start, nothing in flight, so SGLang fails that request alone."""
+
+    decode_prefix_len = 0
+    safe_to_reuse = True
+    stats = (0, 0)
+
+    def __init__(self, reason: str) -> None:
+        self.failure_reason = reason
+
+    def poll(self) -> KVBridgePoll:
+        return KVBridgePoll.Failed
+
+    def send(self, *_: Any, **__: Any) -> None:
+        raise KVBridgeError(self.failure_reason)
+
+    def abort(self, reason: str = "") -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender"]
 
@@ -381,8 +421,16 @@ class KVBridgeKVSender(BaseKVSender):
             raise KVBridgeError("kvbridge-sglang: sender on a manager without a prefill agent")
         self.kv_mgr = mgr
         self.bootstrap_server_url = bootstrap_addr
-        self.bootstrap_room = int(bootstrap_room)
-        self._sender: Sender = mgr.agent.sender(self.bootstrap_room)
+        why = _room_error(bootstrap_room)
+        self.bootstrap_room = int(bootstrap_room) if not why else -1
+        self._sender: Sender | _RefusedRoom
+        try:
+            if why:
+                raise KVBridgeError(why)
+            self._sender = mgr.agent.sender(self.bootstrap_room)
+        except KVBridgeError as exc:     # e.g. the room is in use by another request: fail this one alone
+            log.error("kvbridge-sglang: room %s: %s", bootstrap_room, exc)
+            self._sender = _RefusedRoom(str(exc))
         self._num_pages: int | None = None
         self._aux_index: int | None = None
         self._sent = 0
@@ -421,7 +469,14 @@ class KVBridgeKVSender(BaseKVSender):
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None,
              **_: Any) -> None:
-        pages = np.ascontiguousarray(np.ravel(np.asarray(kv_indices)), dtype=np.int64)
+        try:
+            pages = _pages(kv_indices)
+        except KVBridgeError as exc:
+            log.warning("kvbridge-sglang: room %d: bad kv_indices: %s", self.bootstrap_room, exc)
+            self._sender.abort(f"bad kv_indices: {exc}")
+            self._reason = self._reason or str(exc)
+            self._queue.clear()
+            return
         if self._t_first is None:
             self._t_first = time.monotonic()
         self._sent += len(pages)
@@ -524,7 +579,8 @@ class KVBridgeKVReceiver(BaseKVReceiver):
     def __init__(self, mgr: KVBridgeKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = int(bootstrap_room or 0)
+        why = _room_error(bootstrap_room or 0)
+        self.bootstrap_room = int(bootstrap_room or 0) if not why else -1
         self._parts: list[tuple[Stage, TransferAgent, Receiver]] = []
         self._reason = ""
         self._failed = False
@@ -533,7 +589,12 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         self.conclude_state: int | None = None
         self.bootstrap_infos: list[Stage] = []
         self.prefill_dp_rank: int | None = None
-        mgr._receivers[self.bootstrap_room] = self
+        if not why and mgr._receivers.get(self.bootstrap_room) is not None:
+            why = f"bootstrap_room {self.bootstrap_room} is in use by another request on this rank"
+        if why:                      # fails alone; the room's live receiver stays the one SGLang's release asks
+            self._fail(why, record=self.bootstrap_room < 0)
+        else:
+            mgr._receivers[self.bootstrap_room] = self
 
     @property
     def supports_host_destination(self) -> bool:
@@ -541,6 +602,8 @@ class KVBridgeKVReceiver(BaseKVReceiver):
 
     def init(self, prefill_dp_rank: int) -> None:
         self.prefill_dp_rank = int(prefill_dp_rank)
+        if self._failed:
+            return
         try:
             for stage, agent in self.kv_mgr.decode_stages(self.bootstrap_addr, self.prefill_dp_rank):
                 self._parts.append((stage, agent, agent.receiver(self.bootstrap_room, stage.instance)))
@@ -558,7 +621,11 @@ class KVBridgeKVReceiver(BaseKVReceiver):
             return
         mgr = self.kv_mgr
         prefix = int(decode_prefix_len or 0)
-        pages = np.ascontiguousarray(np.ravel(np.asarray(kv_indices)), dtype=np.int64)
+        try:
+            pages = _pages(kv_indices)
+        except KVBridgeError as exc:
+            self._fail(f"send_metadata: {exc}")
+            return
         total = prefix // mgr.page_size + len(pages)
         self._metadata = True
         try:
@@ -585,11 +652,12 @@ class KVBridgeKVReceiver(BaseKVReceiver):
             return int(KVPoll.Failed)
         return int(worst)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, record: bool = True) -> None:
         self._reason = self._reason or reason
         self._failed = True
         self.conclude_state = int(KVPoll.Failed)
-        self.kv_mgr.record_failure(self.bootstrap_room, self._reason)
+        if record:                   # (not for a duplicate room: the record is the other request's)
+            self.kv_mgr.record_failure(self.bootstrap_room, self._reason)
         for _, _, receiver in self._parts:
             receiver.abort(self._reason)
         self.abort_notified = self._metadata
