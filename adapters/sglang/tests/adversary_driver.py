@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_driver as D  # noqa: E402
+import sglang_driver as D
 
 
 def _guard(out: dict[str, Any], what: str, fn: Any, *a: Any, **kw: Any) -> Any:

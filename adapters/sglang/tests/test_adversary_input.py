@@ -59,7 +59,7 @@ CONTROLS = [0, 10, 15]
 def test_bad_indices_fail_only_their_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sc = scenario(requests=16, adv=BAD_INDICES)
     r, results = go(sc, tmp_path, monkeypatch)
-    dec, pre = _dec(results), _pre(results)
+    dec = _dec(results)
     for key, res in results.items():
         assert res.get("done"), f"{key} crashed: {res.get('exception')}\n{r.log(key)}"
         assert not res.get("raised"), f"{key}: adapter calls raised into the scheduler: {res['raised']}"

@@ -108,8 +108,9 @@ def test_abort_on_each_side(tmp_path: Path) -> None:
     assert "abort" in dec["failed"][str(rooms[3])].lower(), dec["failed"]
     assert {rooms[1], rooms[3]} <= set(dec["safe"]), dec
     for key, res in results.items():
-        if key[0] == "prefill":
-            assert str(rooms[3]) in res["failed"] and "aborted by decode" in res["failed"][str(rooms[3])], res
+        if key[0] == "prefill":       # a prefill rank whose writes all completed before the abort reached it
+            r3 = str(rooms[3])        # ends in Success (its room cannot fail afterwards): either is right
+            assert (r3 in res["failed"] and "aborted by decode" in res["failed"][r3]) or rooms[3] in res["sent"], res
             assert str(rooms[1]) in res["failed"] and "abort" in res["failed"][str(rooms[1])].lower(), res
 
 
