@@ -80,6 +80,7 @@ class _Publish(msgspec.Struct, frozen=True, tag="publish", kw_only=True):
     rank: int
     address: str
     lease_s: float = 0.0    # forget the rank this long after its last publication (0: keep it)
+    life: bytes = b""       # the publishing client's random id: another one at the same rank is a restart
     nonce: bytes = b""
     time: float = 0.0
 
@@ -148,6 +149,8 @@ class _Entry:
     tp_size: int
     address: str
     expires: float          # monotonic; math.inf without a lease
+    life: bytes = b""       # the publisher's id (_Publish.life)
+    stamp: float = 0.0      # the publication's own time (with a secret): an older one from another life is stale
 
 
 @dataclass(slots=True)
@@ -283,8 +286,17 @@ class BootstrapServer:
         except DiscoveryError as exc:
             return _Answer(info=None, error=str(exc))
         ranks = self._ranks.setdefault(request.instance, {})
+        others = {e.tp_size for r, e in ranks.items() if r != request.rank}
+        if others and request.tp_size not in others:
+            return _Answer(info=None, error=f"instance {request.instance!r} already has TP {others.pop()}, "
+                                            f"rank says {request.tp_size}")
         old = ranks.get(request.rank)
-        if old is not None and old.address != request.address and math.isfinite(old.expires):
+        new_life = old is not None and (old.life != request.life if old.life and request.life
+                                        else old.address != request.address)
+        if new_life and old is not None and request.time and old.stamp and request.time < old.stamp:
+            return _Answer(info=None, error=f"rank {request.rank} of {request.instance!r}: this publication is older "
+                                            "than the rank's current one (a replay?)")
+        if new_life and old is not None and math.isfinite(old.expires):
             # a new life of this rank (a restart under the same name): the other ranks' records may be the dead
             # life's, still leased. Forget the leased ones; live ranks publish again within their renewal
             # interval, so a lookup never assembles the new rank with a dead one.
@@ -294,12 +306,8 @@ class BootstrapServer:
             if stale:
                 log.info("bootstrap: rank %d of %r restarted at %s; ranks %s wait until they publish again",
                          request.rank, request.instance, request.address, stale)
-        others = {e.tp_size for r, e in ranks.items() if r != request.rank}
-        if others and request.tp_size not in others:
-            return _Answer(info=None, error=f"instance {request.instance!r} already has TP {others.pop()}, "
-                                            f"rank says {request.tp_size}")
         expires = time.monotonic() + request.lease_s if request.lease_s > 0 else math.inf
-        ranks[request.rank] = _Entry(request.tp_size, request.address, expires)
+        ranks[request.rank] = _Entry(request.tp_size, request.address, expires, request.life, request.time)
         if old is None or old.address != request.address or old.tp_size != request.tp_size:
             self._changed(request.instance)
         return _Answer(info=self._info(request.instance))
@@ -398,6 +406,7 @@ class ZmqBootstrap:
         self._republish_s = republish_s
         self._lock = threading.Lock()
         self._published: dict[tuple[str, int], tuple[int, str]] = {}    # (instance, rank) -> (tp, address)
+        self._life = secrets.token_bytes(8)      # in every publication: the server tells lives apart by it
         self._stop = threading.Event()
         self._republisher: threading.Thread | None = None
 
@@ -453,7 +462,7 @@ class ZmqBootstrap:
 
     def publish(self, instance: str, tp_size: int, rank: int, address: str) -> None:
         answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=address,
-                                    lease_s=self._lease_s))
+                                    lease_s=self._lease_s, life=self._life))
         if answer.error:
             raise DiscoveryError(f"could not publish rank {rank} of {instance!r}: {answer.error}")
         with self._lock:
@@ -471,7 +480,7 @@ class ZmqBootstrap:
                 published = list(self._published.items())
             for (instance, rank), (tp_size, address) in published:
                 answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=address,
-                                            lease_s=self._lease_s))
+                                            lease_s=self._lease_s, life=self._life))
                 if answer.error:
                     log.debug("bootstrap: re-publishing rank %d of %r failed: %s", rank, instance, answer.error)
 

@@ -113,6 +113,7 @@ class PrefillSide(RoomTable[SendRoom]):
         room = self.rooms.get(req.room)
         try:
             _validate_request(peer, req)
+            self._check_whole_reservations(peer, req)
         except (GeometryError, ProtocolError) as exc:
             log.error("%s: refused request for room %d from %s: %s", ctx.name, req.room, req.agent, exc)
             self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
@@ -203,6 +204,24 @@ class PrefillSide(RoomTable[SendRoom]):
         ring = room.rings.get((credit.agent, credit.component))
         if ring is not None and ring.release(credit.chunk) and room.pending:
             self._active.add(room.room)        # the progress loop posts what waited for the slot
+
+    def _check_whole_reservations(self, peer: Peer, req: TransferRequest) -> None:
+        """A reservation without a ring holds this rank's whole slice: it must end inside the decode's area."""
+        ctx = self._ctx
+        area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
+        size = area.regions[0].nbytes if area is not None and area.regions else 0
+        rank = ctx.layout.tp_rank
+        for comp_index, comp in enumerate(ctx.layout.components):
+            offset = req.staging.get(comp.name, {}).get(rank)
+            if offset is None or rank in req.staging_bytes.get(comp.name, {}):
+                continue
+            plan = self._plans.stage_plan_for(peer, comp_index, self._plans.slice_for(peer, comp_index), ctx.layout,
+                                              peer.layout)
+            whole = plan.per_item * len(req.indices[comp.name].unpack()) if plan is not None else 0
+            if offset + whole > size:
+                raise ProtocolError(f"request reserves {whole} B of {comp.name} staging for prefill rank {rank} at "
+                                    f"offset {offset}, past the end of the {size} B staging area the decode "
+                                    "registered")
 
     def _accept_request(self, room: SendRoom, req: TransferRequest) -> None:
         if room.status is KVPoll.Failed:

@@ -192,12 +192,13 @@ class EtcdDiscovery:
         try:
             with self._lock:
                 _, live = self._records(self._client, self._instance_prefix(instance))
-                if any(r.rank == rank and r.address != address for r in live.values()):
-                    live = self._forget_other_life(instance, rank, address, live)
                 others = {r.tp_size for r in live.values() if r.rank != rank}
                 if others and tp_size not in others:
                     raise DiscoveryError(f"instance {instance!r} already has TP {sorted(others)[0]} (live ranks "
                                          f"{sorted(r.rank for r in live.values())}), rank {rank} says {tp_size}")
+                if any(r.rank == rank and (r.address != address or r.lease != str(self._lease_id))
+                       for r in live.values()):     # our rank's key is another client's: a new life
+                    live = self._forget_other_life(instance, rank, address, live)
                 if self._lease_id is None:
                     self._lease_id = self._grant()
                 record = RankRecord(instance=instance, tp_size=tp_size, rank=rank, address=address,
@@ -216,7 +217,7 @@ class EtcdDiscovery:
 
     def _forget_other_life(self, instance: str, rank: int, address: str,
                            live: dict[bytes, RankRecord]) -> dict[bytes, RankRecord]:
-        """Rank ``rank`` of ``instance`` starts a new life (its key holds another address): the instance's other
+        """Rank ``rank`` of ``instance`` starts a new life (its key holds another client's record): the instance's other
         keys may be the dead life's, still leased, and a lookup would mix the two. Delete them; the live ranks'
         keep-alive puts theirs back within a third of the TTL (it puts again a key that no longer holds its
         record), the dead ones stay gone."""
