@@ -144,7 +144,7 @@ def _ipv6(address: str) -> bool:
     return address.startswith("tcp://[") or address.startswith("tcp://::")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Entry:
     tp_size: int
     address: str
@@ -307,7 +307,8 @@ class BootstrapServer:
                 log.info("bootstrap: rank %d of %r restarted at %s; ranks %s wait until they publish again",
                          request.rank, request.instance, request.address, stale)
         expires = time.monotonic() + request.lease_s if request.lease_s > 0 else math.inf
-        ranks[request.rank] = _Entry(request.tp_size, request.address, expires, request.life, request.time)
+        ranks[request.rank] = _Entry(tp_size=request.tp_size, address=request.address, expires=expires,
+                                     life=request.life, stamp=request.time)
         if old is None or old.address != request.address or old.tp_size != request.tp_size:
             self._changed(request.instance)
         return _Answer(info=self._info(request.instance))
