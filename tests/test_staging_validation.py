@@ -32,7 +32,7 @@ ITEM_TP1 = 16 * 8 * 32          # PAGE x HEADS x HEAD_BYTES: one buffer's item a
 
 @pytest.mark.parametrize("kind, pt, dt", [(ref.TOKEN_MAJOR, 1, 1), (ref.TOKEN_MAJOR, 2, 1), (ref.HEAD_MAJOR, 4, 1),
                                           (ref.TOKEN_MAJOR, 1, 2), (ref.HEAD_MAJOR, 2, 2)])
-def test_a_staging_area_exactly_full_is_accepted(make_world: Callable[..., World], kind: str, pt: int,
+def test_a_staging_area_exactly_full_is_accepted(make_world: Callable[..., World], kind: str, pt: int,  # noqa: F811 - a fixture
                                                  dt: int) -> None:
     """The decode's area holds exactly the request's slices (the last reservation ends at the area's end):
     whole reservations, no ring, and the prefill must accept them."""
@@ -60,7 +60,7 @@ def test_a_staging_area_exactly_full_is_accepted(make_world: Callable[..., World
 
 
 # ---------------------------------------------------------------- a whole reservation running past the area
-def test_a_whole_reservation_running_past_the_area_end_is_refused(rig: Callable[..., Rig],
+def test_a_whole_reservation_running_past_the_area_end_is_refused(rig: Callable[..., Rig],  # noqa: F811 - a fixture
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode reserves the whole slice (4 items x 4 layers x 8 KiB = 128 KiB of its 160 KiB area) but its
     request names offset 64 KiB (inside the area; the slice would run 32 KiB past its end). No ring size is
