@@ -208,8 +208,7 @@ class PrefillSide(RoomTable[SendRoom]):
     def _check_whole_reservations(self, peer: Peer, req: TransferRequest) -> None:
         """A reservation without a ring holds this rank's whole slice: it must end inside the decode's area."""
         ctx = self._ctx
-        area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
-        size = area.regions[0].nbytes if area is not None and area.regions else 0
+        size = _staging_size(peer)
         rank = ctx.layout.tp_rank
         for comp_index, comp in enumerate(ctx.layout.components):
             offset = req.staging.get(comp.name, {}).get(rank)
@@ -427,8 +426,7 @@ def _validate_request(peer: Peer, req: TransferRequest) -> None:
 
 def _validate_staging(peer: Peer, req: TransferRequest) -> None:
     """Reservations must lie inside the staging area the decode registered (rings: a positive size)."""
-    area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
-    size = area.regions[0].nbytes if area is not None and area.regions else 0
+    size = _staging_size(peer)
     names = set(peer.layout.component_names)
     for name in set(req.staging) | set(req.staging_bytes):
         if name not in names:
@@ -443,3 +441,9 @@ def _validate_staging(peer: Peer, req: TransferRequest) -> None:
                 what = f"offset {offset}" + (f" and ring of {ring} B" if ring is not None else "")
                 raise ProtocolError(f"request reserves {name} staging for prefill rank {rank} at {what}, outside "
                                     f"the {size} B staging area the decode registered")
+
+
+def _staging_size(peer: Peer) -> int:
+    """Bytes of the staging area the decode registered (0: none)."""
+    area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
+    return area.regions[0].nbytes if area is not None and area.regions else 0
