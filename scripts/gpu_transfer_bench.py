@@ -49,11 +49,12 @@ BEFORE = {
 }
 
 
-def issue_cases(dry: bool, staging_bytes: int | None) -> tuple[tuple[bt.Case, ...], tuple[bt.Case, ...]]:
+def issue_cases(dry: bool, staging_bytes: int | None,
+                piece_bytes: int | None = None) -> tuple[tuple[bt.Case, ...], tuple[bt.Case, ...]]:
     """(cases before the sweep, cases after it): the shapes of scripts/gpu_nixl_check.py's four configs."""
     tokens, pool, layers = (32768, 2304 * 16, 32) if not dry else (512, 36 * 16, 4)
     common: dict[str, Any] = {"group": "issue14", "tokens": tokens, "page": 16, "layers": layers,
-                              "layout": "token-major", "pool_tokens": pool, "repeats": 3}
+                              "layout": "token-major", "pool_tokens": pool, "repeats": 3, "piece_bytes": piece_bytes}
     first = (bt.Case(**common, prefill_tp=1, decode_tp=1, placement="contiguous", label="same TP contiguous"),
              bt.Case(**common, prefill_tp=1, decode_tp=1, placement="scattered", label="same TP scattered",
                      staging_bytes=staging_bytes),
@@ -129,6 +130,8 @@ def main() -> int:
     parser.add_argument("--staging-mib", type=int, default=None,
                         help="staging area per rank for the sweep and the same-TP scattered case (default: the "
                              "agent's); a request is staged only when its slice fits the decode's area")
+    parser.add_argument("--piece-mib", type=int, default=None,
+                        help="staged pieces of at most this many MiB (default: the agent's staging_piece_bytes)")
     args = parser.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     started = time.perf_counter()
@@ -137,11 +140,12 @@ def main() -> int:
     dry = args.device == "cpu"
     tag = "cpu" if dry else "gpu"
     staging_mib = args.staging_mib if not dry or args.staging_mib is None else min(args.staging_mib, 64)
-    first, last = issue_cases(dry, None if staging_mib is None else staging_mib << 20)
+    piece = None if args.piece_mib is None else args.piece_mib << 20
+    first, last = issue_cases(dry, None if staging_mib is None else staging_mib << 20, piece)
     opts = bt.Options(device=args.device, backend="nixl", layerwise=True, json_path=str(out / f"{tag}-transfer.json"),
                       plots=str(out), plugins=("kvbridge_nixl",), extra_cases=first, last_cases=last,
                       budget_s=args.budget, timeout_s=args.timeout, quick=dry, latency_requests=10 if dry else None,
-                      staging_mib=staging_mib,
+                      staging_mib=staging_mib, piece_mib=args.piece_mib,
                       command="PYTHONPATH=core:plugins/nixl/src python3 " + " ".join(sys.argv))
     result = bt.run(opts)
     print(bt.format_report(result), flush=True)

@@ -3,6 +3,7 @@ same-TP sweep; run under py-spy to see where a request's fixed cost goes.
 
     PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
     PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda sweep 10 scattered
+    (sweep: PROBE_SIZE_MIB, default 1024, and PROBE_PIECE_MIB, staged pieces, default the agent's)
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ def main() -> None:
     backend = bt.choose_backend(None, dev, plugins)
     if what == "sweep":
         placements = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else None
-        opts = bt.Options(device=device, sizes=(1 << 30,), tp_pairs=((1, 1),), layouts=("token-major",),
+        piece = int(os.environ["PROBE_PIECE_MIB"]) if os.environ.get("PROBE_PIECE_MIB") else None
+        size = int(os.environ.get("PROBE_SIZE_MIB", "1024")) << 20
+        opts = bt.Options(device=device, sizes=(size,), tp_pairs=((1, 1),), layouts=("token-major",),
                           page_tokens=(16,), repeats=count, latency_requests=20, staging_mib=1200, plugins=plugins,
-                          placements=placements)
+                          placements=placements, piece_mib=piece)
         result = bt.run(opts)
         print(bt.format_report(result), flush=True)
         for case in result["cases"]:

@@ -148,6 +148,8 @@ def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "8 KV heads must split evenly" in capsys.readouterr().err
     assert cli_main(["bench", "transfer", "--layouts", "diagonal"]) == 2
     assert "choose from token-major, head-major" in capsys.readouterr().err
+    assert cli_main(["bench", "transfer", "--piece-mib", "0"]) == 2
+    assert "--piece-mib 0: a staged piece holds at least 1 MiB" in capsys.readouterr().err
 
 
 def test_parsing_and_case_sizes() -> None:
@@ -160,6 +162,9 @@ def test_parsing_and_case_sizes() -> None:
     cases = bt.sweep_cases(r)
     assert len(cases) == 2 * 4 * 2 + 2 * 2       # pages x pairs x layouts scattered, + contiguous for 1-1
     assert {c.nbytes for c in cases} == {1 << 30} and all(c.layers == 32 and c.pool_tokens == 32768 for c in cases)
+    assert all(c.piece_bytes is None for c in cases)               # the agent's default piece size
+    piece = bt.resolve_options(bt.Options(sizes=(1 << 30,), piece_mib=64), "cuda", "nixl")
+    assert {c.piece_bytes for c in bt.sweep_cases(piece)} == {64 << 20}
     src, dst = bt.placement_pages(cases[0])
     assert len(set(src.tolist())) == len(src) == cases[0].pages and dst.max() < cases[0].pool_pages
 

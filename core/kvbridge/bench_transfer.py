@@ -83,6 +83,7 @@ class Case:
     repeats: int
     staging_bytes: int | None = None   # None: the agent's default
     staging_mode: str | None = None    # AgentConfig.staging ("auto", "always", "never"), where the build has it
+    piece_bytes: int | None = None     # AgentConfig.staging_piece_bytes (None: the agent's default)
     warmup: bool = True                # an extra first round (verified, not timed)
     label: str = ""
     seed: int = 0
@@ -120,6 +121,7 @@ class Options:
     repeats: int | None = None
     staging_mib: int | None = None
     staging_mode: str | None = None
+    piece_mib: int | None = None               # staged pieces of at most this much (default: the agent's)
     layerwise: bool = False
     layer_group: int = 1
     latency_requests: int | None = None
@@ -192,6 +194,7 @@ class Resolved:
     poll_s: float
     staging_bytes: int | None
     staging_mode: str | None
+    piece_bytes: int | None
     pool_tokens: int | None
 
 
@@ -215,6 +218,7 @@ def resolve_options(opts: Options, device: str, backend: str) -> Resolved:
                     layerwise_rounds=2 if quick else 3, poll_s=poll,
                     staging_bytes=None if opts.staging_mib is None else opts.staging_mib << 20,
                     staging_mode=opts.staging_mode,
+                    piece_bytes=None if opts.piece_mib is None else opts.piece_mib << 20,
                     pool_tokens=opts.pool_tokens)
 
 
@@ -235,7 +239,7 @@ def sweep_cases(r: Resolved) -> list[Case]:
                         cases.append(Case(group="sweep", tokens=tokens, page=page, layers=r.layers, prefill_tp=pt,
                                           decode_tp=dt, layout=layout, placement=placement, pool_tokens=pool,
                                           repeats=r.repeats, staging_bytes=r.staging_bytes,
-                                          staging_mode=r.staging_mode))
+                                          staging_mode=r.staging_mode, piece_bytes=r.piece_bytes))
     return cases
 
 
@@ -404,6 +408,8 @@ class _Rank:
             if "staging" not in {f.name for f in dataclasses.fields(AgentConfig)}:
                 raise ValueError(f"staging mode {case.staging_mode!r}: this build's AgentConfig has no staging=")
             extra["staging"] = case.staging_mode
+        if case.piece_bytes is not None:
+            extra["staging_piece_bytes"] = case.piece_bytes
         # Bench ranks drive progress from their own loop and run no heartbeat thread (an engine's agent does:
         # start()), so a send() of millions of descriptors (staging off) keeps the prefill silent for as long
         # as it takes: give those cases (no staging) a peer timeout beyond it instead of measuring a peer death.
@@ -1046,7 +1052,8 @@ class Bench:
 
         case = Case(group="latency", tokens=128, page=16, layers=self.r.layers, prefill_tp=1, decode_tp=1,
                     layout="token-major", placement="scattered", pool_tokens=4096, repeats=requests,
-                    staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode)
+                    staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode,
+                    piece_bytes=self.r.piece_bytes)
         out: dict[str, Any] = {"tokens": 128, "page_tokens": 16, "layers": case.layers, "bytes": case.nbytes,
                                "requests": requests, "error": None}
         try:
@@ -1525,6 +1532,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--staging-mib", type=int, default=None, help="staging area per rank (default: the agent's)")
     g.add_argument("--staging-mode", default=None, choices=("auto", "always", "never"),
                    help="AgentConfig.staging, where the build has it (default: the agent's)")
+    g.add_argument("--piece-mib", type=int, default=None,
+                   help="staged pieces of at most this many MiB (staging_piece_bytes; default: the agent's)")
     g.add_argument("--layerwise", action="store_true", default=None,
                    help="also the layer-wise streaming case (simulated per-layer compute)")
     g.add_argument("--layer-group", type=int, default=None, help="layers per layer-wise post (default 1)")
@@ -1538,14 +1547,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRANSFER_ARGS = ("device", "sizes", "page_tokens", "tp_pairs", "layouts", "placements", "layers", "pool_tokens",
-                 "repeats", "staging_mib", "staging_mode", "layerwise", "layer_group", "latency_requests",
+                 "repeats", "staging_mib", "staging_mode", "piece_mib", "layerwise", "layer_group", "latency_requests",
                  "json_path", "plots", "quick", "timeout", "plugin")
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
     opts = Options(device=args.device or "auto", backend=args.backend, layers=args.layers,
                    pool_tokens=args.pool_tokens, repeats=args.repeats, staging_mib=args.staging_mib,
-                   staging_mode=args.staging_mode,
+                   staging_mode=args.staging_mode, piece_mib=args.piece_mib,
                    layerwise=bool(args.layerwise), layer_group=args.layer_group or 1,
                    latency_requests=args.latency_requests, json_path=args.json_path, plots=args.plots,
                    quick=bool(args.quick), timeout_s=args.timeout or 300.0, plugins=tuple(args.plugin or ()))
@@ -1557,6 +1566,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
             raise ValueError("--page-tokens: pages hold at least one token")
     if args.tp_pairs:
         opts.tp_pairs = parse_tp_pairs(args.tp_pairs)
+    if args.piece_mib is not None and args.piece_mib < 1:
+        raise ValueError(f"--piece-mib {args.piece_mib}: a staged piece holds at least 1 MiB")
     if args.layouts:
         opts.layouts = _csv(args.layouts, LAYOUTS, "--layouts")
     if args.placements:
