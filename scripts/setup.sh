@@ -4,6 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The three venvs take ~8 GB (.venv 1.8, .venv-vllm 2.9, .venv-sglang 3.1) plus pip's temporary unpacking: say
+# so up front instead of failing half-way with "No space left on device" (a CI run once did, 43 s in).
+export PIP_NO_CACHE_DIR=1          # wheels are installed once; a cache would double the disk they take
+if [ ! -d .venv-sglang ]; then
+  free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ "${free_kib:-0}" -lt $((9 * 1024 * 1024)) ]; then
+    echo "scripts/setup.sh: $(pwd) has $((free_kib / 1024)) MiB free; the venvs need about 9 GiB (free some" \
+         "space, e.g. old clones and /tmp/pytest-of-$(id -un))" >&2
+    exit 1
+  fi
+fi
+
 # Mooncake's wheel links libibverbs. --no-install-recommends matters: the recommended ibverbs-providers
 # make NIXL processes segfault at exit.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
