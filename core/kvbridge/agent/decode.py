@@ -97,6 +97,9 @@ class RecvRoom:
     metadata_at: float | None = None
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
+    # ``indices`` on our CUDA device (with the pinned copies they came from): uploaded by the first staged
+    # piece of a component, sliced by the others (one upload a request, not one a piece)
+    indices_on_device: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
     rings: set[Key] = field(default_factory=set)       # reservations smaller than the slice: credits free slots
     nonce: int = field(default_factory=lambda: secrets.randbits(63))   # TransferRequest.nonce, in credits
@@ -389,9 +392,12 @@ class DecodeSide(RoomTable[RecvRoom]):
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
         batched = ctx.buffers.batched(notice.component, plan.layers.buffers(layers), plan.uniform, "dst")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
-            where = stager.to_device(items)
+            uploaded = room.indices_on_device.get(notice.component)
+            if uploaded is None:
+                uploaded = room.indices_on_device[notice.component] = stager.to_device(dst)
+            where = uploaded[0][notice.first: notice.first + notice.count]
             staged = staging.view(offset + notice.offset, 1, size).view(-1)
-            return stager.run(lambda: batched.scatter(where[0], staged)), [where, batched]
+            return stager.run(lambda: batched.scatter(where, staged)), [uploaded, batched]
         views = ctx.buffers.views[notice.component]
         parts, cursor = [], offset + notice.offset
         for b in plan.layers.buffers(layers):

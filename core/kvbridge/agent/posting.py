@@ -337,7 +337,9 @@ class Poster:
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
         batched = ctx.buffers.batched(comp.name, piece.buffers, plan.uniform, "src")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
-            items = stager.to_device(piece.src)
+            if not piece.src_on_device:
+                piece.src_on_device.append(stager.to_device(piece.src))
+            items = piece.src_on_device[0]
             staged = staging.view(p.local[0], 1, piece.nbytes).view(-1)
             p.keep = [items, batched]
             p.gathered = stager.run(lambda: batched.gather(items[0], staged), after=p.after)
@@ -432,6 +434,7 @@ def _cut(plan: StagePlan, write: Write, group: range, limit: int) -> list[Piece]
     base = write.staged_at + write.first * plan.per_item
     lm = plan.layers
     pieces: list[Piece] = []
+    on_device: list[Any] = []             # shared by the pieces over all of the write's items
     layer = group.start
     while layer < group.stop:
         if n * plan.layer_bytes[layer] > limit:       # split this layer's items
@@ -450,6 +453,6 @@ def _cut(plan: StagePlan, write: Write, group: range, limit: int) -> list[Piece]
         span = range(layer, stop)
         pieces.append(Piece(comp_index=write.comp_index, layers=span, buffers=lm.buffers(span), src=write.src,
                             dst=write.dst, start=0, nbytes=n * plan.span(span),
-                            remote_offset=base + n * plan.layer_offset(layer)))
+                            remote_offset=base + n * plan.layer_offset(layer), src_on_device=on_device))
         layer = stop
     return pieces

@@ -36,6 +36,9 @@ class Piece:
     start: int                                 # position of its first item among the write's items
     nbytes: int
     remote_offset: int                         # bytes inside the peer's staging area
+    # ``src`` on our CUDA device (with its pinned copy), uploaded by the first gather that needs it; the
+    # pieces of one write over the same items share this holder, so a request uploads its index once
+    src_on_device: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True, kw_only=True)
