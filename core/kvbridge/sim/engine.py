@@ -1,0 +1,216 @@
+"""The simulated inference engines: requests as rooms on every rank, advanced one engine action at a time.
+
+A request has one side per rank. A prefill side opens a Sender, fills its source pages with the reference
+pattern, sends random chunks (the last with ``last=True``) and clears once safe. A decode side opens a
+Receiver, grants random destination pages, sends metadata, verifies every byte against the independent
+reference on Success, and clears (handing its pages back) only once ``safe_to_reuse``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.agent import Receiver, Sender
+from kvbridge.errors import KVBridgeError
+from kvbridge.pattern import logical_pages, shard_pages
+from kvbridge.sim.cluster import INSTANCE, LAYERS, PAGES, SPEC, UP, Cluster, Proc
+from kvbridge.wire import KVPoll, Role
+
+NEW, OPEN, META, TERMINAL, CLEARED, LOST = "new", "open", "meta", "terminal", "cleared", "lost"
+
+
+@dataclass(slots=True, kw_only=True)
+class Side:
+    """One rank's part of a request, on one incarnation of its process."""
+
+    proc: str
+    gen: int = -1
+    state: str = NEW
+    handle: Sender | Receiver | None = None
+    pages: np.ndarray | None = None
+    sent: int = 0                 # chunks sent (prefill)
+    status: KVPoll = KVPoll.Bootstrapping
+    terminal_at: float | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class Request:
+    room: int
+    pattern: int
+    cuts: list[int]               # chunk boundaries, ending with the page count
+    created: float
+    sides: dict[str, Side] = field(default_factory=dict)
+    _logical: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def share(self, buffer: int, tp: int, rank: int) -> np.ndarray:
+        """The reference bytes rank ``rank`` of TP ``tp`` holds of every request page in KV buffer ``buffer``
+        (the un-sharded pattern, cut by :mod:`kvbridge.pattern`, never by kvbridge's planner)."""
+        logical = self._logical.get(buffer)
+        if logical is None:
+            logical = self._logical[buffer] = logical_pages(SPEC, self.pattern, buffer % LAYERS, buffer // LAYERS,
+                                                            np.arange(self.pages))
+        return shard_pages(SPEC, logical, tp, rank)
+
+    @property
+    def pages(self) -> int:
+        return self.cuts[-1]
+
+    def live_sides(self) -> list[Side]:
+        return [s for s in self.sides.values() if s.state not in (CLEARED, LOST)]
+
+
+class Engine:
+    """Every request of the world; ``act`` performs one engine action on one side."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.world = cluster.world
+        self.requests: list[Request] = []
+        self.next_room = self.world.rng.getrandbits(40) << 8
+        self.successes = 0
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self) -> Request:
+        rng = self.world.rng
+        self.next_room += rng.randint(1, 3)
+        n = rng.randint(1, 5)
+        inner = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+        req = Request(room=self.next_room, pattern=rng.getrandbits(31), cuts=[*inner, n], created=self.world.now)
+        req.sides = {p.name: Side(proc=p.name) for p in self.cluster.procs}
+        self.requests.append(req)
+        self.world.log(f"req   room={req.room} pages={n} chunks={req.cuts}")
+        return req
+
+    def open_requests(self) -> list[Request]:
+        return [r for r in self.requests if r.live_sides()]
+
+    def lose(self, proc: Proc) -> None:
+        """``proc`` died: its sides of every request are gone with it (its memory too)."""
+        for req in self.requests:
+            side = req.sides[proc.name]
+            if side.state not in (CLEARED, LOST):
+                side.state, side.handle = LOST, None
+
+    # ------------------------------------------------------------------ one action
+    def act(self, req: Request, side: Side, *, polite: bool = False) -> str | None:
+        """Advance ``side`` by one engine action (None: nothing to do now). ``polite``: the quiet tail,
+        where the engine finishes every request and never aborts."""
+        proc = self.cluster.by_name[side.proc]
+        if proc.status != UP or side.state in (CLEARED, LOST):
+            return None
+        if side.gen not in (-1, proc.gen):
+            side.state = LOST
+            return None
+        try:
+            if proc.role is Role.PREFILL:
+                return self._prefill(req, side, proc, polite)
+            return self._decode(req, side, proc, polite)
+        except KVBridgeError as exc:
+            return f"refused: {type(exc).__name__}: {str(exc)[:80]}"
+
+    def _grant(self, proc: Proc, req: Request) -> np.ndarray | None:
+        free = np.flatnonzero(proc.owner < 0)
+        if len(free) < req.pages:
+            return None
+        pages = np.array(sorted(self.world.rng.sample(free.tolist(), req.pages)), dtype=np.int64)
+        self.world.rng.shuffle(pages)          # type: ignore[arg-type]
+        proc.owner[pages] = req.room
+        return pages
+
+    def _free(self, proc: Proc, side: Side) -> None:
+        if side.pages is not None:
+            proc.owner[side.pages] = -1
+            proc.frozen[:, side.pages] = proc.mem[:, side.pages]
+            side.pages = None
+
+    def _prefill(self, req: Request, side: Side, proc: Proc, polite: bool) -> str | None:
+        assert proc.agent is not None
+        if side.state == NEW:
+            pages = self._grant(proc, req)
+            if pages is None:
+                return None
+            for b, buf in enumerate(proc.buffers):
+                buf.reshape(PAGES, *SPEC.local_page_shape(proc.tp))[pages] = req.share(b, proc.tp, proc.rank)
+            side.pages, side.gen = pages, proc.gen
+            side.handle = proc.agent.sender(req.room)
+            side.state = OPEN
+            return f"sender room={req.room} pages={pages.tolist()}"
+        sender = side.handle
+        assert isinstance(sender, Sender) and side.pages is not None
+        rooms = proc.agent.prefill
+        assert rooms is not None
+        # the quiet tail reads room state without a progress step per room (the loop progresses every agent)
+        status = side.status = rooms.status(req.room) if polite else sender.poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            if side.terminal_at is None:
+                side.terminal_at = self.world.now
+            if not (rooms.safe_to_reuse(req.room) if polite else sender.safe_to_reuse):
+                return None
+            sender.clear()
+            self._free(proc, side)
+            side.state = CLEARED
+            return f"clear sender room={req.room} ({status.name})"
+        if not polite and self.world.rng.random() < 0.03:
+            sender.abort("sim: prefill aborts")
+            return f"abort sender room={req.room}"
+        if status is KVPoll.WaitingForInput or (status is KVPoll.Transferring and side.sent < len(req.cuts)):
+            if side.sent >= len(req.cuts):
+                return None
+            a = req.cuts[side.sent - 1] if side.sent else 0
+            b = req.cuts[side.sent]
+            last = side.sent == len(req.cuts) - 1
+            sender.send(side.pages[a:b], last=last)
+            side.sent += 1
+            return f"send  room={req.room} pages[{a}:{b}]{' last' if last else ''}"
+        return None
+
+    def _decode(self, req: Request, side: Side, proc: Proc, polite: bool) -> str | None:
+        assert proc.agent is not None
+        if side.state == NEW:
+            side.handle = proc.agent.receiver(req.room, INSTANCE)
+            side.gen, side.state = proc.gen, OPEN
+            return f"receiver room={req.room}"
+        receiver = side.handle
+        assert isinstance(receiver, Receiver)
+        if side.state == OPEN:
+            pages = self._grant(proc, req)
+            if pages is None:
+                return None
+            side.pages = pages
+            side.state = META
+            receiver.send_metadata({"kv": pages})
+            return f"meta  room={req.room} pages={pages.tolist()}"
+        rooms = proc.agent.decode
+        assert rooms is not None
+        status = side.status = rooms.status(req.room) if polite else receiver.poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            if side.terminal_at is None:
+                side.terminal_at = self.world.now
+                if status is KVPoll.Success:
+                    self.successes += 1
+                    self.verify(req, side, proc)
+            if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
+                return None
+            receiver.clear()
+            self._free(proc, side)
+            side.state = CLEARED
+            return f"clear receiver room={req.room} ({status.name})"
+        if not polite and self.world.rng.random() < 0.03:
+            receiver.abort("sim: decode aborts")
+            return f"abort receiver room={req.room}"
+        return None
+
+    # ------------------------------------------------------------------ invariant 1
+    def verify(self, req: Request, side: Side, proc: Proc) -> None:
+        """A decode room that reports Success holds exactly the reference bytes in every destination page."""
+        assert side.pages is not None
+        for b, buf in enumerate(proc.buffers):
+            want = req.share(b, proc.tp, proc.rank)
+            got = buf.reshape(PAGES, *SPEC.local_page_shape(proc.tp))[side.pages]
+            if not np.array_equal(got, want):
+                bad = np.flatnonzero((got != want).reshape(req.pages, -1).any(axis=1)).tolist()
+                self.world.violate(f"room {req.room} reports Success on {proc.name} but buffer {b} differs from the "
+                                   f"reference at request positions {bad}")
+                return

@@ -1,0 +1,91 @@
+"""Invariants checked after every step (byte exactness on Success is checked by the engine when it sees it).
+
+* fences: no write lands in a page its room no longer owns (freed after ``safe_to_reuse``), and no freed
+  destination page changes until it is granted again (covers the decode's own staged scatters);
+* bounded queues: link inboxes, in-flight deliveries, early requests, in-flight writes per room.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvbridge.sim.backend import SimWrite
+from kvbridge.sim.cluster import UP, Cluster, Proc
+from kvbridge.sim.world import World
+
+MAX_INBOX = 2000          # frames waiting in one link (a paused process accumulates heartbeats)
+MAX_PENDING = 5000        # deliveries in flight in the whole world
+MAX_EARLY = 256           # early requests one prefill rank holds (a schedule opens far fewer rooms)
+MAX_INFLIGHT = 256        # writes in flight or queued for one room
+
+
+class Fences:
+    """The landing hook of the sim backend: checks each write's pages against the engines' ownership."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        cluster.net.on_land = self.on_land
+
+    def on_land(self, write: SimWrite) -> None:
+        t = write.transfer
+        if t.component != "kv":
+            return                                  # a staging area: checked by the frozen pages and the bytes
+        cluster, world = self.cluster, self.cluster.world
+        target = cluster.by_uid.get(write.target)
+        if target is not None and target.uid == write.target:
+            self._check(world, target, t.plan.dst_addr, t.room, "lands in")
+        writer = cluster.by_uid.get(write.writer)
+        if writer is not None and writer.uid == write.writer:
+            self._check(world, writer, t.plan.src_addr, t.room, "reads")
+
+    @staticmethod
+    def _check(world: World, proc: Proc, addrs: np.ndarray, room: int, verb: str) -> None:
+        for addr in addrs.tolist():
+            where = proc.span(int(addr))
+            if where is None:
+                world.violate(f"a write of room {room} {verb} {proc.name} outside its KV buffers ({addr:#x})")
+                return
+            b, page = where
+            owner = int(proc.owner[page])
+            if owner != room:
+                what = "a free page" if owner < 0 else f"a page of room {owner}"
+                world.violate(f"a write of room {room} {verb} {proc.name} buffer {b} page {page}, {what} "
+                              f"(room {room} was already safe to reuse there)")
+                return
+
+
+def check_frozen(cluster: Cluster) -> None:
+    """Free destination pages keep the content they had when freed."""
+    for proc in cluster.procs:
+        if proc.status != UP or proc.role.value != "decode":
+            continue
+        free = proc.owner < 0
+        if not free.any():
+            continue
+        if not np.array_equal(proc.mem[:, free], proc.frozen[:, free]):
+            changed = (proc.mem != proc.frozen).any(axis=(0, 2)) & free
+            cluster.world.violate(f"free pages {np.flatnonzero(changed).tolist()} of {proc.name} changed after their "
+                                  "room was safe to reuse")
+            proc.frozen[:, free] = proc.mem[:, free]     # report once
+
+
+def check_bounded(cluster: Cluster) -> None:
+    world = cluster.world
+    if len(world.pending) > MAX_PENDING:
+        world.violate(f"{len(world.pending)} deliveries in flight (bound {MAX_PENDING})")
+    for name, link in cluster.hub.links.items():
+        if len(link.inbox) > MAX_INBOX:
+            world.violate(f"link {name} holds {len(link.inbox)} frames (bound {MAX_INBOX})")
+    for proc in cluster.procs:
+        agent = proc.agent
+        if agent is None:
+            continue
+        if agent.prefill is not None:
+            early = len(agent.prefill._early)
+            if early > MAX_EARLY:
+                world.violate(f"{proc.name} holds {early} early requests (bound {MAX_EARLY})")
+            for room in agent.prefill.rooms.values():
+                if len(room.inflight) + len(room.pending) > MAX_INFLIGHT:
+                    world.violate(f"{proc.name} room {room.room}: {len(room.inflight)} writes in flight")
+        if len(agent.peers.peers) > 4 * len(cluster.procs):
+            world.violate(f"{proc.name} holds {len(agent.peers.peers)} peer records")

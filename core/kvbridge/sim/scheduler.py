@@ -1,0 +1,326 @@
+"""The seeded scheduler: one schedule = a random topology and fault profile, a run of random steps with
+invariants checked after each, then a quiet tail in which every room must finish within a bound."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from kvbridge.agent import AgentConfig
+from kvbridge.agent.config import HELLO_RESEND_S
+from kvbridge.sim.backend import KILLED
+from kvbridge.sim.cluster import DEAD, PAUSED, UP, Cluster, Proc
+from kvbridge.sim.engine import CLEARED, LOST, Engine
+from kvbridge.sim.invariants import Fences, check_bounded, check_frozen
+from kvbridge.sim.world import FRAME, LAND, Delivery, Knobs, SimFailure, World
+from kvbridge.wire import Role
+
+TOPOLOGIES = ((1, 1), (2, 2), (2, 1), (1, 2), (4, 2))
+CONFIG = AgentConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0, bootstrap_timeout_s=4.0, waiting_timeout_s=4.0,
+                     staging_bytes=0)
+FAULTS = ("pause", "kill", "partition", "drop", "dup", "write_fail")
+
+
+@dataclass(slots=True, kw_only=True)
+class Scenario:
+    """What a seed draws before the first step."""
+
+    pt: int
+    dt: int
+    steps: int
+    faults: frozenset[str]
+    staging: str
+    staging_bytes: int
+    max_requests: int
+
+
+@dataclass(slots=True, kw_only=True)
+class Result:
+    seed: int
+    scenario: Scenario
+    events: int
+    requests: int
+    successes: int
+    trace: list[str] = field(default_factory=list)
+    failure: str | None = None
+
+
+def draw(rng: random.Random) -> Scenario:
+    pt, dt = rng.choice(TOPOLOGIES)
+    faults = frozenset() if rng.random() < 0.3 else frozenset(f for f in FAULTS if rng.random() < 0.4)
+    staging = rng.choice(("never", "never", "always", "auto"))
+    return Scenario(pt=pt, dt=dt, steps=rng.randint(20, 160), faults=faults, staging=staging,
+                    staging_bytes=0 if staging == "never" else rng.choice((256, 1024, 8192)),
+                    max_requests=rng.randint(1, 6))
+
+
+class Simulation:
+    """One schedule of one seed (``run()`` raises :class:`SimFailure` on the first violated invariant)."""
+
+    def __init__(self, seed: int, *, steps: int | None = None) -> None:
+        self.seed = seed
+        rng = random.Random(seed)
+        self.scenario = s = draw(rng)
+        if steps is not None:
+            s.steps = steps
+        knobs = Knobs(drop=0.02 if "drop" in s.faults else 0.0, dup=0.05 if "dup" in s.faults else 0.0,
+                      notify_via_link=rng.choice((0.0, 0.3, 1.0)), latency=rng.choice((0.002, 0.01, 0.05)))
+        self.world = World(seed=seed, rng=rng, knobs=knobs)
+        config = AgentConfig(heartbeat_interval_s=CONFIG.heartbeat_interval_s, peer_timeout_s=CONFIG.peer_timeout_s,
+                             bootstrap_timeout_s=CONFIG.bootstrap_timeout_s, waiting_timeout_s=CONFIG.waiting_timeout_s,
+                             staging=s.staging if s.staging_bytes else "never", staging_bytes=s.staging_bytes,
+                             staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20)
+        self.cluster = Cluster(self.world, s.pt, s.dt, config)
+        self.engine = Engine(self.cluster)
+        self.fences = Fences(self.cluster)
+        self.config = self.cluster.config
+        self.events = 0
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> Result:
+        logging.getLogger("kvbridge").setLevel(logging.CRITICAL + 1)
+        world, s = self.world, self.scenario
+        world.log(f"seed {self.seed}: prefill TP {s.pt} -> decode TP {s.dt}, faults {sorted(s.faults)}, staging "
+                  f"{s.staging}/{s.staging_bytes}, knobs {world.knobs}")
+        try:
+            for proc in self.cluster.procs:
+                self.cluster.start(proc)
+            self._check()
+            for _ in range(s.steps):
+                self._step()
+            self._tail()
+            return Result(seed=self.seed, scenario=s, events=self.events, requests=len(self.engine.requests),
+                          successes=self.engine.successes, trace=world.trace)
+        finally:
+            self.cluster.close()
+
+    def _check(self) -> None:
+        check_frozen(self.cluster)
+        check_bounded(self.cluster)
+        if self.world.violations:
+            raise SimFailure(self.seed, self.world.violations[0], self.world.trace)
+
+    def _record(self, text: str | None) -> None:
+        self.events += 1
+        self.world.step = self.events
+        if text:
+            self.world.log(text)
+        self._check()
+
+    def _step(self) -> None:
+        world, rng, s = self.world, self.world.rng, self.scenario
+        self._wake()
+        ready = world.ready()
+        choices = ["progress"] * 6 + ["tick"] * 3 + ["engine"] * 5
+        if ready:
+            choices += ["deliver"] * 7
+        if s.faults:
+            choices.append("fault")
+        kind = rng.choice(choices)
+        if kind == "progress":
+            live = self.cluster.live()
+            if live:
+                proc = rng.choice(live)
+                assert proc.agent is not None
+                proc.agent.progress()
+                self._record(f"prog  {proc.name}")
+        elif kind == "tick":
+            dt = rng.expovariate(1 / 0.03)
+            if "pause" in s.faults or "partition" in s.faults:
+                dt = rng.choice((dt, dt, dt, rng.uniform(0.3, 1.5)))
+            world.now += dt
+            self._record(f"tick  +{dt:.3f}")
+        elif kind == "deliver":
+            item = rng.choice(ready)
+            self._record(self._deliver(item, faults=True))
+        elif kind == "engine":
+            self._record(self._engine_action())
+        else:
+            self._record(self._fault())
+
+    def _wake(self) -> None:
+        for proc in self.cluster.procs:
+            if proc.status == PAUSED and self.world.now >= proc.paused_until:
+                proc.status = UP
+                self.world.log(f"resume {proc.name}")
+
+    def _deliver(self, item: Delivery, *, faults: bool) -> str:
+        world, net = self.world, self.cluster.net
+        del world.pending[item.id]
+        where = f"{item.src}->{item.dst} {item.label}"
+        if item.kind == FRAME:
+            assert world.deliver_frame is not None
+            world.deliver_frame(item)
+            return f"frame {where}"
+        if item.kind == LAND:
+            plan = item.payload.transfer.plan
+            if faults and "write_fail" in self.scenario.faults and world.rng.random() < 0.08:
+                landed = world.rng.randint(0, len(plan) - 1) if len(plan) else 0
+                net.fail(item, landed)
+                return f"FAIL  {where} after {landed}/{len(plan)} descriptors"
+            net.land(item)
+            return f"land  {where} -> {item.payload.state.state.name}"
+        net.notify(item)
+        return f"note  {where}"
+
+    def _engine_action(self) -> str | None:
+        rng, engine = self.world.rng, self.engine
+        live = engine.open_requests()
+        if len(engine.requests) < self.scenario.max_requests and (not live or rng.random() < 0.15) and len(live) < 3:
+            engine.new_request()
+            return None
+        if not live:
+            return None
+        req = rng.choice(live)
+        name = rng.choice(sorted(req.sides))
+        return engine.act(req, req.sides[name])
+
+    def _fault(self) -> str | None:
+        world, rng, cluster, s = self.world, self.world.rng, self.cluster, self.scenario
+        options = []
+        if "pause" in s.faults:
+            options.append("pause")
+        if "kill" in s.faults:
+            options += ["kill", "restart", "reap"]
+        if "partition" in s.faults:
+            options += ["partition", "heal"]
+        if not options:
+            return None
+        what = rng.choice(options)
+        if what == "pause":
+            live = cluster.live()
+            if not live:
+                return None
+            proc = rng.choice(live)
+            proc.status = PAUSED
+            proc.paused_until = world.now + rng.uniform(0.2, 2.5 * self.config.peer_timeout_s)
+            return f"PAUSE {proc.name} until {proc.paused_until:.3f}"
+        if what == "kill":
+            live = [p for p in cluster.procs if p.status in (UP, PAUSED)]
+            if not live:
+                return None
+            proc = rng.choice(live)
+            cluster.kill(proc)
+            self.engine.lose(proc)
+            return None
+        if what == "restart":
+            dead = [p for p in cluster.procs if p.status == DEAD]
+            if not dead:
+                return None
+            cluster.start(rng.choice(dead))
+            return None
+        if what == "reap":
+            return self._reap(rng.random() < 0.5)
+        if what == "partition":
+            names = [p.name for p in cluster.procs]
+            group = sorted(rng.sample(names, rng.randint(1, len(names) - 1)))
+            world.partition(group, [n for n in names if n not in group])
+            return f"CUT   {group} | rest"
+        world.cuts.clear()
+        return "HEAL"
+
+    def _reap(self, declare: bool) -> str | None:
+        """Killed writers become provably gone; the orchestrator may then also declare them gone."""
+        cluster = self.cluster
+        killed = sorted(uid for uid, st in cluster.net.state.items() if st == KILLED)
+        if not killed:
+            return None
+        uid = self.world.rng.choice(killed)
+        dropped = cluster.net.reap(uid)
+        proc = cluster.by_uid[uid]
+        text = f"REAP  {uid} ({dropped} writes dropped)"
+        if declare and proc.status == DEAD:
+            for other in cluster.live():
+                if other.role is not proc.role and other.agent is not None:
+                    other.agent.declare_gone(proc.name)
+            text += ", declared gone"
+        return text
+
+    # ------------------------------------------------------------------ quiet tail
+    def bound(self) -> float:
+        c = self.config
+        return c.bootstrap_timeout_s + c.waiting_timeout_s + 2 * c.peer_timeout_s + 2 * HELLO_RESEND_S + 2.0
+
+    def _tail(self) -> None:
+        world, cluster = self.world, self.cluster
+        world.cuts.clear()
+        world.knobs = Knobs(notify_via_link=world.knobs.notify_via_link, latency=world.knobs.latency)
+        world.log("quiet: heal, resume, reap, restart")
+        for proc in cluster.procs:
+            if proc.status == PAUSED:
+                proc.status = UP
+        while any(st == KILLED for st in cluster.net.state.values()):
+            self._reap(False)
+        for proc in cluster.procs:
+            if proc.status == DEAD and world.rng.random() < 0.7:
+                cluster.start(proc)
+        deadline = world.now + self.bound()
+        tail = 0
+        while True:
+            busy = False
+            for item in sorted(world.ready(), key=lambda d: d.due):
+                self._record(self._deliver(item, faults=False))
+                busy = True
+            for proc in cluster.live():
+                assert proc.agent is not None
+                proc.agent.progress()
+            for req in self.engine.open_requests():
+                for name in sorted(req.sides):
+                    text = self.engine.act(req, req.sides[name], polite=True)
+                    if text:
+                        self._record(text)
+                        busy = True
+            self._check()
+            if self._settled():
+                world.log(f"quiet: every room finished after {tail} rounds")
+                return
+            if world.now > deadline:
+                raise SimFailure(self.seed, f"liveness: rooms unfinished {self.bound():.1f} s after the faults stopped: "
+                                            f"{self._stuck()}", world.trace)
+            world.now += 0.02 if busy or world.pending else 0.2
+            tail += 1
+
+    def _settled(self) -> bool:
+        for req in self.engine.requests:
+            for side in req.sides.values():
+                proc = self.cluster.by_name[side.proc]
+                if side.state not in (CLEARED, LOST) and proc.status == UP:
+                    return False
+        return not any(d.kind == LAND for d in self.world.pending.values())
+
+    def _stuck(self) -> str:
+        out = []
+        for req in self.engine.requests:
+            for side in req.sides.values():
+                proc = self.cluster.by_name[side.proc]
+                if side.state in (CLEARED, LOST) or proc.status != UP:
+                    continue
+                out.append(f"room {req.room} on {proc.name}: {side.state} {self._room_state(proc, req.room)}")
+        return "; ".join(out) or "writes still pending"
+
+    @staticmethod
+    def _room_state(proc: Proc, room: int) -> str:
+        agent = proc.agent
+        if agent is None:
+            return "(dead)"
+        side = agent.prefill if agent.role is Role.PREFILL else agent.decode
+        record = side.rooms.get(room) if side is not None else None
+        if record is None:
+            return "(no room)"
+        extra = ""
+        if agent.decode is not None:
+            extra = f" quiesced={sorted(record.quiesced)} targets={record.targets}"   # type: ignore[union-attr]
+        else:
+            extra = f" inflight={len(record.inflight)} pending={len(record.pending)}"  # type: ignore[union-attr]
+        return f"{record.status.name} {record.reason!r}{extra}"
+
+
+def run_seed(seed: int) -> Result:
+    """Run one schedule; a violated invariant comes back as ``Result.failure`` with the trace."""
+    sim = Simulation(seed)
+    try:
+        return sim.run()
+    except SimFailure as exc:
+        return Result(seed=seed, scenario=sim.scenario, events=sim.events, requests=len(sim.engine.requests),
+                      successes=sim.engine.successes, trace=exc.trace, failure=exc.message)
