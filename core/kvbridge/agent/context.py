@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -41,6 +43,7 @@ class AgentContext:
     buffers: LocalBuffers
     lock: threading.RLock
     incarnation: int                      # random per agent start; frames for another one are dropped
+    clock: Callable[[], float] = time.monotonic   # every protocol time reading (a simulator injects its own)
 
     @property
     def rank(self) -> Rank:
@@ -79,8 +82,10 @@ class Tombstones:
 
 
 class _Room(Protocol):
-    status: KVPoll
     reason: str
+
+    @property
+    def status(self) -> KVPoll: ...
 
 
 RoomT = TypeVar("RoomT", bound=_Room)

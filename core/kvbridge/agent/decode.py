@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,15 @@ from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.digests import digest_items
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
+from kvbridge.protocol.states import (
+    RECV_POLL,
+    RECV_ROOM,
+    IllegalTransition,
+    RecvEvent,
+    RecvState,
+    record_illegal,
+    strict,
+)
 from kvbridge.staging import dest_index, scatter_rows, should_stage
 from kvbridge.wire import Abort, Credit, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
 
@@ -83,7 +91,7 @@ class RecvRoom:
     room: int
     instance: str
     created: float
-    status: KVPoll = KVPoll.Bootstrapping
+    state: RecvState = RecvState.BOOTSTRAPPING    # changed only through ``RECV_ROOM`` (DecodeSide._step)
     reason: str = ""
     targets: dict[int, str] = field(default_factory=dict)            # prefill rank -> agent
     expected: set[Key] = field(default_factory=set)
@@ -103,6 +111,11 @@ class RecvRoom:
     staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
     rings: set[Key] = field(default_factory=set)       # reservations smaller than the slice: credits free slots
     nonce: int = field(default_factory=lambda: secrets.randbits(63))   # TransferRequest.nonce, in credits
+
+    @property
+    def status(self) -> KVPoll:
+        """What the engine polls: a projection of ``state`` (fencing and fenced are both Failed)."""
+        return RECV_POLL[self.state]
 
 
 class DecodeSide(RoomTable[RecvRoom]):
@@ -132,7 +145,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a receiver on {ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = RecvRoom(room=room, instance=instance, created=time.monotonic())
+            state = self.rooms[room] = RecvRoom(room=room, instance=instance, created=self._ctx.clock())
             if not self._bind_targets(state):
                 self._waiting.add(room)           # a prefill rank is gone: reconnect, the room waits
                 self._reconnect(instance)
@@ -144,7 +157,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if not targets or any(p is None or not p.alive for p in peers):
             return False
         room.targets = dict(targets)
-        room.status = KVPoll.WaitingForInput
+        self._step(room, RecvEvent.TARGETS_BOUND)
         if room.pending is not None:
             indices, prefix_len = room.pending
             room.pending = None
@@ -178,11 +191,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             state = self.get(room)
             if state.scattering:
                 return False                         # a scatter still writes into the room's items
-            if state.status is KVPoll.Success:
-                return True
-            if state.status is not KVPoll.Failed:
-                return False
-            return state.metadata_at is None or set(state.targets.values()) <= state.quiesced
+            return state.state in (RecvState.SUCCESS, RecvState.FAILED)     # FENCING: a writer may still write
 
     def clear(self, room: int, safe: bool) -> None:
         """Forget the room. Its staging reservations are freed only when ``safe`` (no write can land)."""
@@ -236,7 +245,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
                                   staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
                                   nonce=room.nonce)
-        room.metadata_at = time.monotonic()
+        room.metadata_at = self._ctx.clock()
         for peer in peers.values():
             self._peers.post(peer, request)
         self._check_done(room)
@@ -281,7 +290,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._fail(room, str(exc))
             return
         seen.add(notice.chunk)
-        room.status = KVPoll.Transferring
+        self._step(room, RecvEvent.NOTICE)
         if pending is not None:
             room.scattering.append(Scatter(key=key, notice=notice, event=pending[0], keep=pending[1]))
             self._scattering.add(room.room)
@@ -371,6 +380,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if abort.quiesced:
             room.quiesced.add(abort.agent)
         self._fail(room, f"aborted by prefill {abort.agent}: {abort.reason}")
+        self._fenced_if_quiet(room)
 
     def _scatter(self, room: RecvRoom, notice: Notice, layers: range) -> tuple[Any, list[Any]] | None:
         """Move a staged piece from our staging area into its items (validated against the reservation): at
@@ -480,18 +490,38 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._fail(room, f"prefill rank {rank} sent {cov.done} of {cov.items} {comp} items{layers}")
             return
         if not room.scattering and all(self._delivered(room, rank) for rank in room.targets):
-            room.status = KVPoll.Success
+            self._step(room, RecvEvent.COVERED)
+
+    def _step(self, room: RecvRoom, event: RecvEvent) -> None:
+        """The one place a receive room changes state. An event the table does not allow raises in strict
+        mode (tests) and otherwise fails the room naming the event and the state."""
+        try:
+            room.state = RECV_ROOM.step(room.state, event, f"{self._ctx.name} room {room.room}")
+        except IllegalTransition as exc:
+            record_illegal(exc)
+            if strict():
+                raise
+            log.error("%s", exc)
+            self._fail(room, str(exc))
 
     def _fail(self, room: RecvRoom, reason: str) -> None:
         """Fail a room; every writer not yet fenced is asked to stop and acknowledge."""
         if room.status in (KVPoll.Failed, KVPoll.Success):
-            return
-        room.status, room.reason = KVPoll.Failed, reason
+            return                                   # the table keeps these (and the first reason)
+        room.reason = reason
         self._waiting.discard(room.room)
-        if room.metadata_at is None:
-            return                                   # nothing was ever asked of the senders
+        if room.metadata_at is None:                 # nothing was ever asked of the senders
+            self._step(room, RecvEvent.FAIL_FENCED)
+            return
+        self._step(room, RecvEvent.FAIL)
         self._unsafe.add(room.room)
         self._fence(room, reason)
+
+    def _fenced_if_quiet(self, room: RecvRoom) -> None:
+        """A failing room whose every writer is fenced (acknowledged, or proven gone) becomes safe."""
+        if room.state is RecvState.FENCING and set(room.targets.values()) <= room.quiesced:
+            self._step(room, RecvEvent.FENCED)
+            self._unsafe.discard(room.room)
 
     def _fence(self, room: RecvRoom, reason: str) -> None:
         ctx = self._ctx
@@ -505,8 +535,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                 room.quiesced.add(agent)
                 continue
             self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason))
-        if set(room.targets.values()) <= room.quiesced:
-            self._unsafe.discard(room.room)
+        self._fenced_if_quiet(room)
 
     def tick(self, now: float) -> None:
         if self._scattering:
@@ -545,6 +574,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                 room.quiesced.add(peer.agent)
             if room.metadata_at is None or not all(self._delivered(room, r) for r in ranks):
                 self._fail(room, reason)
+            self._fenced_if_quiet(room)
 
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.targets.values() and (room.room in self._unsafe or room.status is not KVPoll.Failed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.agent.context import AgentContext
@@ -57,12 +58,12 @@ class Handshake:
 class HelloBudget:
     """A token bucket: Hellos that would admit a new peer (or incarnation), ``per_s`` with a ``burst``."""
 
-    def __init__(self, per_s: float, burst: float) -> None:
-        self.per_s, self._burst = per_s, burst
-        self._tokens, self._refill = burst, time.monotonic()
+    def __init__(self, per_s: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s, self._burst, self._clock = per_s, burst, clock
+        self._tokens, self._refill = burst, clock()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(self._burst, self._tokens + (now - self._refill) * self.per_s)
         self._refill = now
         if self._tokens < 1.0:

@@ -9,7 +9,6 @@ The decode side sends Hellos from ``connect()``; each call owns one :class:`Hand
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,15 @@ from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
+from kvbridge.protocol.states import (
+    LIVE_PEER,
+    PEER,
+    IllegalTransition,
+    PeerEvent,
+    PeerState,
+    record_illegal,
+    strict,
+)
 from kvbridge.wire import (
     PROTOCOL_VERSION,
     Envelope,
@@ -71,12 +79,29 @@ class Peer:
     endpoint: bytes                        # its backend endpoint (a backend may confirm it is gone)
     info: PeerInfo | None                  # set on the prefill side (where we write to)
     last_seen: float
-    alive: bool = True
+    state: PeerState = PeerState.ALIVE     # changed only through ``PEER`` (kvbridge.protocol.states)
     goodbye_at: float | None = None        # notices on the engine's own channel may still be in flight
     died_at: float | None = None
     beat_sent_at: float = 0.0              # its last heartbeat's sent_at (its clock), echoed back to it
     beat_received_at: float = 0.0          # when we got that heartbeat (our clock)
     rtt_s: float | None = None             # heartbeat round trip, from the echo of our own sent_at
+
+    @property
+    def alive(self) -> bool:
+        """Still a peer: alive, or leaving after its goodbye (its last notices may still come)."""
+        return self.state in LIVE_PEER
+
+    def step(self, event: PeerEvent) -> PeerState:
+        """Move through the peer table; an illegal event raises in strict mode, else is logged and ignored
+        (a peer has no room to fail: its rooms learn of it through the death callbacks)."""
+        try:
+            self.state = PEER.step(self.state, event, f"peer {self.agent}")
+        except IllegalTransition as exc:
+            record_illegal(exc)
+            if strict():
+                raise
+            log.error("%s", exc)
+        return self.state
 
     def beat(self, *, agent: str, address: str, seq: int, now: float) -> Heartbeat:
         """Our next heartbeat to this peer, echoing the last one it sent us."""
@@ -103,7 +128,7 @@ class PeerTable:
         self._in_use: list[InUse] = []
         self._last_beat = 0.0
         self._beat_seq = 0
-        self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST)
+        self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
         self.beats_threaded = False
         self.dropped_frames = 0
         self._declared_gone: set[tuple[str, int]] = set()
@@ -155,22 +180,27 @@ class PeerTable:
                 return None            # a new incarnation introduces itself: the handlers replace the peer
             raise Dropped(f"{type(body).__name__} from incarnation {env.incarnation:#x} of {env.sender!r}, "
                           f"which is known as {peer.incarnation:#x}")
-        peer.last_seen = time.monotonic()
-        if not peer.alive and peer.goodbye_at is None and not isinstance(body, Goodbye):
+        peer.last_seen = self._ctx.clock()
+        if isinstance(body, Goodbye):
+            return peer
+        if peer.state is PeerState.SILENT:
             self._revive(peer)
+        else:
+            peer.step(PeerEvent.FRAME)
         return peer
 
     def _revive(self, peer: Peer) -> None:
         """A peer judged dead by silence spoke again in the same incarnation: it is a peer again (its
         failed rooms stay failed)."""
         log.warning("%s: peer %s is back after being judged dead; re-admitted", self._ctx.name, peer.agent)
-        peer.alive, peer.died_at = True, None
+        peer.step(PeerEvent.FRAME)
+        peer.died_at = None
         self.beat_targets[peer.agent] = (peer.address, peer.incarnation)
 
     def _retire(self, old: Peer, why: str) -> None:
         """End an old record of a peer that comes back changed: its rooms fail, its resources go."""
         if old.alive:
-            self._died(old, why)
+            self._died(old, why, PeerEvent.RETIRE)
         self._drop(old)
 
     def _insert(self, new: Peer) -> None:
@@ -186,6 +216,8 @@ class PeerTable:
                 ctx.backend.remove_peer(peer.agent)
             except Exception:
                 log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
+        if peer.state is not PeerState.RETIRED:
+            peer.step(PeerEvent.RETIRE)
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
             self.beat_targets.pop(peer.agent, None)
@@ -205,7 +237,7 @@ class PeerTable:
         self._ctx.post(address, welcome, incarnation=incarnation)
         if any(p.address == address for p in self.peers.values()):
             return
-        self._refused[address] = time.monotonic()
+        self._refused[address] = self._ctx.clock()
         self._refused.move_to_end(address)
         while len(self._refused) > _REFUSED_KEPT:
             self._forget_address(self._refused.popitem(last=False)[0])
@@ -282,14 +314,14 @@ class PeerTable:
                 target.state, target.agent = HandshakeState.ACCEPTED, welcome.agent
         if not reason and welcome.layout is not None:
             if known is not None and known.incarnation == env.incarnation:
-                if not known.alive:
+                if known.state is PeerState.SILENT:
                     self._revive(known)
             else:
                 if known is not None:
                     self._retire(known, f"restarted as incarnation {env.incarnation:#x}")
                 self._insert(Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
                                   layout=welcome.layout, endpoint=welcome.endpoint, info=None,
-                                  last_seen=time.monotonic()))
+                                  last_seen=self._ctx.clock()))
         for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
             self.finish(shake)
 
@@ -315,8 +347,8 @@ class PeerTable:
         check_remote_buffers(hello.layout, info)
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
                           reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint)
-        if same and old is not None:
-            if not old.alive:
+        if same and old is not None and old.state is not PeerState.DEPARTED:   # a departed record is never revived
+            if old.state is PeerState.SILENT:
                 self._revive(old)
             ctx.post(env.address, welcome, incarnation=env.incarnation)   # a repeated Hello: answer again
             return
@@ -325,7 +357,7 @@ class PeerTable:
                          else f"restarted as incarnation {env.incarnation:#x}")
         ctx.backend.add_peer(info)
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
-                           endpoint=hello.endpoint, info=info, last_seen=time.monotonic()))
+                           endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock()))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
 
     def refuse_other_version(self, exc: VersionMismatch) -> None:
@@ -348,14 +380,18 @@ class PeerTable:
     # ---------------------------------------------------------------- liveness
     def on_goodbye(self, peer: Peer | None) -> None:
         if peer is not None and peer.goodbye_at is None:
-            peer.goodbye_at = time.monotonic()
+            peer.goodbye_at = self._ctx.clock()
             self.beat_targets.pop(peer.agent, None)
+            if peer.state is PeerState.SILENT:       # judged dead by silence, then its goodbye arrived
+                peer.step(PeerEvent.GOODBYE)
+            elif peer.state is PeerState.ALIVE:
+                peer.step(PeerEvent.GOODBYE)
 
     def on_heartbeat(self, beat: Heartbeat, peer: Peer | None) -> None:
         if peer is None:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
             return
-        now = time.monotonic()
+        now = self._ctx.clock()
         peer.beat_sent_at, peer.beat_received_at = beat.sent_at, now
         if beat.echo > 0:
             rtt = now - beat.echo - beat.echo_held
@@ -377,10 +413,10 @@ class PeerTable:
         for peer in list(self.peers.values()):
             if not peer.alive:
                 continue
-            if peer.goodbye_at is not None and now - peer.goodbye_at > grace:
-                self._died(peer, "said goodbye")
-            elif peer.goodbye_at is None and now - peer.last_seen > ctx.config.peer_timeout_s:
-                self._died(peer, f"no message for {now - peer.last_seen:.1f} s")
+            if peer.state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
+                self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
+            elif peer.state is PeerState.ALIVE and now - peer.last_seen > ctx.config.peer_timeout_s:
+                self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
         self._reap(now)
         self._forget_refused(now)
 
@@ -392,8 +428,9 @@ class PeerTable:
                     and not any(in_use(peer.agent) for in_use in self._in_use)):
                 self._drop(peer)
 
-    def _died(self, peer: Peer, why: str) -> None:
-        peer.alive, peer.died_at = False, time.monotonic()
+    def _died(self, peer: Peer, why: str, event: PeerEvent) -> None:
+        peer.step(event)
+        peer.died_at = self._ctx.clock()
         self.beat_targets.pop(peer.agent, None)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
         log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self._ctx.name, reason)
@@ -407,8 +444,10 @@ class PeerTable:
             return
         self._declared_gone.add((peer.agent, peer.incarnation))
         if peer.alive:
-            self._died(peer, "declared gone by the engine")
+            self._died(peer, "declared gone by the engine", PeerEvent.DECLARED_GONE)
         else:
+            if peer.state is not PeerState.RETIRED:
+                peer.step(PeerEvent.DECLARED_GONE)
             for callback in self._on_death:
                 callback(peer, f"peer {peer.agent} declared gone by the engine")
 

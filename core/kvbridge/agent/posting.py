@@ -28,6 +28,7 @@ from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
 from kvbridge.digests import digest_items
 from kvbridge.errors import GeometryError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
+from kvbridge.protocol.states import WriteEvent, WriteState
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
 from kvbridge.wire import Notice
@@ -224,7 +225,8 @@ class Poster:
             frame = b"" if ring is not None else ctx.codec.encode(notice, to=peer.address,
                                                                   to_incarnation=peer.incarnation)
             room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, piece=piece, after=after,
-                                        local=(local, piece.nbytes) if i == 0 else None, ring=ring))
+                                        local=(local, piece.nbytes) if i == 0 else None, ring=ring,
+                                        state=WriteState.ALLOCATED if i == 0 else WriteState.QUEUED))
         return True
 
     @staticmethod
@@ -272,8 +274,10 @@ class Poster:
                 if offset is None:
                     break
                 p.local = (offset, p.piece.nbytes)
+                p.step(WriteEvent.ALLOCATE)
         for p in room.pending:
-            if p.piece is not None and p.local is not None and p.gathered is None:
+            if p.state is WriteState.ALLOCATED:
+                p.step(WriteEvent.GATHER)
                 self._gather(room, p)
         while room.pending and _ready(room.pending[0]):
             if room.pending[0].ring is not None and not self._place(room.pending[0]):
@@ -306,9 +310,10 @@ class Poster:
         staging = self._ctx.buffers.staging
         kept: deque[Pending] = deque()
         for p in room.pending:
-            if p.gathered is not None and p.gathered is not True and not p.gathered.query():
-                kept.append(p)
+            if p.state is WriteState.GATHERING and not _ready(p):
+                kept.append(p)                 # its gather still reads the source and writes our staging
                 continue
+            p.step(WriteEvent.DROP)
             if p.local is not None and staging is not None:
                 staging.free(*p.local)
         room.pending = kept
@@ -362,9 +367,11 @@ class Poster:
         ctx = self._ctx
         peer = self._peers.get(p.peer)
         if peer is None:
+            p.step(WriteEvent.DROP)
             if p.local is not None and ctx.buffers.staging is not None:
                 ctx.buffers.staging.free(*p.local)
             return                     # the peer is gone: its death already failed the room
+        p.step(WriteEvent.POST)
         if p.transfer is not None:
             self._send(room, p.transfer, p.peer, p.notice, p.frame, None)
             return
@@ -404,9 +411,16 @@ class Poster:
 
 
 def _ready(p: Pending) -> bool:
+    """May the write be posted? A gathering piece or a plain write whose CUDA event fired becomes READY."""
+    if p.state is WriteState.READY:
+        return True
     if p.piece is not None:
-        return p.gathered is True or (p.gathered is not None and bool(p.gathered.query()))
-    return p.after is None or bool(p.after.query())
+        done = p.state is WriteState.GATHERING and (p.gathered is True or bool(p.gathered.query()))
+    else:
+        done = p.after is None or bool(p.after.query())
+    if done:
+        p.step(WriteEvent.READY)
+    return done
 
 
 def _with(notice: Notice, **changes: Any) -> Notice:

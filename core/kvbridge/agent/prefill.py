@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +17,15 @@ from kvbridge.agent.send_room import InFlight, OpenChunk, SendRoom
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
+from kvbridge.protocol.states import (
+    SEND_ROOM,
+    IllegalTransition,
+    SendEvent,
+    SendState,
+    WriteEvent,
+    record_illegal,
+    strict,
+)
 from kvbridge.slicing import served_ranks
 from kvbridge.staging import STAGING
 from kvbridge.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
@@ -47,7 +55,7 @@ class PrefillSide(RoomTable[SendRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = SendRoom(room=room, created=time.monotonic())
+            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.clock())
             for req in self._unqueue(room):
                 self._accept_request(state, req)
             early_abort = self._early_aborts.pop(room, None)
@@ -127,7 +135,7 @@ class PrefillSide(RoomTable[SendRoom]):
         if room is not None:
             self._accept_request(room, req)
             return
-        created, queued = self._early.get(req.room, (time.monotonic(), []))
+        created, queued = self._early.get(req.room, (self._ctx.clock(), []))
         if any(q.agent == req.agent for q in queued):
             return
         queued.append(req)
@@ -230,8 +238,8 @@ class PrefillSide(RoomTable[SendRoom]):
         room.requests[req.agent] = req
         layout = self._ctx.layout
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
-        if len(room.requests) >= room.expected_requests and room.status is KVPoll.Bootstrapping:
-            room.status = KVPoll.WaitingForInput
+        if len(room.requests) >= room.expected_requests and room.state is SendState.BOOTSTRAPPING:
+            self._step(room, SendEvent.REQUESTS_COMPLETE)
 
     # ---------------------------------------------------------------- posting (lock held)
     def _engine_event(self) -> Any:
@@ -259,7 +267,7 @@ class PrefillSide(RoomTable[SendRoom]):
         if completes:
             room.chunks += 1
             room.cursor += len(pages)
-        room.status = KVPoll.Transferring
+        self._step(room, SendEvent.SEND)
         self._active.add(room.room)
         if last:
             room.last_sent = True
@@ -324,8 +332,8 @@ class PrefillSide(RoomTable[SendRoom]):
                 self._pump(room)
             if room.busy:
                 continue
-            if room.status is KVPoll.Transferring and room.last_sent:
-                room.status = KVPoll.Success
+            if room.state is SendState.TRANSFERRING and room.last_sent:
+                self._step(room, SendEvent.DRAINED)
             for address, incarnation in room.must_confirm.values():
                 self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
                                               quiesced=True), incarnation=incarnation)
@@ -351,6 +359,7 @@ class PrefillSide(RoomTable[SendRoom]):
         if item.staging is not None and ctx.buffers.staging is not None:
             ctx.buffers.staging.free(*item.staging)
         peer = self._peers.get(item.peer)
+        item.step(WriteEvent.COMPLETE if result is not None and result.state is HandleState.DONE else WriteEvent.ERROR)
         if result is not None and result.state is HandleState.DONE:
             if room.status is not KVPoll.Failed and peer is not None:
                 self._poster.notify(peer, item.frame)
@@ -373,10 +382,24 @@ class PrefillSide(RoomTable[SendRoom]):
             self._fail(room, what)
             self._poster.drop(room)
 
+    def _step(self, room: SendRoom, event: SendEvent) -> None:
+        """The one place a send room changes state. An event the table does not allow raises in strict mode
+        (tests) and otherwise fails the room naming the event and the state."""
+        try:
+            room.state = SEND_ROOM.step(room.state, event, f"{self._ctx.name} room {room.room}")
+        except IllegalTransition as exc:
+            record_illegal(exc)
+            if strict():
+                raise
+            log.error("%s", exc)
+            self._fail(room, str(exc))
+
     def _fail(self, room: SendRoom, reason: str) -> None:
-        if room.status in (KVPoll.Failed, KVPoll.Success):
+        before = room.state
+        self._step(room, SendEvent.FAIL)       # Success and Failed keep their state (and the first reason)
+        if before in (SendState.FAILED, SendState.SUCCESS):
             return
-        room.status, room.reason = KVPoll.Failed, reason
+        room.reason = reason
         for agent in room.requests:
             peer = self._peers.get(agent)
             if peer is not None and peer.alive:

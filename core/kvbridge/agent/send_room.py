@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.base import ComponentTransfer
+from kvbridge.protocol.states import SEND_POLL, WRITE, SendState, WriteEvent, WriteState
 from kvbridge.wire import KVPoll, Notice, TransferRequest
 
 
@@ -21,6 +22,11 @@ class InFlight:
     notice: Notice
     frame: bytes                               # the notice, encoded once
     staging: tuple[int, int] | None = None     # (offset, bytes) of our staging area to free when done
+    state: WriteState = WriteState.POSTED      # changed only through ``WRITE``
+
+    def step(self, event: WriteEvent) -> None:
+        self.state = WRITE.step(self.state, event, f"write of {self.notice.component} chunk {self.notice.chunk} "
+                                                   f"to {self.peer}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,6 +88,12 @@ class Pending:
     gathered: Any = None                       # the gather's CUDA event, or True once done on the host
     keep: list[Any] = field(default_factory=list)   # device tensors the queued gather still reads
     ring: StagingRing | None = None            # the peer's ring: the piece waits for a slot, offset set then
+    state: WriteState = WriteState.QUEUED      # changed only through ``WRITE``
+
+    def step(self, event: WriteEvent) -> None:
+        """Raises IllegalTransition (the caller fails the room) when the write table has no such step."""
+        self.state = WRITE.step(self.state, event, f"queued write of {self.notice.component} chunk "
+                                                   f"{self.notice.chunk} to {self.peer}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -98,7 +110,7 @@ class SendRoom:
     created: float
     requests: dict[str, TransferRequest] = field(default_factory=dict)
     expected_requests: int | None = None
-    status: KVPoll = KVPoll.Bootstrapping
+    state: SendState = SendState.BOOTSTRAPPING    # changed only through ``SEND_ROOM`` (PrefillSide._step)
     reason: str = ""
     chunks: int = 0
     cursor: int = 0
@@ -112,6 +124,11 @@ class SendRoom:
     nbytes: int = 0
     descriptors: int = 0
     rings: dict[tuple[str, str], StagingRing] = field(default_factory=dict)    # (decode agent, component)
+
+    @property
+    def status(self) -> KVPoll:
+        """What the engine polls: a projection of ``state``."""
+        return SEND_POLL[self.state]
 
     @property
     def busy(self) -> bool:

@@ -7,7 +7,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,12 +61,15 @@ class TransferAgent:
     def __init__(self, *, layout: PoolLayout, buffers: Mapping[str, Sequence[Any]], role: Role, link: Link,
                  backend: str = "loopback", registry: Registry | None = None, instance: str = "",
                  name: str | None = None, config: AgentConfig | None = None,
-                 staging: np.ndarray | None = None) -> None:
+                 staging: np.ndarray | None = None, clock: Callable[[], float] = time.monotonic,
+                 incarnation: int | None = None) -> None:
         config = config or AgentConfig()
         registry = registry or Registry.build()
         self.name = name or f"{role.value}-{layout.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.instance = instance
-        self.incarnation = secrets.randbits(64) | 1      # this start of the agent; never 0
+        # this start of the agent (never 0); a simulator passes its own seeded one
+        self.incarnation = incarnation if incarnation else secrets.randbits(64) | 1
+        self._clock = clock
         engine: TransferBackend = registry.create_backend(backend, name=self.name,
                                                           options=dict(config.backend_options))
         self.buffers = LocalBuffers(layout=layout, registry=registry, backend=engine)
@@ -75,7 +78,7 @@ class TransferAgent:
                                     link=link, buffers=self.buffers, lock=threading.RLock(),
                                     codec=Codec(config.secret, sender=self.name, address=link.address,
                                                 incarnation=self.incarnation),
-                                    incarnation=self.incarnation)
+                                    incarnation=self.incarnation, clock=clock)
         plans = PlanCache(self.context)
         self.peers = PeerTable(self.context, plans)
         self.prefill = PrefillSide(self.context, self.peers, plans) if role is Role.PREFILL else None
@@ -248,7 +251,7 @@ class TransferAgent:
         """A transfer is under way: frames (not heartbeats) or notices came within ``BUSY_WINDOW_S``, a prefill
         write is in flight or queued (CUDA event, staging space), a staged scatter runs, or a decode request's
         data is awaited (metadata sent within the window, or data arriving)."""
-        now = time.monotonic()
+        now = self._clock()
         if now < self._busy_until:
             return True
         with self.context.lock:
@@ -271,7 +274,7 @@ class TransferAgent:
         notices = ctx.backend.drain_notifications()
         undelivered = self._drain_notify_failures()
         if notices:
-            self._busy_until = time.monotonic() + BUSY_WINDOW_S
+            self._busy_until = self._clock() + BUSY_WINDOW_S
         with ctx.lock:
             # drained under the lock, right before the liveness check: frames that queued up while another
             # thread held the lock (a long send) must count before a peer is judged silent
@@ -284,7 +287,7 @@ class TransferAgent:
                 self.handle_frame(frame)
             for _peer, blob in notices:
                 self.handle_frame(blob)
-            now = time.monotonic()
+            now = self._clock()
             if self.prefill is not None:
                 self.prefill.poll_inflight()
             self.peers.tick(now, HELLO_RESEND_S)
@@ -330,7 +333,7 @@ class TransferAgent:
     def _dispatch(self, env: Envelope, peer: Peer | None) -> None:
         message = env.body
         if not isinstance(message, Heartbeat):     # heartbeats alone do not make the progress thread poll fast
-            self._busy_until = time.monotonic() + BUSY_WINDOW_S
+            self._busy_until = self._clock() + BUSY_WINDOW_S
         if isinstance(message, Hello):
             self.peers.on_hello(message, env)
         elif isinstance(message, Welcome):

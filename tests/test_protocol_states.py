@@ -1,0 +1,186 @@
+"""The protocol's four transition tables (kvbridge.protocol.states) and how the agent goes through them:
+reachability, projections, an illegal event raising under test and failing the room in production, and
+the fence of a receive room as a state (FENCING until every writer is fenced)."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV pool
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.links import LocalHub
+from kvbridge.protocol import states
+from kvbridge.protocol.states import (
+    PEER,
+    RECV_POLL,
+    RECV_ROOM,
+    SEND_POLL,
+    SEND_ROOM,
+    WRITE,
+    IllegalTransition,
+    Machine,
+    PeerEvent,
+    PeerState,
+    RecvEvent,
+    RecvState,
+    SendEvent,
+    SendState,
+    WriteEvent,
+    WriteState,
+)
+from kvbridge.wire import Abort, KVPoll, Role
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol-states.md"
+
+
+def _reachable(machine: Machine, start: enum.Enum) -> set[enum.Enum]:
+    seen, todo = {start}, deque([start])
+    while todo:
+        state = todo.popleft()
+        for (s, _e), after in machine.table.items():
+            if s is state and after not in seen:
+                seen.add(after)
+                todo.append(after)
+    return seen
+
+
+@pytest.mark.parametrize(("machine", "start", "states_of"), [
+    (SEND_ROOM, SendState.BOOTSTRAPPING, SendState),
+    (RECV_ROOM, RecvState.BOOTSTRAPPING, RecvState),
+    (WRITE, WriteState.QUEUED, WriteState),
+    (PEER, PeerState.ALIVE, PeerState),
+])
+def test_every_state_is_reachable_from_the_first(machine: Machine, start: enum.Enum, states_of: type) -> None:
+    assert _reachable(machine, start) == set(states_of)
+
+
+def test_every_room_state_can_fail_and_a_finished_room_keeps_its_state() -> None:
+    for state in SendState:
+        assert SEND_ROOM.allows(state, SendEvent.FAIL), state
+    assert SEND_ROOM.step(SendState.SUCCESS, SendEvent.FAIL) is SendState.SUCCESS
+    for state in RecvState:
+        assert RECV_ROOM.allows(state, RecvEvent.FAIL_FENCED), state
+    assert RECV_ROOM.step(RecvState.SUCCESS, RecvEvent.FAIL) is RecvState.SUCCESS
+    assert RECV_ROOM.step(RecvState.FAILED, RecvEvent.FAIL) is RecvState.FAILED       # never back to FENCING
+
+
+def test_poll_is_a_projection_of_every_state() -> None:
+    assert set(SEND_POLL) == set(SendState) and set(RECV_POLL) == set(RecvState)
+    assert RECV_POLL[RecvState.FENCING] is RECV_POLL[RecvState.FAILED] is KVPoll.Failed
+
+
+def test_terminal_states_have_no_way_back() -> None:
+    """Success and Failed never lead to a live state; a departed peer is never revived; a done write stays."""
+    assert _reachable(SEND_ROOM, SendState.SUCCESS) == {SendState.SUCCESS}
+    assert _reachable(SEND_ROOM, SendState.FAILED) == {SendState.FAILED}
+    assert _reachable(RECV_ROOM, RecvState.FENCING) == {RecvState.FENCING, RecvState.FAILED}
+    assert _reachable(PEER, PeerState.DEPARTED) == {PeerState.DEPARTED, PeerState.RETIRED}
+    for state in (WriteState.DONE, WriteState.FAILED, WriteState.DROPPED):
+        assert _reachable(WRITE, state) == {state}
+
+
+@pytest.mark.parametrize(("machine", "state", "event"), [
+    (SEND_ROOM, SendState.BOOTSTRAPPING, SendEvent.SEND),
+    (SEND_ROOM, SendState.SUCCESS, SendEvent.SEND),
+    (SEND_ROOM, SendState.WAITING_FOR_INPUT, SendEvent.DRAINED),
+    (RECV_ROOM, RecvState.FAILED, RecvEvent.NOTICE),
+    (RECV_ROOM, RecvState.BOOTSTRAPPING, RecvEvent.COVERED),
+    (RECV_ROOM, RecvState.SUCCESS, RecvEvent.NOTICE),
+    (WRITE, WriteState.GATHERING, WriteEvent.DROP),       # its gather still touches memory
+    (WRITE, WriteState.DONE, WriteEvent.COMPLETE),
+    (PEER, PeerState.RETIRED, PeerEvent.FRAME),
+])
+def test_an_event_missing_from_the_table_is_illegal(machine: Machine, state: enum.Enum, event: enum.Enum) -> None:
+    assert not machine.allows(state, event)
+    with pytest.raises(IllegalTransition, match=f"{event.value!r} is illegal in state {state.value!r}"):
+        machine.step(state, event, "here")
+
+
+def test_the_docs_hold_the_tables() -> None:
+    """docs/protocol-states.md is ``python -m kvbridge.protocol.states``: a table change updates the docs."""
+    assert states.markdown() in DOC.read_text()
+
+
+# ------------------------------------------------------------------ the agent goes through the tables
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    """One prefill and one decode rank over an in-process link, driven by hand (no threads)."""
+    hub = LocalHub()
+    cfg = AgentConfig(peer_timeout_s=5.0)
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
+    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
+                        link=hub.link("d0"), config=cfg, name="d0")
+    shake = dec.connect_async("inst")
+    for _ in range(2000):
+        pre.progress()
+        dec.progress()
+        if shake.done:
+            break
+    assert shake.done
+    yield pre, dec
+    pre.close()
+    dec.close()
+
+
+def _spin(*agents: TransferAgent, steps: int = 50) -> None:
+    for _ in range(steps):
+        for agent in agents:
+            agent.progress()
+
+
+def test_an_illegal_event_raises_under_test_and_fails_the_room_otherwise(
+        pair: tuple[TransferAgent, TransferAgent], monkeypatch: pytest.MonkeyPatch) -> None:
+    pre, _dec = pair
+    assert pre.prefill is not None
+    pre.sender(1)
+    room = pre.prefill.rooms[1]
+    with pytest.raises(IllegalTransition):
+        pre.prefill._step(room, SendEvent.DRAINED)            # drained before any request came
+    assert room.state is SendState.BOOTSTRAPPING
+    monkeypatch.setenv("KVBRIDGE_STRICT_STATES", "0")
+    pre.prefill._step(room, SendEvent.DRAINED)
+    assert room.status is KVPoll.Failed
+    assert "'drained' is illegal in state 'bootstrapping'" in room.reason
+    assert states.illegal_events(clear=True)                 # both were recorded (the test hook checks none is left)
+
+
+def test_a_failed_room_is_fencing_until_its_writer_acknowledges(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    pre, dec = pair
+    assert pre.prefill is not None and dec.decode is not None
+    sender = pre.sender(7)
+    receiver = dec.receiver(7, "inst")
+    receiver.send_metadata({"kv": np.array([1, 2, 3])})
+    _spin(pre, dec)
+    assert pre.prefill.rooms[7].state is SendState.WAITING_FOR_INPUT
+    receiver.abort("the engine gave up")
+    room = dec.decode.rooms[7]
+    assert room.state is RecvState.FENCING and receiver.poll() is KVPoll.Failed and not receiver.safe_to_reuse
+    _spin(pre, dec)
+    assert sender.poll() is KVPoll.Failed
+    assert room.state is RecvState.FAILED and receiver.safe_to_reuse
+    assert room.quiesced == {"p0"}
+
+
+def test_a_quiesced_abort_for_an_already_failed_room_fences_it(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """The writer's acknowledgement may reach a room that already failed for another reason: that room must
+    become safe at once (FENCING -> FAILED), not at the next fence round."""
+    pre, dec = pair
+    assert dec.decode is not None
+    pre.sender(9)
+    receiver = dec.receiver(9, "inst")
+    receiver.send_metadata({"kv": np.array([4, 5])})
+    room = dec.decode.rooms[9]
+    with dec.context.lock:
+        dec.decode._fail(room, "a local reason")
+        assert room.state is RecvState.FENCING
+        env_abort = Abort(room=9, agent="p0", reason="ack", quiesced=True)
+        frame = pre.context.codec.encode(env_abort, to=dec.link.address, to_incarnation=dec.incarnation)
+        dec.handle_frame(frame)
+    assert room.state is RecvState.FAILED and receiver.safe_to_reuse
