@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV pool
 
-from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.agent import AgentConfig, RoomEventKind, TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.protocol import states
 from kvbridge.protocol.states import (
@@ -184,3 +184,52 @@ def test_a_quiesced_abort_for_an_already_failed_room_fences_it(pair: tuple[Trans
         frame = pre.context.codec.encode(env_abort, to=dec.link.address, to_incarnation=dec.incarnation)
         dec.handle_frame(frame)
     assert room.state is RecvState.FAILED and receiver.safe_to_reuse
+
+
+# ------------------------------------------------------------------ events(): what the engine learns per step
+def test_events_report_each_room_once_in_order_without_polling(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    pre, dec = pair
+    ok_s, ok_r = pre.sender(1), dec.receiver(1, "inst")
+    ok_r.send_metadata({"kv": np.array([1, 2])})
+    pre.sender(2)
+    bad_r = dec.receiver(2, "inst")
+    bad_r.send_metadata({"kv": np.array([3])})
+    _spin(pre, dec)
+    ok_s.send(np.array([5, 6]), last=True)
+    bad_r.abort("the engine gave up")
+    seen: dict[str, list[tuple[int, RoomEventKind]]] = {"pre": [], "dec": []}
+    for _ in range(100):
+        seen["pre"] += [(e.room, e.kind) for e in pre.events()]
+        seen["dec"] += [(e.room, e.kind) for e in dec.events()]
+    F, X, S = RoomEventKind.FINISHED, RoomEventKind.FAILED, RoomEventKind.SAFE_TO_REUSE
+    assert sorted(seen["dec"], key=lambda x: x[0]) == [(1, F), (1, S), (2, X), (2, S)]
+    assert sorted(seen["pre"], key=lambda x: x[0]) == [(1, F), (1, S), (2, X), (2, S)]
+    assert ok_r.poll() is KVPoll.Success and bad_r.safe_to_reuse
+    assert not pre.events() and not dec.events()                    # each once
+
+
+def test_a_failed_rooms_safe_event_waits_for_its_fence(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """FAILED comes at once, SAFE_TO_REUSE only once the writer acknowledged (never while FENCING)."""
+    pre, dec = pair
+    pre.sender(3)
+    receiver = dec.receiver(3, "inst")
+    receiver.send_metadata({"kv": np.array([1])})
+    _spin(pre, dec)
+    receiver.abort("gave up")
+    first = [(e.kind, e.reason) for e in dec.events()]
+    assert first and first[0] == (RoomEventKind.FAILED, "gave up")
+    assert all(kind is not RoomEventKind.SAFE_TO_REUSE for kind, _ in first) or receiver.safe_to_reuse
+    _spin(pre, dec)
+    later = [e.kind for e in dec.events()]
+    assert RoomEventKind.SAFE_TO_REUSE in [k for k, _ in first] + later and receiver.safe_to_reuse
+
+
+def test_a_cleared_rooms_events_are_dropped(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """An engine that never asks for events keeps nothing once it clears its rooms."""
+    pre, dec = pair
+    pre.sender(4)
+    receiver = dec.receiver(4, "inst")
+    receiver.abort("never sent")
+    assert receiver.safe_to_reuse
+    receiver.clear()
+    assert len(dec.context.events) == 0 and not dec.events()

@@ -10,6 +10,7 @@
     sender = prefill.sender(room=42)
     sender.send(src_pages, last=True)
     while receiver.poll() < KVPoll.Success: ...          # Failed (0) < ... < Success (4)
+    for event in decode.events(): ...                    # or: rooms finished / failed / safe since last call
 
 Modules, one concern each (all internal except the names exported here):
 
@@ -27,11 +28,15 @@ Modules, one concern each (all internal except the names exported here):
 - ``layers``: which buffers hold which model layer (layer-wise sends)
 - ``context``: what the parts share (identity, layout, backend, link, codec, lock)
 - ``config``: ``AgentConfig`` and protocol constants
+
+Room, write and peer states change only through the transition tables of ``kvbridge.protocol.states``;
+``RoomEvent`` s come from ``kvbridge.protocol.events``.
 """
 
 from kvbridge.agent.config import AgentConfig
 from kvbridge.agent.handles import Receiver, Sender
 from kvbridge.agent.handshake import Handshake
 from kvbridge.agent.transfer_agent import TransferAgent
+from kvbridge.protocol.events import RoomEvent, RoomEventKind
 
-__all__ = ["AgentConfig", "Handshake", "Receiver", "Sender", "TransferAgent"]
+__all__ = ["AgentConfig", "Handshake", "Receiver", "RoomEvent", "RoomEventKind", "Sender", "TransferAgent"]

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvbridge.agent.buffers import LocalBuffers
@@ -16,6 +16,7 @@ from kvbridge.backends.base import TransferBackend
 from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
+from kvbridge.protocol.events import RoomEvents
 from kvbridge.registry import Registry
 from kvbridge.state.base import StateType
 from kvbridge.wire import Codec, KVPoll, Message, Role
@@ -44,6 +45,7 @@ class AgentContext:
     lock: threading.RLock
     incarnation: int                      # random per agent start; frames for another one are dropped
     clock: Callable[[], float] = time.monotonic   # every protocol time reading (a simulator injects its own)
+    events: RoomEvents = field(default_factory=RoomEvents)   # finished / failed / safe rooms, for events()
 
     @property
     def rank(self) -> Rank:

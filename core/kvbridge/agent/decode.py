@@ -22,6 +22,7 @@ from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.digests import digest_items
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
+from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     RECV_POLL,
     RECV_ROOM,
@@ -200,6 +201,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             state = self.rooms.pop(room, None)
             self._waiting.discard(room)
             self._unsafe.discard(room)
+            ctx.events.forget(room)
             if state is not None:
                 if safe:
                     self._release_staging(state)
@@ -456,6 +458,8 @@ class DecodeSide(RoomTable[RecvRoom]):
                     self._count(room, item.key, item.notice, layers)
             if not room.scattering:
                 self._scattering.discard(room_id)
+                if room.state in (RecvState.SUCCESS, RecvState.FAILED):
+                    self._ctx.events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
 
     def _release_staging(self, room: RecvRoom) -> None:
         staging = self._ctx.buffers.staging
@@ -495,14 +499,25 @@ class DecodeSide(RoomTable[RecvRoom]):
     def _step(self, room: RecvRoom, event: RecvEvent) -> None:
         """The one place a receive room changes state. An event the table does not allow raises in strict
         mode (tests) and otherwise fails the room naming the event and the state."""
+        before = room.state
         try:
-            room.state = RECV_ROOM.step(room.state, event, f"{self._ctx.name} room {room.room}")
+            room.state = RECV_ROOM.step(before, event, f"{self._ctx.name} room {room.room}")
         except IllegalTransition as exc:
             record_illegal(exc)
             if strict():
                 raise
             log.error("%s", exc)
             self._fail(room, str(exc))
+            return
+        if room.state is before:
+            return
+        events = self._ctx.events
+        if room.state is RecvState.SUCCESS:
+            events.emit(room.room, RoomEventKind.FINISHED)
+        elif room.state in (RecvState.FENCING, RecvState.FAILED) and before is not RecvState.FENCING:
+            events.emit(room.room, RoomEventKind.FAILED, room.reason)
+        if room.state in (RecvState.SUCCESS, RecvState.FAILED) and not room.scattering:
+            events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
 
     def _fail(self, room: RecvRoom, reason: str) -> None:
         """Fail a room; every writer not yet fenced is asked to stop and acknowledge."""

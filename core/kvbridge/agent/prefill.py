@@ -17,6 +17,7 @@ from kvbridge.agent.send_room import InFlight, OpenChunk, SendRoom
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
+from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     SEND_ROOM,
     IllegalTransition,
@@ -110,6 +111,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self.rooms.pop(room, None)
             self._active.discard(room)
             self._tombstones.bury(room)
+            self._ctx.events.forget(room)
 
     # ---------------------------------------------------------------- control frames (lock held)
     def on_request(self, req: TransferRequest, peer: Peer | None) -> None:
@@ -334,6 +336,8 @@ class PrefillSide(RoomTable[SendRoom]):
                 continue
             if room.state is SendState.TRANSFERRING and room.last_sent:
                 self._step(room, SendEvent.DRAINED)
+            if room.state in (SendState.SUCCESS, SendState.FAILED):
+                self._ctx.events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
             for address, incarnation in room.must_confirm.values():
                 self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
                                               quiesced=True), incarnation=incarnation)
@@ -385,21 +389,27 @@ class PrefillSide(RoomTable[SendRoom]):
     def _step(self, room: SendRoom, event: SendEvent) -> None:
         """The one place a send room changes state. An event the table does not allow raises in strict mode
         (tests) and otherwise fails the room naming the event and the state."""
+        before = room.state
         try:
-            room.state = SEND_ROOM.step(room.state, event, f"{self._ctx.name} room {room.room}")
+            room.state = SEND_ROOM.step(before, event, f"{self._ctx.name} room {room.room}")
         except IllegalTransition as exc:
             record_illegal(exc)
             if strict():
                 raise
             log.error("%s", exc)
             self._fail(room, str(exc))
+            return
+        if room.state is not before and room.state is SendState.SUCCESS:
+            self._ctx.events.emit(room.room, RoomEventKind.FINISHED)
+        elif room.state is not before and room.state is SendState.FAILED:
+            self._ctx.events.emit(room.room, RoomEventKind.FAILED, room.reason)
 
     def _fail(self, room: SendRoom, reason: str) -> None:
-        before = room.state
-        self._step(room, SendEvent.FAIL)       # Success and Failed keep their state (and the first reason)
-        if before in (SendState.FAILED, SendState.SUCCESS):
+        if room.state in (SendState.FAILED, SendState.SUCCESS):
+            self._step(room, SendEvent.FAIL)   # Success and Failed keep their state (and the first reason)
             return
         room.reason = reason
+        self._step(room, SendEvent.FAIL)
         for agent in room.requests:
             peer = self._peers.get(agent)
             if peer is not None and peer.alive:

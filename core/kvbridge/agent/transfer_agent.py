@@ -25,6 +25,7 @@ from kvbridge.errors import IncompatiblePeer, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.logs import RateLimitedLog
+from kvbridge.protocol.events import RoomEvent
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.staging import StagingArea
@@ -239,6 +240,14 @@ class TransferAgent:
             raise KVBridgeError("receiver() is for decode ranks")
         self.decode.open(room, instance)
         return Receiver(self.decode, self.poll_progress, self.layout, room)
+
+    def events(self) -> list[RoomEvent]:
+        """Rooms that finished, failed or became safe to reuse since the last call (each event once per room,
+        a room's in order); one progress step first unless the progress thread runs. Instead of polling every
+        room: ``for e in agent.events(): ...``. Events of cleared rooms are dropped."""
+        self.poll_progress()
+        with self.context.lock:
+            return self.context.events.take()
 
     def poll_progress(self) -> None:
         """What a handle's poll() runs first: nothing when the progress thread keeps room state current

@@ -1,0 +1,61 @@
+"""Room events: what an engine learns per step instead of polling every room.
+
+A room reports ``FINISHED`` (Success) or ``FAILED`` (with the reason) once, and ``SAFE_TO_REUSE`` once when
+nothing more can land in (decode) or be read from (prefill) its pages. They are emitted by the state
+machines' transitions (``kvbridge.protocol.states``) and drained by :meth:`TransferAgent.events`, the way
+vLLM's connector reports finished request ids per step:
+
+    for event in agent.events():
+        if event.kind is RoomEventKind.SAFE_TO_REUSE:
+            free_blocks(event.room)
+
+Events of a room that the engine cleared are dropped with it, so an engine that never asks keeps nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class RoomEventKind(enum.Enum):
+    FINISHED = "finished"            # Success: every byte landed (decode) / every write completed (prefill)
+    FAILED = "failed"                # the room failed; ``reason`` says why (its pages may not be reusable yet)
+    SAFE_TO_REUSE = "safe_to_reuse"  # nothing more can land in or be read from the room's pages
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomEvent:
+    room: int
+    kind: RoomEventKind
+    reason: str = ""
+
+
+class RoomEvents:
+    """The events not yet taken by the engine, by room (a room's events stay in order)."""
+
+    def __init__(self) -> None:
+        self._queued: OrderedDict[int, list[RoomEvent]] = OrderedDict()
+        self._safe: set[int] = set()          # rooms that reported SAFE_TO_REUSE (once per room)
+
+    def emit(self, room: int, kind: RoomEventKind, reason: str = "") -> None:
+        if kind is RoomEventKind.SAFE_TO_REUSE:
+            if room in self._safe:
+                return
+            self._safe.add(room)
+        self._queued.setdefault(room, []).append(RoomEvent(room=room, kind=kind, reason=reason))
+
+    def take(self) -> list[RoomEvent]:
+        """Every queued event, oldest room first, and forget them."""
+        taken = [event for events in self._queued.values() for event in events]
+        self._queued.clear()
+        return taken
+
+    def forget(self, room: int) -> None:
+        """The room was cleared: its events go too (a room number may be used again)."""
+        self._queued.pop(room, None)
+        self._safe.discard(room)
+
+    def __len__(self) -> int:
+        return sum(len(events) for events in self._queued.values())
