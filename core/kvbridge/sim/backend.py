@@ -62,10 +62,15 @@ class SimNet:
         self.state[uid] = UP
         return uid
 
-    def kill(self, uid: str) -> None:
-        """The process died: it posts nothing more, but what it posted may still land (until reaped)."""
+    def kill(self, uid: str, linger: float) -> None:
+        """The process died: it posts nothing more, but what it posted may still land (until reaped), up to
+        ``linger`` seconds late (a NIC still draining its queue)."""
         if self.state.get(uid) == UP:
             self.state[uid] = KILLED
+        world = self.world
+        for d in world.pending.values():
+            if d.kind == LAND and d.payload.writer == uid:
+                d.due = world.now + world.rng.uniform(0.0, linger)
 
     def reap(self, uid: str) -> int:
         """The killed writer's posted writes can no longer land (its NIC is reset): drop them; gone from now."""

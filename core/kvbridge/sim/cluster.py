@@ -3,6 +3,7 @@ backend, driven only by the scheduler (``progress()``; never ``start()``), with 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +68,7 @@ class Proc:
     owner: np.ndarray = field(default_factory=lambda: np.full(PAGES, -1, np.int64))   # page -> room, -1 free
     frozen: np.ndarray = field(default_factory=lambda: np.zeros((0, PAGES, 1), np.uint8))   # free pages' content
     paused_until: float = 0.0
+    dirty: bool = False      # its memory may have changed since the last frozen-pages check
 
     def span(self, addr: int) -> tuple[int, int] | None:
         """(buffer index, page) of a byte address inside this process's KV buffers."""
@@ -85,12 +87,10 @@ class Cluster:
         self.key = f"w{id(world)}"
         self.net = NETS[self.key] = SimNet(world)
         self.hub = SimHub(world)
-        self.config = AgentConfig(heartbeat_interval_s=config.heartbeat_interval_s,
-                                  peer_timeout_s=config.peer_timeout_s,
-                                  bootstrap_timeout_s=config.bootstrap_timeout_s,
-                                  waiting_timeout_s=config.waiting_timeout_s, staging=config.staging,
-                                  staging_bytes=config.staging_bytes, staging_piece_bytes=config.staging_piece_bytes,
-                                  backend_options={"world": self.key})
+        extra: dict[str, object] = {}
+        if "prove_writer_death" in AgentConfig.__dataclass_fields__:
+            extra["prove_writer_death"] = False     # its real TCP liveness connections are outside the simulation
+        self.config = dataclasses.replace(config, backend_options={"world": self.key}, **extra)
         self.procs = [Proc(name=f"p{r}", role=Role.PREFILL, tp=pt, rank=r) for r in range(pt)]
         self.procs += [Proc(name=f"d{r}", role=Role.DECODE, tp=dt, rank=r) for r in range(dt)]
         self.by_name = {p.name: p for p in self.procs}
@@ -128,7 +128,7 @@ class Cluster:
         """The process dies: no more progress; its link closes; its posted writes may still land."""
         assert proc.agent is not None
         proc.agent.link.close()
-        self.net.kill(proc.uid)
+        self.net.kill(proc.uid, 3 * self.config.peer_timeout_s)
         proc.agent, proc.status = None, DEAD
         self.world.log(f"kill  {proc.name} gen={proc.gen}")
 

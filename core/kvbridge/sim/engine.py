@@ -108,7 +108,7 @@ class Engine:
                 return self._prefill(req, side, proc, polite)
             return self._decode(req, side, proc, polite)
         except KVBridgeError as exc:
-            return f"refused: {type(exc).__name__}: {str(exc)[:80]}"
+            return f"{side.proc} refused: {type(exc).__name__}: {str(exc)[:80]}"
 
     def _grant(self, proc: Proc, req: Request) -> np.ndarray | None:
         free = np.flatnonzero(proc.owner < 0)
@@ -136,7 +136,7 @@ class Engine:
             side.pages, side.gen = pages, proc.gen
             side.handle = proc.agent.sender(req.room)
             side.state = OPEN
-            return f"sender room={req.room} pages={pages.tolist()}"
+            return f"{proc.name} sender room={req.room} pages={pages.tolist()}"
         sender = side.handle
         assert isinstance(sender, Sender) and side.pages is not None
         rooms = proc.agent.prefill
@@ -151,10 +151,10 @@ class Engine:
             sender.clear()
             self._free(proc, side)
             side.state = CLEARED
-            return f"clear sender room={req.room} ({status.name})"
+            return f"{proc.name} clear sender room={req.room} ({status.name})"
         if not polite and self.world.rng.random() < 0.03:
             sender.abort("sim: prefill aborts")
-            return f"abort sender room={req.room}"
+            return f"{proc.name} abort sender room={req.room}"
         if status is KVPoll.WaitingForInput or (status is KVPoll.Transferring and side.sent < len(req.cuts)):
             if side.sent >= len(req.cuts):
                 return None
@@ -163,7 +163,7 @@ class Engine:
             last = side.sent == len(req.cuts) - 1
             sender.send(side.pages[a:b], last=last)
             side.sent += 1
-            return f"send  room={req.room} pages[{a}:{b}]{' last' if last else ''}"
+            return f"{proc.name} send room={req.room} pages[{a}:{b}]{' last' if last else ''}"
         return None
 
     def _decode(self, req: Request, side: Side, proc: Proc, polite: bool) -> str | None:
@@ -171,7 +171,7 @@ class Engine:
         if side.state == NEW:
             side.handle = proc.agent.receiver(req.room, INSTANCE)
             side.gen, side.state = proc.gen, OPEN
-            return f"receiver room={req.room}"
+            return f"{proc.name} receiver room={req.room}"
         receiver = side.handle
         assert isinstance(receiver, Receiver)
         if side.state == OPEN:
@@ -181,7 +181,7 @@ class Engine:
             side.pages = pages
             side.state = META
             receiver.send_metadata({"kv": pages})
-            return f"meta  room={req.room} pages={pages.tolist()}"
+            return f"{proc.name} meta room={req.room} pages={pages.tolist()}"
         rooms = proc.agent.decode
         assert rooms is not None
         status = side.status = rooms.status(req.room) if polite else receiver.poll()
@@ -196,10 +196,10 @@ class Engine:
             receiver.clear()
             self._free(proc, side)
             side.state = CLEARED
-            return f"clear receiver room={req.room} ({status.name})"
+            return f"{proc.name} clear receiver room={req.room} ({status.name})"
         if not polite and self.world.rng.random() < 0.03:
             receiver.abort("sim: decode aborts")
-            return f"abort receiver room={req.room}"
+            return f"{proc.name} abort receiver room={req.room}"
         return None
 
     # ------------------------------------------------------------------ invariant 1

@@ -57,8 +57,9 @@ class Fences:
 def check_frozen(cluster: Cluster) -> None:
     """Free destination pages keep the content they had when freed."""
     for proc in cluster.procs:
-        if proc.status != UP or proc.role.value != "decode":
+        if not proc.dirty or proc.status != UP or proc.role.value != "decode":
             continue
+        proc.dirty = False
         free = proc.owner < 0
         if not free.any():
             continue
@@ -69,7 +70,8 @@ def check_frozen(cluster: Cluster) -> None:
             proc.frozen[:, free] = proc.mem[:, free]     # report once
 
 
-def check_bounded(cluster: Cluster) -> None:
+def check_bounded(cluster: Cluster, rooms: bool = True) -> None:
+    """Queues stay bounded (``rooms``: also the per-room write lists, the costlier part)."""
     world = cluster.world
     if len(world.pending) > MAX_PENDING:
         world.violate(f"{len(world.pending)} deliveries in flight (bound {MAX_PENDING})")
@@ -84,7 +86,7 @@ def check_bounded(cluster: Cluster) -> None:
             early = len(agent.prefill._early)
             if early > MAX_EARLY:
                 world.violate(f"{proc.name} holds {early} early requests (bound {MAX_EARLY})")
-            for room in agent.prefill.rooms.values():
+            for room in agent.prefill.rooms.values() if rooms else ():
                 if len(room.inflight) + len(room.pending) > MAX_INFLIGHT:
                     world.violate(f"{proc.name} room {room.room}: {len(room.inflight)} writes in flight")
         if len(agent.peers.peers) > 4 * len(cluster.procs):

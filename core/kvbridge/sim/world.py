@@ -96,18 +96,37 @@ class World:
         return [d for d in self.pending.values() if d.due <= self.now and not self.cut(d.src, d.dst)]
 
 
+class _Body(msgspec.Struct):
+    type: str = "?"
+    room: int | None = None
+    sender: int | str | None = None
+    chunk: int | None = None
+    last: bool = False
+    quiesced: bool = False
+
+
+class _Peek(msgspec.Struct, array_like=True):
+    version: int
+    from_agent: str
+    address: str
+    incarnation: int
+    to_incarnation: int
+    seq: int
+    body: _Body
+
+
+_PEEK = msgspec.msgpack.Decoder(_Peek)
+
+
 def frame_label(frame: bytes) -> str:
     """A short, deterministic description of a control frame (message type, room) for the trace."""
     try:
-        env = msgspec.msgpack.decode(frame)
-        body = env[-1] if isinstance(env, list) else env.get("body", {})
-        kind = body.get("type", "?")
-        room = body.get("room")
-        extra = ""
-        if kind == "notice":
-            extra = f" r{body.get('sender')} c{body.get('chunk')}{' last' if body.get('last') else ''}"
-        elif kind in ("abort", "status") and body.get("quiesced"):
-            extra = " quiesced"
-        return f"{kind}{'' if room is None else f' room={room}'}{extra}"
-    except Exception:  # noqa: BLE001 - a label only
+        body = _PEEK.decode(frame).body
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return f"frame[{len(frame)}]"
+    extra = ""
+    if body.type == "notice":
+        extra = f" r{body.sender} c{body.chunk}{' last' if body.last else ''}"
+    elif body.quiesced:
+        extra = " quiesced"
+    return f"{body.type}{'' if body.room is None else f' room={body.room}'}{extra}"

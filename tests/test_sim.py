@@ -1,0 +1,124 @@
+"""The deterministic simulator (kvbridge.sim): a sweep of seeded schedules over real agents, determinism, and
+planted bugs it must catch (so it is not a toothless checker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvbridge.agent.decode import DecodeSide, RecvRoom
+from kvbridge.agent.prefill import PrefillSide
+from kvbridge.sim import run_seed
+from kvbridge.sim.backend import KILLED, SimBackend
+from kvbridge.sim.sweep import sweep
+from kvbridge.wire import KVPoll
+
+SCHEDULES = int(os.environ.get("KVBRIDGE_SIM_SCHEDULES", "10000"))
+CHUNKS = 4
+
+#: seeds whose schedule shows a protocol bug in code this suite may not fix: (seed, what); each is a strict
+#: xfail below, so the fix flips it, and it stays out of the sweep
+KNOWN_BUGS: list[tuple[int, str]] = [
+    (213, "prefill accepts a TransferRequest from a decode it declared gone (DEPARTED, never revived), and when "
+          "that decode restarts, _retire() of the not-alive record fails none of its rooms: the room's request, "
+          "keyed by agent name, then resolves to the NEW incarnation's peer and the prefill writes the dead "
+          "incarnation's request into the restarted decode's memory (a free page there)"),
+]
+_KNOWN = {seed for seed, _ in KNOWN_BUGS}
+
+
+def _seeds(chunk: int) -> list[int]:
+    per = -(-SCHEDULES // CHUNKS)
+    return [s for s in range(chunk * per, min(SCHEDULES, (chunk + 1) * per)) if s not in _KNOWN]
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_sweep(chunk: int) -> None:
+    """SCHEDULES seeds in all (KVBRIDGE_SIM_SCHEDULES), split in CHUNKS tests, on every core."""
+    summary = sweep(_seeds(chunk), jobs=min(2, os.cpu_count() or 1))
+    print(summary.text())
+    assert not summary.failures, summary.text()
+
+
+@pytest.mark.parametrize("seed, what", KNOWN_BUGS or [pytest.param(0, "", marks=pytest.mark.skip("none known"))])
+def test_known_bug(seed: int, what: str, request: pytest.FixtureRequest) -> None:
+    request.applymarker(pytest.mark.xfail(strict=True, reason=what))
+    result = run_seed(seed)
+    assert result.failure is None, result.failure
+
+
+def _replay(seed: int, hashseed: str) -> str:
+    env = dict(os.environ, PYTHONHASHSEED=hashseed)
+    out = subprocess.run([sys.executable, "-m", "kvbridge.sim", "--seed", str(seed), "--trace"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_same_seed_same_trace_in_two_processes(seed: int) -> None:
+    first, second = _replay(seed, "1"), _replay(seed, "12345")
+    assert first and len(first.splitlines()) > 20
+    assert first == second
+
+
+def test_same_seed_same_trace_in_one_process() -> None:
+    assert run_seed(41).trace == run_seed(41).trace
+
+
+# ---------------------------------------------------------------------- planted bugs
+def _first_failure(seeds: range, kind: str) -> tuple[int, str]:
+    for seed in seeds:
+        if seed in _KNOWN:
+            continue
+        failure = run_seed(seed).failure
+        if failure is not None:
+            assert kind in failure, f"seed {seed} failed otherwise than planted: {failure}"
+            return seed, failure
+    raise AssertionError(f"no schedule of seeds {seeds.start}..{seeds.stop - 1} caught the planted bug")
+
+
+@pytest.fixture
+def plant(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[object, str, object], None]]:
+    def setattr_(target: object, name: str, value: object) -> None:
+        monkeypatch.setattr(target, name, value)
+    yield setattr_
+
+
+def test_catches_early_success(plant: Callable[[object, str, object], None]) -> None:
+    """Decode reports Success once each sender's first notice arrived (not all of them)."""
+    def delivered(self: DecodeSide, room: RecvRoom, rank: int) -> bool:
+        return all(room.received.get(key) for key in room.expected if key[0] == rank)
+    plant(DecodeSide, "_delivered", delivered)
+    _first_failure(range(200), "reports Success")
+
+
+def test_catches_unfenced_safe_to_reuse(plant: Callable[[object, str, object], None]) -> None:
+    """Decode says safe_to_reuse as soon as a room failed, without the writers' acknowledgement."""
+    def safe(self: DecodeSide, room: int) -> bool:
+        return self.get(room).status in (KVPoll.Success, KVPoll.Failed)
+    plant(DecodeSide, "safe_to_reuse", safe)
+    _first_failure(range(400), "safe to reuse")
+
+
+def test_catches_backend_gone_too_early(plant: Callable[[object, str, object], None]) -> None:
+    """The backend calls a killed writer gone before its posted writes can no longer land."""
+    def gone(self: SimBackend, endpoint: bytes) -> bool:
+        return self.net.state.get(endpoint.decode()) in (KILLED, "gone")
+    plant(SimBackend, "writer_gone", gone)
+    _first_failure(range(600), "safe to reuse")
+
+
+def test_catches_lost_abort_acknowledgement(plant: Callable[[object, str, object], None]) -> None:
+    """Prefill never confirms an abort: the decode's failed rooms never become safe (a hang)."""
+    original = PrefillSide.poll_inflight
+
+    def poll_inflight(self: PrefillSide) -> None:
+        for room in self.rooms.values():
+            room.must_confirm.clear()
+        original(self)
+    plant(PrefillSide, "poll_inflight", poll_inflight)
+    _first_failure(range(300), "liveness")
