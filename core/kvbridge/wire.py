@@ -18,7 +18,9 @@ from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout
 
-PROTOCOL_VERSION = 5                # 5: digests, credits name the request; 4: staging rings; 3: layers, offsets
+# 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
+# 3: layers, offsets
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
@@ -80,6 +82,7 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_u
     backend: str = ""
     endpoint: bytes = b""
     buffers: tuple[RemoteBuffers, ...] = ()
+    liveness: str = ""          # host:port a decode connects to and holds: EOF there proves the writer exited
 
 
 class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", forbid_unknown_fields=True):

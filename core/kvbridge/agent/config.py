@@ -26,6 +26,10 @@ class AgentConfig:
     #                                        of piece k+1 overlaps the write of piece k, the scatter of k too.
     #                                        Each piece costs the engine thread ~0.3-0.5 ms (posting, notice,
     #                                        bounds checks): a piece must take longer than that on the wire
+    prove_writer_death: bool = True        # decode: hold a TCP connection to each prefill rank; its kernel closes
+    #                                        it when the process ends (kvbridge.agent.liveness): a killed writer's
+    #                                        rooms become safe to reuse without declare_gone
+    writer_exit_grace_s: float = 0.5       # after that EOF, how long writes the dead process posted may still land
     checksums: bool = False                # decode: ask every prefill rank for per-destination digests and
     #                                        verify each write against them (host memory; ``kvbridge.digests``)
     backend_options: Mapping[str, str] = field(default_factory=dict)
@@ -35,6 +39,8 @@ class AgentConfig:
 
         if self.staging not in MODES:
             raise ValueError(f"AgentConfig.staging={self.staging!r}; one of {', '.join(MODES)}")
+        if not 0 <= self.writer_exit_grace_s < float("inf"):
+            raise ValueError(f"AgentConfig.writer_exit_grace_s={self.writer_exit_grace_s} must be >= 0 and finite")
         if self.staging_piece_bytes <= 0:
             raise ValueError(f"AgentConfig.staging_piece_bytes={self.staging_piece_bytes} must be positive")
         if self.staging_below_bytes is not None and self.staging_below_bytes < 0:

@@ -95,6 +95,9 @@ class RecvRoom:
     state: RecvState = RecvState.BOOTSTRAPPING    # changed only through ``RECV_ROOM`` (DecodeSide._step)
     reason: str = ""
     targets: dict[int, str] = field(default_factory=dict)            # prefill rank -> agent
+    # agent -> its peer record when the room was bound: the one incarnation whose notices count and whose
+    # acknowledgement fences the room (a replacement under the same name is another writer)
+    writers: dict[str, Peer] = field(default_factory=dict)
     expected: set[Key] = field(default_factory=set)
     arrived: dict[Key, set[int]] = field(default_factory=dict)       # notices seen (a scatter may still run)
     received: dict[Key, set[int]] = field(default_factory=dict)      # notices counted
@@ -158,6 +161,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if not targets or any(p is None or not p.alive for p in peers):
             return False
         room.targets = dict(targets)
+        room.writers = {agent: peer for agent, peer in zip(targets.values(), peers) if peer is not None}
         self._step(room, RecvEvent.TARGETS_BOUND)
         if room.pending is not None:
             indices, prefix_len = room.pending
@@ -213,7 +217,11 @@ class DecodeSide(RoomTable[RecvRoom]):
     # ---------------------------------------------------------------- requests (lock held)
     def _request(self, room: RecvRoom, indices: Mapping[str, PackedIndices], prefix_len: int) -> None:
         ctx = self._ctx
-        peers = {rank: self._peers[agent] for rank, agent in room.targets.items()}
+        replaced = sorted(agent for agent, peer in room.writers.items() if self._peers.get(agent) is not peer)
+        if replaced:        # bound to an incarnation that restarted since: it cannot serve this room
+            self._fail(room, f"prefill {replaced[0]} restarted or left before the request was sent")
+            return
+        peers = {rank: room.writers[agent] for rank, agent in room.targets.items()}
         src_layout = next(iter(peers.values())).layout
         staging_area = ctx.buffers.staging
         staging: dict[str, dict[int, int]] = {}
@@ -258,9 +266,9 @@ class DecodeSide(RoomTable[RecvRoom]):
         if room is None or room.status in (KVPoll.Failed, KVPoll.Success):
             log.debug("%s: dropped notice %s (room %s)", self._ctx.name, notice, room and room.status)
             return  # late or duplicate for a finished, failed or cleared room
-        if room.targets.get(notice.sender) != env.sender:
-            raise Dropped(f"notice for room {notice.room} rank {notice.sender} from {env.sender!r}, which is not "
-                          "that rank of the room")
+        if room.targets.get(notice.sender) != env.sender or not self._from_writer(room, env):
+            raise Dropped(f"notice for room {notice.room} rank {notice.sender} from {env.sender!r} (incarnation "
+                          f"{env.incarnation:#x}), which is not that rank of the room")
         key = (notice.sender, notice.component)
         if key not in room.expected:
             log.warning("%s: room %d: unexpected notice from rank %d for %s", self._ctx.name, notice.room,
@@ -348,8 +356,8 @@ class DecodeSide(RoomTable[RecvRoom]):
     def _credit(self, room: RecvRoom, notice: Notice) -> None:
         """Tell the prefill rank that a staged piece left its ring slot."""
         agent = room.targets.get(notice.sender)
-        peer = self._peers.get(agent) if agent is not None else None
-        if peer is not None and peer.alive:
+        peer = room.writers.get(agent) if agent is not None else None
+        if peer is not None and peer.alive and self._peers.get(peer.agent) is peer:
             self._peers.post(peer, Credit(room=room.room, agent=self._ctx.name, component=notice.component,
                                           chunk=notice.chunk, nonce=room.nonce))
 
@@ -368,8 +376,9 @@ class DecodeSide(RoomTable[RecvRoom]):
         room = self.rooms.get(push.room)
         if room is None:
             return
-        if push.agent not in room.targets.values():
-            raise Dropped(f"status of room {push.room} from {push.agent}, which is not a participant")
+        if push.agent != env.sender or not self._from_writer(room, env):
+            raise Dropped(f"status of room {push.room} from {env.sender!r} naming {push.agent!r} (incarnation "
+                          f"{env.incarnation:#x}), which is not a writer of the room")
         if push.status is KVPoll.Failed:
             self._fail(room, f"prefill {push.agent} failed the room: {push.reason}")
 
@@ -377,12 +386,20 @@ class DecodeSide(RoomTable[RecvRoom]):
         room = self.rooms.get(abort.room)
         if room is None:
             return
-        if abort.agent not in room.targets.values():
-            raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a participant")
+        if abort.agent != env.sender or not self._from_writer(room, env):
+            # an acknowledgement counts only from the incarnation the request went to: a replacement under
+            # the same name never wrote here and cannot vouch for the old writer
+            raise Dropped(f"abort of room {abort.room} from {env.sender!r} naming {abort.agent!r} (incarnation "
+                          f"{env.incarnation:#x}), which is not a writer of the room")
         if abort.quiesced:
             room.quiesced.add(abort.agent)
         self._fail(room, f"aborted by prefill {abort.agent}: {abort.reason}")
         self._fenced_if_quiet(room)
+
+    @staticmethod
+    def _from_writer(room: RecvRoom, env: Envelope) -> bool:
+        writer = room.writers.get(env.sender)
+        return writer is not None and writer.incarnation == env.incarnation
 
     def _scatter(self, room: RecvRoom, notice: Notice, layers: range) -> tuple[Any, list[Any]] | None:
         """Move a staged piece from our staging area into its items (validated against the reservation): at
@@ -543,13 +560,14 @@ class DecodeSide(RoomTable[RecvRoom]):
         for agent in room.targets.values():
             if agent in room.quiesced:
                 continue
-            peer = self._peers.get(agent)
+            peer = room.writers.get(agent)
             if peer is None:
                 continue
             if not peer.alive and self._peers.writer_gone(peer):
                 room.quiesced.add(agent)
                 continue
-            self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason))
+            if self._peers.get(agent) is peer:     # a replaced incarnation: only its exit (or the engine) fences
+                self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason))
         self._fenced_if_quiet(room)
 
     def tick(self, now: float) -> None:
@@ -583,6 +601,8 @@ class DecodeSide(RoomTable[RecvRoom]):
         gone = self._peers.writer_gone(peer)
         for room in self.rooms.values():
             ranks = [rank for rank, agent in room.targets.items() if agent == peer.agent]
+            if room.writers and room.writers.get(peer.agent) is not peer:
+                continue                       # another incarnation of that name: not this room's writer
             if not ranks:
                 continue
             if gone:

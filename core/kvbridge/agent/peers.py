@@ -23,6 +23,7 @@ from kvbridge.agent.handshake import (
     check_remote_buffers,
     refusal,
 )
+from kvbridge.agent.liveness import LivenessWatch
 from kvbridge.agent.plans import PlanCache
 from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
@@ -132,6 +133,10 @@ class PeerTable:
         self.beats_threaded = False
         self.dropped_frames = 0
         self._declared_gone: set[tuple[str, int]] = set()
+        # decode: one connection to each prefill rank (kvbridge.agent.liveness), exits seen but in their grace
+        self.liveness = LivenessWatch() if ctx.role is Role.DECODE and ctx.config.prove_writer_death else None
+        self._exits: dict[tuple[str, int], float] = {}
+        self.liveness_address = ""              # prefill: our listener, named in every Welcome
         self._refused: OrderedDict[str, float] = OrderedDict()   # addresses answered with a refusal, when
 
     def on_death(self, callback: PeerDied) -> None:
@@ -201,14 +206,15 @@ class PeerTable:
         """End an old record of a peer that comes back changed: its rooms fail, its resources go."""
         if old.alive:
             self._died(old, why, PeerEvent.RETIRE)
-        self._drop(old)
+        self._drop(old, keep_watch=True)
 
     def _insert(self, new: Peer) -> None:
         self.peers[new.agent] = new
         self.beat_targets[new.agent] = (new.address, new.incarnation)
 
-    def _drop(self, peer: Peer) -> None:
-        """Release everything held for a peer record (backend peer, caches, link socket)."""
+    def _drop(self, peer: Peer, *, keep_watch: bool = False) -> None:
+        """Release everything held for a peer record (backend peer, caches, link socket); ``keep_watch``: a
+        replaced incarnation's liveness connection stays (its exit still fences the rooms it wrote to)."""
         ctx = self._ctx
         self._plans.forget(peer.agent)
         if peer.info is not None:
@@ -218,6 +224,8 @@ class PeerTable:
                 log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
         if peer.state is not PeerState.RETIRED:
             peer.step(PeerEvent.RETIRE)
+        if self.liveness is not None and not keep_watch:
+            self.liveness.forget((peer.agent, peer.incarnation))
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
             self.beat_targets.pop(peer.agent, None)
@@ -319,9 +327,10 @@ class PeerTable:
             else:
                 if known is not None:
                     self._retire(known, f"restarted as incarnation {env.incarnation:#x}")
-                self._insert(Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
-                                  layout=welcome.layout, endpoint=welcome.endpoint, info=None,
-                                  last_seen=self._ctx.clock()))
+                fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
+                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock())
+                self._insert(fresh)
+                self.watch_exit(fresh, welcome.liveness)
         for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
             self.finish(shake)
 
@@ -346,7 +355,8 @@ class PeerTable:
             return
         check_remote_buffers(hello.layout, info)
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
-                          reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint)
+                          reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint,
+                          liveness=self.liveness_address)
         if same and old is not None and old.state is not PeerState.DEPARTED:   # a departed record is never revived
             if old.state is PeerState.SILENT:
                 self._revive(old)
@@ -417,6 +427,7 @@ class PeerTable:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
             elif peer.state is PeerState.ALIVE and now - peer.last_seen > ctx.config.peer_timeout_s:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
+        self._check_exits(now)
         self._reap(now)
         self._forget_refused(now)
 
@@ -440,16 +451,49 @@ class PeerTable:
     def declare_gone(self, agent: str) -> None:
         """The engine asserts that ``agent`` (its current incarnation) is gone for good (call under the lock)."""
         peer = self.peers.get(agent)
-        if peer is None:
-            return
+        if peer is not None:
+            self._gone(peer, "declared gone by the engine", PeerEvent.DECLARED_GONE)
+
+    def _gone(self, peer: Peer, why: str, event: PeerEvent) -> None:
+        """``peer`` (this incarnation) can no longer write: its rooms fail and their fences count it."""
         self._declared_gone.add((peer.agent, peer.incarnation))
         if peer.alive:
-            self._died(peer, "declared gone by the engine", PeerEvent.DECLARED_GONE)
-        else:
-            if peer.state is not PeerState.RETIRED:
-                peer.step(PeerEvent.DECLARED_GONE)
-            for callback in self._on_death:
-                callback(peer, f"peer {peer.agent} declared gone by the engine")
+            self._died(peer, why, event)
+            return
+        if peer.state is not PeerState.RETIRED:
+            peer.step(event)
+        for callback in self._on_death:
+            callback(peer, f"peer {peer.agent} {why}")
+
+    # ---------------------------------------------------------------- proof of a writer's exit (decode side)
+    def watch_exit(self, peer: Peer, address: str) -> None:
+        """Hold a liveness connection to a prefill rank (``Welcome.liveness``): its EOF proves its exit."""
+        if self.liveness is None or not address:
+            return
+        try:
+            self.liveness.watch((peer.agent, peer.incarnation), address)
+        except (ValueError, OSError) as exc:
+            log.warning("%s: cannot watch %s's liveness listener %r (%s); its death needs declare_gone",
+                        self._ctx.name, peer.agent, address, exc)
+
+    def _check_exits(self, now: float) -> None:
+        """Writers whose liveness connection closed: gone once the grace for their last writes passed."""
+        if self.liveness is None:
+            return
+        for key in self.liveness.closed():
+            log.info("%s: peer %s (incarnation %#x): its process exited (its kernel closed our liveness "
+                     "connection)", self._ctx.name, key[0], key[1])
+            self._exits[key] = now
+        grace = self._ctx.config.writer_exit_grace_s
+        for (agent, incarnation), at in list(self._exits.items()):
+            if now - at < grace:
+                continue
+            del self._exits[(agent, incarnation)]
+            peer = self.peers.get(agent)
+            if peer is not None and peer.incarnation == incarnation:
+                self._gone(peer, "exited: its kernel closed our liveness connection", PeerEvent.EXITED)
+            else:                               # a replaced incarnation: its rooms' fence rounds see the proof
+                self._declared_gone.add((agent, incarnation))
 
     def writer_gone(self, peer: Peer) -> bool:
         """Can ``peer`` no longer write into our memory? The engine declared it gone, or the backend proves

@@ -17,6 +17,7 @@ from kvbridge.agent.config import HELLO_RESEND_S, AgentConfig
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.decode import DecodeSide
 from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.liveness import LivenessListener, host_of
 from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
@@ -101,6 +102,17 @@ class TransferAgent:
         except BaseException:
             engine.close()
             raise
+        # a prefill rank's liveness listener: the decodes it writes to hold a connection its kernel closes
+        # when this process ends (kvbridge.agent.liveness)
+        self._liveness: LivenessListener | None = None
+        if role is Role.PREFILL and config.prove_writer_death:
+            try:
+                self._liveness = LivenessListener(host_of(link.address))
+            except OSError as exc:
+                log.warning("%s: no liveness listener (%s): decode ranks cannot prove this rank's exit", self.name,
+                            exc)
+            else:
+                self.peers.liveness_address = self._liveness.address
         if role is Role.PREFILL and instance:
             link.publish(instance, layout.tp_size, layout.tp_rank)
 
@@ -297,6 +309,8 @@ class TransferAgent:
             for _peer, blob in notices:
                 self.handle_frame(blob)
             now = self._clock()
+            if self._liveness is not None:
+                self._liveness.poll()
             if self.prefill is not None:
                 self.prefill.poll_inflight()
             self.peers.tick(now, HELLO_RESEND_S)
@@ -437,6 +451,10 @@ class TransferAgent:
             self.buffers.deregister_all(self.name)
         ctx.backend.close()
         ctx.link.close()
+        if self._liveness is not None:
+            self._liveness.close()          # after the backend: the decodes may count us gone from here on
+        if self.peers.liveness is not None:
+            self.peers.liveness.close()
 
     def __enter__(self) -> TransferAgent:
         return self

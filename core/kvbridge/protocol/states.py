@@ -237,6 +237,7 @@ class PeerEvent(enum.Enum):
     GRACE_OVER = "grace_over"
     SILENCE = "silence"        # nothing heard for the peer timeout
     DECLARED_GONE = "declared_gone"
+    EXITED = "exited"          # its kernel closed our liveness connection, and the grace passed
     RETIRE = "retire"          # a new incarnation under the same name, or reaped once no room refers to it
 
 
@@ -245,19 +246,23 @@ PEER: Machine[PeerState, PeerEvent] = Machine("peer", {
     (PeerState.ALIVE, PeerEvent.GOODBYE): PeerState.LEAVING,
     (PeerState.ALIVE, PeerEvent.SILENCE): PeerState.SILENT,
     (PeerState.ALIVE, PeerEvent.DECLARED_GONE): PeerState.DEPARTED,
+    (PeerState.ALIVE, PeerEvent.EXITED): PeerState.DEPARTED,
     (PeerState.ALIVE, PeerEvent.RETIRE): PeerState.RETIRED,
     (PeerState.LEAVING, PeerEvent.FRAME): PeerState.LEAVING,          # a notice sent before its goodbye
     (PeerState.LEAVING, PeerEvent.GOODBYE): PeerState.LEAVING,
     (PeerState.LEAVING, PeerEvent.GRACE_OVER): PeerState.DEPARTED,
     (PeerState.LEAVING, PeerEvent.DECLARED_GONE): PeerState.DEPARTED,
+    (PeerState.LEAVING, PeerEvent.EXITED): PeerState.DEPARTED,
     (PeerState.LEAVING, PeerEvent.RETIRE): PeerState.RETIRED,
     (PeerState.SILENT, PeerEvent.FRAME): PeerState.ALIVE,             # it was only slow: a peer again
     (PeerState.SILENT, PeerEvent.GOODBYE): PeerState.DEPARTED,
     (PeerState.SILENT, PeerEvent.DECLARED_GONE): PeerState.DEPARTED,
+    (PeerState.SILENT, PeerEvent.EXITED): PeerState.DEPARTED,
     (PeerState.SILENT, PeerEvent.RETIRE): PeerState.RETIRED,
     (PeerState.DEPARTED, PeerEvent.FRAME): PeerState.DEPARTED,        # stragglers change nothing
     (PeerState.DEPARTED, PeerEvent.GOODBYE): PeerState.DEPARTED,
     (PeerState.DEPARTED, PeerEvent.DECLARED_GONE): PeerState.DEPARTED,
+    (PeerState.DEPARTED, PeerEvent.EXITED): PeerState.DEPARTED,
     (PeerState.DEPARTED, PeerEvent.RETIRE): PeerState.RETIRED,
 })
 

@@ -1,0 +1,186 @@
+"""Proof that a writer's process is gone, from its own kernel, on every backend.
+
+A prefill rank listens on a TCP port (:class:`LivenessListener`, named in its Welcome) and holds every
+connection a decode rank makes to it, sending nothing. The decode rank keeps one connection to each prefill
+rank that writes into its memory (:class:`LivenessWatch`). When the prefill's process ends for any reason
+(exit, crash, ``kill -9``, the OOM killer), its kernel closes those connections and the decode reads EOF (or
+a reset, or a refused connect). A process that is only stopped (SIGSTOP, a long pause) keeps them open, and a
+partition or a dead host closes nothing: silence is never taken for death (``declare_gone`` is still the
+engine's word for those).
+
+What the FIN does not say: whether a write the process posted before it died is still in flight in a NIC,
+a copy engine or the receiving side's transport queue. The decode therefore waits
+``AgentConfig.writer_exit_grace_s`` after the EOF before it treats the writer as gone
+(:meth:`kvbridge.agent.peers.PeerTable.writer_gone`).
+
+    listener = LivenessListener("127.0.0.1")      # prefill
+    watch = LivenessWatch()                       # decode
+    watch.watch(("prefill-0", 7), listener.address)
+    listener.poll(); watch.closed()               # [] while the prefill lives
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+
+log = logging.getLogger("kvbridge.agent")
+
+WatchKey = tuple[str, int]   # (agent, incarnation)
+MAX_HELD = 4096           # connections a listener holds at once; more are closed at once (they carry nothing)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError naming the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"liveness address {address!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def host_of(link_address: str) -> str:
+    """The host a rank's control link is reachable at (``tcp://host:port``), else the loopback address."""
+    rest = link_address.partition("://")[2] if "://" in link_address else ""
+    if not rest:
+        return "127.0.0.1"
+    try:
+        host = split_address(rest)[0]
+    except ValueError:
+        return "127.0.0.1"
+    return "127.0.0.1" if host in ("", "*", "0.0.0.0", "::") else host
+
+
+class LivenessListener:
+    """A prefill rank's listening socket; every accepted connection is held until its peer closes it."""
+
+    def __init__(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._server.bind((host, 0))
+            self._server.listen(128)
+            self._server.setblocking(False)
+        except BaseException:
+            self._server.close()
+            raise
+        port = self._server.getsockname()[1]
+        self.address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        self._held = selectors.DefaultSelector()
+
+    @property
+    def held(self) -> int:
+        held = self._held.get_map()
+        return len(held) if held is not None else 0
+
+    def poll(self) -> None:
+        """Accept pending connections and close those whose peer went away (never blocks)."""
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:           # e.g. out of file descriptors: try again next time
+                log.warning("liveness listener %s: accept failed: %s", self.address, exc)
+                break
+            if self.held >= MAX_HELD:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._held.register(conn, selectors.EVENT_READ)
+        if not self.held:
+            return
+        for key, _ in self._held.select(0):
+            held = key.fileobj
+            assert isinstance(held, socket.socket)
+            if _closed_by_peer(held):
+                self._held.unregister(held)
+                held.close()
+
+    def close(self) -> None:
+        if self._server.fileno() < 0:
+            return                           # closed already
+        for key in list(self._held.get_map().values()):
+            key.fileobj.close()              # type: ignore[union-attr]
+        self._held.close()
+        self._server.close()
+
+
+class LivenessWatch:
+    """A decode rank's connections to its writers, by key (e.g. (agent, incarnation))."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._keys: dict[WatchKey, socket.socket] = {}
+        self._connecting: set[WatchKey] = set()
+        self._closed: list[WatchKey] = []
+
+    def watch(self, key: WatchKey, address: str) -> None:
+        """Connect to a writer's listener (non-blocking); a refused connect counts as closed."""
+        self.forget(key)
+        host, port = split_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        err = sock.connect_ex((host, port))
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+            sock.close()
+            self._closed.append(key)
+            return
+        self._keys[key] = sock
+        if err:
+            self._connecting.add(key)
+            self._selector.register(sock, selectors.EVENT_WRITE | selectors.EVENT_READ, key)
+        else:
+            self._selector.register(sock, selectors.EVENT_READ, key)
+
+    def closed(self) -> list[WatchKey]:
+        """Keys whose connection the other side's kernel closed or refused since the last call (each once)."""
+        if self._keys:
+            for sel_key, events in self._selector.select(0):
+                key, sock = sel_key.data, sel_key.fileobj
+                assert isinstance(sock, socket.socket)
+                if key in self._connecting and events & selectors.EVENT_WRITE:
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        self._lost(key)
+                        continue
+                    self._connecting.discard(key)
+                    self._selector.modify(sock, selectors.EVENT_READ, key)
+                if events & selectors.EVENT_READ and _closed_by_peer(sock):
+                    self._lost(key)
+        found, self._closed = self._closed, []
+        return found
+
+    def _lost(self, key: WatchKey) -> None:
+        self.forget(key)
+        self._closed.append(key)
+
+    def forget(self, key: WatchKey) -> None:
+        sock = self._keys.pop(key, None)
+        self._connecting.discard(key)
+        if sock is not None:
+            self._selector.unregister(sock)
+            sock.close()
+
+    def close(self) -> None:
+        for key in list(self._keys):
+            self.forget(key)
+        if self._selector.get_map() is not None:
+            self._selector.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Read what is there: EOF or an error means the other side's kernel closed the connection."""
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
