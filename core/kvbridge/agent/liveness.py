@@ -4,9 +4,11 @@ A prefill rank listens on a TCP port (:class:`LivenessListener`, named in its We
 connection a decode rank makes to it, sending nothing. The decode rank keeps one connection to each prefill
 rank that writes into its memory (:class:`LivenessWatch`). When the prefill's process ends for any reason
 (exit, crash, ``kill -9``, the OOM killer), its kernel closes those connections and the decode reads EOF (or
-a reset, or a refused connect). A process that is only stopped (SIGSTOP, a long pause) keeps them open, and a
-partition or a dead host closes nothing: silence is never taken for death (``declare_gone`` is still the
-engine's word for those).
+a reset) on the established connection. A connection that never got established (refused, unreachable, a
+firewall) proves nothing: the writer may be alive behind it, so it is reported as
+:meth:`LivenessWatch.unproven` and that writer's death still needs ``declare_gone``. A process that is only
+stopped (SIGSTOP, a long pause) keeps them open, and a partition or a dead host closes nothing: silence is
+never taken for death (``declare_gone`` is still the engine's word for those).
 
 What the FIN does not say: whether a write the process posted before it died is still in flight in a NIC,
 a copy engine or the receiving side's transport queue. The decode therefore waits
@@ -118,9 +120,10 @@ class LivenessWatch:
         self._keys: dict[WatchKey, socket.socket] = {}
         self._connecting: set[WatchKey] = set()
         self._closed: list[WatchKey] = []
+        self._unproven: list[tuple[WatchKey, str]] = []
 
     def watch(self, key: WatchKey, address: str) -> None:
-        """Connect to a writer's listener (non-blocking); a refused connect counts as closed."""
+        """Connect to a writer's listener (non-blocking); a connect that fails proves nothing (``unproven``)."""
         self.forget(key)
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -129,7 +132,7 @@ class LivenessWatch:
         err = sock.connect_ex((host, port))
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
             sock.close()
-            self._closed.append(key)
+            self._unproven.append((key, errno.errorcode.get(err, str(err))))
             return
         self._keys[key] = sock
         if err:
@@ -145,14 +148,21 @@ class LivenessWatch:
                 key, sock = sel_key.data, sel_key.fileobj
                 assert isinstance(sock, socket.socket)
                 if key in self._connecting and events & selectors.EVENT_WRITE:
-                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                        self._lost(key)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:                      # never established: no proof either way
+                        self.forget(key)
+                        self._unproven.append((key, errno.errorcode.get(err, str(err))))
                         continue
                     self._connecting.discard(key)
                     self._selector.modify(sock, selectors.EVENT_READ, key)
                 if events & selectors.EVENT_READ and _closed_by_peer(sock):
                     self._lost(key)
         found, self._closed = self._closed, []
+        return found
+
+    def unproven(self) -> list[tuple[WatchKey, str]]:
+        """Keys whose connection could not be established (with the error) since the last call."""
+        found, self._unproven = self._unproven, []
         return found
 
     def _lost(self, key: WatchKey) -> None:

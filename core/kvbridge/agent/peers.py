@@ -480,6 +480,9 @@ class PeerTable:
         """Writers whose liveness connection closed: gone once the grace for their last writes passed."""
         if self.liveness is None:
             return
+        for (agent, _incarnation), error in self.liveness.unproven():
+            log.warning("%s: cannot reach %s's liveness listener (%s): its exit cannot be proven, only declare_gone "
+                        "fences its rooms if it dies", self._ctx.name, agent, error)
         for key in self.liveness.closed():
             log.info("%s: peer %s (incarnation %#x): its process exited (its kernel closed our liveness "
                      "connection)", self._ctx.name, key[0], key[1])
