@@ -62,15 +62,16 @@ class SimNet:
         self.state[uid] = UP
         return uid
 
-    def kill(self, uid: str, linger: float) -> None:
+    def kill(self, uid: str, linger: float) -> int:
         """The process died: it posts nothing more, but what it posted may still land (until reaped), up to
         ``linger`` seconds late (a NIC still draining its queue)."""
         if self.state.get(uid) == UP:
             self.state[uid] = KILLED
         world = self.world
-        for d in world.pending.values():
-            if d.kind == LAND and d.payload.writer == uid:
-                d.due = world.now + world.rng.uniform(0.0, linger)
+        lingering = [d for d in world.pending.values() if d.kind == LAND and d.payload.writer == uid]
+        for d in lingering:
+            d.due = world.now + world.rng.uniform(0.0, linger)
+        return len(lingering)
 
     def reap(self, uid: str) -> int:
         """The killed writer's posted writes can no longer land (its NIC is reset): drop them; gone from now."""
@@ -145,7 +146,9 @@ class SimBackend:
         check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, f"destination ({transfer.component})")
         write = SimWrite(transfer=transfer, writer=self.uid, target=peer.endpoint.decode(), state=Poll.pending())
         label = f"write room={transfer.room} {transfer.component} c{transfer.chunk}{' last' if transfer.last else ''}"
-        write.delivery = self.net.world.schedule(LAND, self.uid, write.target, label, write)
+        world = self.net.world
+        lag = world.rng.expovariate(1.0 / (5 * world.knobs.latency))     # a write is slower than a frame
+        write.delivery = world.schedule(LAND, self.uid, write.target, label, write, delay=lag)
         return write
 
     def poll(self, handle: Any) -> Poll:

@@ -4,7 +4,9 @@ backend, driven only by the scheduler (``progress()``; never ``start()``), with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +26,7 @@ INSTANCE = "inst"
 UP, PAUSED, DEAD = "up", "paused", "dead"
 
 
+@functools.cache
 def kv_layout(tp: int, rank: int) -> PoolLayout:
     """One dense token-major KV component: K and V of ``LAYERS`` layers, ``PAGES`` pages of ``PAGE`` tokens."""
     local = len(units_held(HEADS, tp, rank))
@@ -87,7 +90,7 @@ class Cluster:
         self.key = f"w{id(world)}"
         self.net = NETS[self.key] = SimNet(world)
         self.hub = SimHub(world)
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}
         if "prove_writer_death" in AgentConfig.__dataclass_fields__:
             extra["prove_writer_death"] = False     # its real TCP liveness connections are outside the simulation
         self.config = dataclasses.replace(config, backend_options={"world": self.key}, **extra)
@@ -128,9 +131,9 @@ class Cluster:
         """The process dies: no more progress; its link closes; its posted writes may still land."""
         assert proc.agent is not None
         proc.agent.link.close()
-        self.net.kill(proc.uid, 3 * self.config.peer_timeout_s)
+        lingering = self.net.kill(proc.uid, 3 * self.config.peer_timeout_s)
         proc.agent, proc.status = None, DEAD
-        self.world.log(f"kill  {proc.name} gen={proc.gen}")
+        self.world.log(f"kill  {proc.name} gen={proc.gen} ({lingering} of its writes still in flight)")
 
     def live(self) -> list[Proc]:
         return [p for p in self.procs if p.status == UP]

@@ -114,8 +114,7 @@ class Engine:
         free = np.flatnonzero(proc.owner < 0)
         if len(free) < req.pages:
             return None
-        pages = np.array(sorted(self.world.rng.sample(free.tolist(), req.pages)), dtype=np.int64)
-        self.world.rng.shuffle(pages)          # type: ignore[arg-type]
+        pages = np.array(self.world.rng.sample(free.tolist(), req.pages), dtype=np.int64)   # in random order
         proc.owner[pages] = req.room
         return pages
 

@@ -14,7 +14,6 @@ from kvbridge.sim.cluster import DEAD, PAUSED, UP, Cluster, Proc
 from kvbridge.sim.engine import CLEARED, LOST, Engine
 from kvbridge.sim.invariants import Fences, check_bounded, check_frozen
 from kvbridge.sim.world import FRAME, LAND, Delivery, Knobs, SimFailure, World
-from kvbridge.wire import Role
 
 TOPOLOGIES = ((1, 1), (2, 2), (2, 1), (1, 2), (4, 2))
 CONFIG = AgentConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0, bootstrap_timeout_s=4.0, waiting_timeout_s=4.0,
@@ -28,7 +27,7 @@ class Scenario:
 
     pt: int
     dt: int
-    steps: int
+    steps: int                 # rounds of the random phase
     faults: frozenset[str]
     staging: str
     staging_bytes: int
@@ -50,7 +49,7 @@ def draw(rng: random.Random) -> Scenario:
     pt, dt = rng.choice(TOPOLOGIES)
     faults = frozenset() if rng.random() < 0.3 else frozenset(f for f in FAULTS if rng.random() < 0.4)
     staging = rng.choice(("never", "never", "always", "auto"))
-    return Scenario(pt=pt, dt=dt, steps=rng.randint(15, 100), faults=faults, staging=staging,
+    return Scenario(pt=pt, dt=dt, steps=rng.randint(6, 30), faults=faults, staging=staging,
                     staging_bytes=0 if staging == "never" else rng.choice((256, 1024, 8192)),
                     max_requests=rng.randint(1, 5))
 
@@ -58,12 +57,12 @@ def draw(rng: random.Random) -> Scenario:
 class Simulation:
     """One schedule of one seed (``run()`` raises :class:`SimFailure` on the first violated invariant)."""
 
-    def __init__(self, seed: int, *, steps: int | None = None) -> None:
+    def __init__(self, seed: int, *, faults: frozenset[str] | None = None) -> None:
         self.seed = seed
         rng = random.Random(seed)
         self.scenario = s = draw(rng)
-        if steps is not None:
-            s.steps = steps
+        if faults is not None:        # swarm testing: a test may pin the fault profile
+            s.faults = faults
         knobs = Knobs(drop=0.02 if "drop" in s.faults else 0.0, dup=0.05 if "dup" in s.faults else 0.0,
                       notify_via_link=rng.choice((0.0, 0.3, 1.0)), latency=rng.choice((0.002, 0.01, 0.05)))
         self.world = World(seed=seed, rng=rng, knobs=knobs)
@@ -89,14 +88,29 @@ class Simulation:
         try:
             for proc in self.cluster.procs:
                 self.cluster.start(proc)
-            self._check()
+            self._boot()
             for _ in range(s.steps):
-                self._step()
+                self._round()
             self._tail()
             return Result(seed=self.seed, scenario=s, events=self.events, requests=len(self.engine.requests),
                           successes=self.engine.successes, trace=world.trace)
         finally:
             self.cluster.close()
+
+    def _boot(self) -> None:
+        """Engines start and connect before they serve: deliver and progress until every handshake is done."""
+        world, cluster = self.world, self.cluster
+        for _ in range(50):
+            for item in sorted(world.ready(), key=lambda d: d.due):
+                self._deliver(item, faults=False)
+            for proc in cluster.live():
+                assert proc.agent is not None
+                proc.agent.progress()
+            if all(p.agent is not None and not p.agent.peers.handshakes for p in cluster.procs):
+                break
+            world.now += 0.01
+        world.log("booted: every decode rank shook hands")
+        self._check()
 
     def _check(self) -> None:
         check_frozen(self.cluster)
@@ -112,35 +126,51 @@ class Simulation:
             self.world.log(text)
         self._check()
 
-    def _step(self) -> None:
-        world, rng, s = self.world, self.world.rng, self.scenario
+    def _round(self) -> None:
+        """One round: ready deliveries, agent progress steps and engine iterations (each with some chance),
+        maybe a new request and a fault, all in a random order, one event each; then the clock moves."""
+        world, rng, s, cluster = self.world, self.world.rng, self.scenario, self.cluster
         self._wake()
-        ready = world.ready()
-        choices = ["progress"] * 6 + ["tick"] * 3 + ["engine"] * 5
-        if ready:
-            choices += ["deliver"] * 7
-        if s.faults:
-            choices.append("fault")
-        kind = rng.choice(choices)
-        if kind == "progress":
-            live = self.cluster.live()
-            if live:
-                proc = rng.choice(live)
-                assert proc.agent is not None
-                proc.agent.progress()
-                proc.dirty = self.staged
-                self._record(f"prog  {proc.name}")
-        elif kind == "tick":
-            dt = rng.expovariate(1 / 0.03) if rng.random() < 0.9 else rng.uniform(0.3, 1.5)
-            world.now += dt
-            self._record(f"tick  +{dt:.3f}")
-        elif kind == "deliver":
-            item = rng.choice(ready)
-            self._record(self._deliver(item, faults=True))
-        elif kind == "engine":
-            self._record(self._engine_action())
-        else:
-            self._record(self._fault())
+        actions: list[tuple[str, object]] = [("deliver", d) for d in world.ready() if rng.random() < 0.8]
+        actions += [("progress", p) for p in cluster.live() if rng.random() < 0.7]
+        actions += [("engine", p) for p in cluster.live() if rng.random() < 0.5]
+        if rng.random() < 0.3:
+            actions.append(("request", None))
+        if s.faults and rng.random() < 0.15:
+            actions.append(("fault", None))
+        rng.shuffle(actions)
+        for kind, what in actions:
+            if kind == "deliver":
+                assert isinstance(what, Delivery)
+                if what.id in world.pending and not world.cut(what.src, what.dst):
+                    self._record(self._deliver(what, faults=True))
+            elif kind in ("progress", "engine"):
+                assert isinstance(what, Proc)
+                if what.status != UP or what.agent is None:
+                    continue
+                what.dirty = self.staged
+                if kind == "progress":
+                    what.agent.progress()
+                    self._record(f"prog  {what.name}")
+                else:
+                    self._record(self._engine(what))
+            elif kind == "request":
+                if self._may_open():
+                    self.engine.new_request()
+                    self._record(None)
+            else:
+                self._record(self._fault())
+        dt = rng.expovariate(1 / 0.03) if rng.random() < 0.9 else rng.uniform(0.3, 1.5)
+        world.now += dt
+        self._record(f"tick  +{dt:.3f}")
+
+    def _may_open(self) -> bool:
+        return len(self.engine.requests) < self.scenario.max_requests and len(self.engine.open_requests()) < 3
+
+    def _engine(self, proc: Proc) -> str:
+        """One engine loop iteration of ``proc``: every request side it holds acts once."""
+        texts = [text for req in self.engine.open_requests() if (text := self.engine.act(req, req.sides[proc.name]))]
+        return "; ".join(texts) if texts else f"{proc.name} engine idle"
 
     def _wake(self) -> None:
         for proc in self.cluster.procs:
@@ -167,19 +197,6 @@ class Simulation:
         net.notify(item)
         return f"note  {where}"
 
-    def _engine_action(self) -> str | None:
-        rng, engine = self.world.rng, self.engine
-        live = engine.open_requests()
-        if len(engine.requests) < self.scenario.max_requests and (not live or rng.random() < 0.15) and len(live) < 3:
-            engine.new_request()
-            return None
-        if not live:
-            return None
-        req = rng.choice(live)
-        name = rng.choice(sorted(req.sides))
-        self.cluster.by_name[name].dirty = self.staged
-        return engine.act(req, req.sides[name])
-
     def _fault(self) -> str | None:
         world, rng, cluster, s = self.world, self.world.rng, self.cluster, self.scenario
         options = []
@@ -202,9 +219,14 @@ class Simulation:
             return f"PAUSE {proc.name} until {proc.paused_until:.3f}"
         if what == "kill":
             live = [p for p in cluster.procs if p.status in (UP, PAUSED)]
+            writing = sorted({d.src for d in world.pending.values() if d.kind == LAND})
             if not live:
                 return None
             proc = rng.choice(live)
+            if writing and rng.random() < 0.8:      # prefer a writer with writes in flight: the fence problem
+                proc = cluster.by_uid[rng.choice(writing)]
+                if proc.status not in (UP, PAUSED) or proc.uid not in writing:
+                    return None
             cluster.kill(proc)
             self.engine.lose(proc)
             return None
@@ -282,8 +304,8 @@ class Simulation:
                 world.log(f"quiet: every room finished after {tail} rounds")
                 return
             if world.now > deadline:
-                raise SimFailure(self.seed, f"liveness: rooms unfinished {self.bound():.1f} s after the faults stopped: "
-                                            f"{self._stuck()}", world.trace)
+                raise SimFailure(self.seed, f"liveness: rooms unfinished {self.bound():.1f} s after the faults "
+                                            f"stopped: {self._stuck()}", world.trace)
             world.now += 0.02 if busy else 0.2
             tail += 1
 
@@ -310,21 +332,19 @@ class Simulation:
         agent = proc.agent
         if agent is None:
             return "(dead)"
-        side = agent.prefill if agent.role is Role.PREFILL else agent.decode
-        record = side.rooms.get(room) if side is not None else None
-        if record is None:
-            return "(no room)"
-        extra = ""
-        if agent.decode is not None:
-            extra = f" quiesced={sorted(record.quiesced)} targets={record.targets}"   # type: ignore[union-attr]
-        else:
-            extra = f" inflight={len(record.inflight)} pending={len(record.pending)}"  # type: ignore[union-attr]
-        return f"{record.status.name} {record.reason!r}{extra}"
+        if agent.prefill is not None and room in agent.prefill.rooms:
+            sent = agent.prefill.rooms[room]
+            return (f"{sent.status.name} {sent.reason!r} requests={sorted(sent.requests)} "
+                    f"inflight={len(sent.inflight)} pending={len(sent.pending)}")
+        if agent.decode is not None and room in agent.decode.rooms:
+            got = agent.decode.rooms[room]
+            return f"{got.status.name} {got.reason!r} quiesced={sorted(got.quiesced)} targets={got.targets}"
+        return "(no room)"
 
 
-def run_seed(seed: int) -> Result:
+def run_seed(seed: int, *, faults: frozenset[str] | None = None) -> Result:
     """Run one schedule; a violated invariant comes back as ``Result.failure`` with the trace."""
-    sim = Simulation(seed)
+    sim = Simulation(seed, faults=faults)
     try:
         return sim.run()
     except SimFailure as exc:
