@@ -289,11 +289,20 @@ class KVBridgeKVManager(BaseKVManager):
             self._reap.append(sender)
 
     def _reap_loop(self) -> None:
+        """Clear deferred senders once safe. One sender's error is logged and that sender dropped: the thread
+        never dies (it once did, silently, and deferred clears stopped for good)."""
         while not self._closed:
             time.sleep(0.2)
             with self._lock:
                 pending, self._reap = self._reap, []
-            keep = [s for s in pending if not s._try_clear()]
+            keep = []
+            for sender in pending:
+                try:
+                    if not sender._try_clear():
+                        keep.append(sender)
+                except Exception:
+                    log.exception("kvbridge-sglang: clearing room %s failed; dropped from the deferred clears",
+                                  getattr(sender, "bootstrap_room", "?"))
             with self._lock:
                 self._reap.extend(keep)
 
@@ -559,16 +568,18 @@ class KVBridgeKVSender(BaseKVSender):
             self.kv_mgr.defer_clear(self)
 
     def _try_clear(self) -> bool:
-        """Forget the kvbridge room once no write from its pages is in flight (True when done)."""
-        if self._cleared:
+        """Forget the kvbridge room once no write from its pages is in flight (True when done). The scheduler's
+        clear() and the manager's reaper may both call it: one at a time, and the second sees it done."""
+        with self.kv_mgr._lock:
+            if self._cleared:
+                return True
+            if not self._sender.safe_to_reuse:
+                return False
+            self._final = self.poll()
+            self._reason = self._reason or self._sender.failure_reason
+            self._sender.clear()
+            self._cleared = True
             return True
-        if not self._sender.safe_to_reuse:
-            return False
-        self._final = self.poll()
-        self._reason = self._reason or self._sender.failure_reason
-        self._sender.clear()
-        self._cleared = True
-        return True
 
 
 class KVBridgeKVReceiver(BaseKVReceiver):
