@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvbridge._markers import hookimpl
 from kvbridge.errors import (
+    Draining,
     GeometryError,
     IncompatiblePeer,
     KVBridgeError,
@@ -43,7 +44,7 @@ from kvbridge.specs import Availability, BackendSpec, Capability, StateTypeSpec
 configure_logging()    # KVBRIDGE_LOG=INFO|DEBUG|...: kvbridge's records on stderr in any process that imports it
 
 __all__ = [
-    "Availability", "BackendSpec", "BufferGeometry", "Capability", "Component", "DType", "DeviceKind",
+    "Availability", "BackendSpec", "BufferGeometry", "Capability", "Component", "DType", "DeviceKind", "Draining",
     "GeometryError", "IncompatiblePeer", "IndexKind", "KVBridgeError", "MemoryRegion", "PluginConflictError",
     "PluginError", "PluginUnavailableError", "PoolLayout", "ProtocolError", "Rank", "RegionError", "ShardAxis",
     "StateTypeSpec", "TransferError", "UnknownPluginError", "UnsupportedTopology", "geometry_of", "hookimpl",

@@ -54,3 +54,7 @@ class IncompatiblePeer(KVBridgeError):
 
 class ProtocolError(KVBridgeError):
     """A control message is malformed, oversize, of an unknown version or out of range."""
+
+
+class Draining(KVBridgeError):
+    """The agent is draining (``TransferAgent.drain``): it takes no new rooms; route the request elsewhere."""

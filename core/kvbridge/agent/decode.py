@@ -21,7 +21,7 @@ from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.digests import digest_items
-from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
+from kvbridge.errors import Draining, KVBridgeError, ProtocolError, TransferError
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     RECV_POLL,
@@ -137,6 +137,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         self._unsafe: set[int] = set()       # failed rooms whose writers have not all been fenced
         self._next_timeouts = 0.0
         self._next_fence = 0.0
+        self.draining = ""                  # why new rooms are refused (TransferAgent.drain), "" when not
         peers.on_death(self._peer_died)
         peers.on_in_use(self._refers_to)
 
@@ -144,6 +145,9 @@ class DecodeSide(RoomTable[RecvRoom]):
     def open(self, room: int, instance: str) -> None:
         ctx = self._ctx
         with ctx.lock:
+            if self.draining:
+                raise Draining(f"{ctx.name} is draining ({self.draining}): no new rooms; route room {room} to "
+                               "another decode instance")
             if instance not in self._peers.instances:
                 raise KVBridgeError(f"not connected to prefill instance {instance!r}; call connect() first")
             if room in self.rooms:
@@ -610,6 +614,11 @@ class DecodeSide(RoomTable[RecvRoom]):
             if room.metadata_at is None or not all(self._delivered(room, r) for r in ranks):
                 self._fail(room, reason)
             self._fenced_if_quiet(room)
+
+    def unsettled(self) -> int:
+        """Rooms not yet over: live, fencing, or with a scatter still writing into their items."""
+        return sum(room.state not in (RecvState.SUCCESS, RecvState.FAILED) or bool(room.scattering)
+                   for room in self.rooms.values())
 
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.targets.values() and (room.room in self._unsafe or room.status is not KVPoll.Failed)

@@ -15,7 +15,7 @@ from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.posting import Poster, StateIndices
 from kvbridge.agent.send_room import InFlight, OpenChunk, SendRoom
 from kvbridge.backends.base import HandleState, Poll
-from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError, TransferError
+from kvbridge.errors import Draining, GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
@@ -47,12 +47,16 @@ class PrefillSide(RoomTable[SendRoom]):
         self._next_timeouts = 0.0
         self._tombstones = Tombstones()
         self._poster = Poster(ctx, peers, plans)
+        self.draining = ""                      # why new rooms are refused (TransferAgent.drain), "" when not
         peers.on_death(self._peer_died)
         peers.on_in_use(self._refers_to)
 
     # ---------------------------------------------------------------- engine-facing (Sender)
     def open(self, room: int) -> None:
         with self._ctx.lock:
+            if self.draining:
+                raise Draining(f"{self._ctx.name} is draining ({self.draining}): no new rooms; route room {room} "
+                               "to another prefill instance")
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
@@ -136,6 +140,10 @@ class PrefillSide(RoomTable[SendRoom]):
             return
         if room is not None:
             self._accept_request(room, req)
+            return
+        if self.draining:                      # no sender() will come: the decode hears it now, with the reason
+            self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
+                                              reason=f"prefill {ctx.name} is draining ({self.draining})"))
             return
         created, queued = self._early.get(req.room, (self._ctx.clock(), []))
         if any(q.agent == req.agent for q in queued):
@@ -440,6 +448,21 @@ class PrefillSide(RoomTable[SendRoom]):
                 room.must_confirm.pop(peer.agent, None)
         for room_id in list(self._early_by_agent.get(peer.agent, ())):
             self._unqueue(room_id, peer.agent)
+
+    def begin_drain(self, reason: str) -> None:
+        """Refuse new rooms from now on; requests queued for rooms whose sender() never came fail at once."""
+        self.draining = reason
+        for room_id in list(self._early):
+            for req in self._unqueue(room_id):
+                peer = self._peers.get(req.agent)
+                if peer is not None and peer.alive:
+                    self._peers.post(peer, StatusPush(room=room_id, agent=self._ctx.name, status=KVPoll.Failed,
+                                                      reason=f"prefill {self._ctx.name} is draining ({reason})"))
+
+    def unsettled(self) -> int:
+        """Rooms not yet over: live, or with a write still reading our pages or an acknowledgement owed."""
+        return sum(room.state not in (SendState.SUCCESS, SendState.FAILED) or room.busy or bool(room.must_confirm)
+                   for room in self.rooms.values())
 
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.requests for room in self.rooms.values())

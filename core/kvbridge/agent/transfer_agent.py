@@ -438,6 +438,59 @@ class TransferAgent:
         self._thread = threading.Thread(target=loop, name=f"kvbridge-{self.name}", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ drain
+    def begin_drain(self, reason: str = "shutting down") -> None:
+        """Take no new rooms from now on (``sender()``/``receiver()`` raise :class:`~kvbridge.Draining`, a
+        decode's request for a room we have no sender for is answered Failed with the reason, so the engine
+        can route it elsewhere); rooms in flight go on. ``drained`` says when they are all over."""
+        with self.context.lock:
+            if self.prefill is not None:
+                self.prefill.begin_drain(reason)
+            if self.decode is not None:
+                self.decode.draining = reason
+
+    @property
+    def drained(self) -> bool:
+        """Every room is over (Success or Failed) and safe to reuse: closing now loses nothing."""
+        self.poll_progress()
+        with self.context.lock:
+            return self._side().unsettled() == 0
+
+    def _side(self) -> PrefillSide | DecodeSide:
+        side = self.prefill if self.prefill is not None else self.decode
+        assert side is not None
+        return side
+
+    def drain(self, timeout_s: float, reason: str = "shutting down") -> dict[str, int]:
+        """Stop taking rooms, let every room in flight finish (the engine keeps sending and polling meanwhile),
+        fail what is left after ``timeout_s`` and wait (up to the peer timeout) until nothing of it can be
+        written or read any more, then tell the peers goodbye and close. Returns counts of the rooms:
+        ``{"success": n, "failed": n, "unsafe": n}`` (unsafe: still not safe to reuse when we closed).
+
+            signal.signal(signal.SIGTERM, lambda *_: agent.drain(30.0))
+        """
+        self.begin_drain(reason)
+        deadline = time.monotonic() + timeout_s
+        while not self.drained and time.monotonic() < deadline:
+            self._progress_or_wait(0.005)
+        side = self._side()
+        if not self.drained:
+            with self.context.lock:
+                live = [r for r, room in side.rooms.items() if room.status not in (KVPoll.Success, KVPoll.Failed)]
+            for room_id in live:
+                side.abort(room_id, f"drain timeout: {self.name} stopped after {timeout_s} s ({reason})")
+            settle = time.monotonic() + self.config.peer_timeout_s
+            while not self.drained and time.monotonic() < settle:
+                self._progress_or_wait(0.005)
+        with self.context.lock:
+            statuses = [room.status for room in side.rooms.values()]
+            report = {"success": statuses.count(KVPoll.Success), "failed": statuses.count(KVPoll.Failed),
+                      "unsafe": side.unsettled()}
+        if report["unsafe"]:
+            log.error("%s: drained with rooms still unsafe to reuse (%s)", self.name, report)
+        self.close()
+        return report
+
     def close(self) -> None:
         if self._closed:
             return
