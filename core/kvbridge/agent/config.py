@@ -39,6 +39,13 @@ class AgentConfig:
 
         if self.staging not in MODES:
             raise ValueError(f"AgentConfig.staging={self.staging!r}; one of {', '.join(MODES)}")
+        for name in ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"AgentConfig.{name}={value!r} must be a finite number of seconds > 0")
+        if self.heartbeat_interval_s >= self.peer_timeout_s:
+            raise ValueError(f"AgentConfig.heartbeat_interval_s={self.heartbeat_interval_s} must be below "
+                             f"peer_timeout_s={self.peer_timeout_s} (a peer would be judged dead between beats)")
         if not 0 <= self.writer_exit_grace_s < float("inf"):
             raise ValueError(f"AgentConfig.writer_exit_grace_s={self.writer_exit_grace_s} must be >= 0 and finite")
         if self.staging_piece_bytes <= 0:

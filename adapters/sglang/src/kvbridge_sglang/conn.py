@@ -403,11 +403,13 @@ class KVBridgeKVManager(BaseKVManager):
         self._closed = True
         agents = [self.agent] if self.agent is not None else []
         agents += list(self.agents.values())
-        for agent in agents:
+        for agent in agents:         # drain: rooms in flight finish (or fail cleanly), the peers hear it
             try:
-                agent.close()
+                log.info("kvbridge-sglang: %s drained: %s", agent.name,
+                         agent.drain(self.settings.drain_timeout_s, "SGLang shut down"))
             except Exception:
-                log.exception("kvbridge-sglang: closing agent %s", agent.name)
+                log.exception("kvbridge-sglang: draining agent %s", agent.name)
+                agent.close()
         for shm in self._shm:
             try:
                 shm.close()

@@ -17,19 +17,28 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.agent import AgentConfig
+from kvbridge.errors import KVBridgeError
 
 
 def _float(env: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
+    """The first of ``names`` set in ``env``, as a finite number >= 0 of seconds; an error naming the variable."""
     for name in names:
         value = env.get(name)
         if value:
-            return float(value)
+            try:
+                number = float(value)
+            except ValueError:
+                raise KVBridgeError(f"{name}={value!r:.60} is not a number of seconds") from None
+            if not math.isfinite(number) or number < 0:
+                raise KVBridgeError(f"{name}={value!r:.60} must be a finite number of seconds >= 0")
+            return number
     return default
 
 
@@ -57,6 +66,7 @@ class Settings:
     waiting_timeout_s: float = 300.0
     peer_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    drain_timeout_s: float = 10.0   # shutdown: rooms in flight get this long to finish, then fail cleanly
     checksums: bool = False         # decode: per-destination digests of every write, verified on arrival
     backend_options: dict[str, str] = field(default_factory=dict)
 
@@ -83,6 +93,7 @@ class Settings:
                                                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"), 300.0),
                    peer_timeout_s=_float(env, ("KVBRIDGE_PEER_TIMEOUT_S",), 10.0),
                    heartbeat_interval_s=_float(env, ("KVBRIDGE_HEARTBEAT_S",), 1.0),
+                   drain_timeout_s=_float(env, ("KVBRIDGE_DRAIN_TIMEOUT_S",), 10.0),
                    checksums=(env.get("KVBRIDGE_CHECKSUMS") or "").strip().lower() in ("1", "true", "yes", "on"),
                    backend_options=options)
 

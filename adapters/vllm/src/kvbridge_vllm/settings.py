@@ -40,6 +40,7 @@ class Settings:
     bootstrap_timeout_s: float = 30.0    # prefill: how long finished blocks wait for the decode's request
     waiting_timeout_s: float = 120.0     # decode: how long a request waits for its KV
     connect_timeout_s: float = 30.0      # decode: handshake with a prefill instance
+    drain_timeout_s: float = 10.0        # shutdown: rooms in flight get this long to finish (0: fail them)
     kv_layout: str = ""                  # cpu | nhd | hnd (default: cpu on CPU, nhd on GPU)
     shm_remap: bool | None = None        # move the decode's KV cache into /dev/shm (default: on for loopback)
     backend_options: dict[str, str] = field(default_factory=dict)

@@ -412,12 +412,16 @@ class WorkerSide:
         return {"sending": len(self._sending), "receiving": len(self._receiving)}
 
     def close(self) -> None:
+        """vLLM's shutdown: each agent drains (rooms in flight get ``drain_timeout_s`` to finish, the rest fail
+        cleanly and the peers hear it), then closes."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         for agent in (self.prefill, self.decode):
             if agent is not None:
                 try:
-                    agent.close()
+                    report = agent.drain(self.settings.drain_timeout_s, "vLLM shut down")
+                    log.info("kvbridge: %s drained: %s", agent.name, report)
                 except Exception:   # teardown goes on for the other agent
-                    log.exception("kvbridge: closing agent %s", agent.name)
+                    log.exception("kvbridge: draining agent %s", agent.name)
+                    agent.close()
