@@ -198,3 +198,40 @@ def test_heartbeat_round_trip_and_rooms_by_state_are_sampled() -> None:
         rooms = {s.labels["state"]: s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
                  if s.name == "kvbridge_agent_rooms" and s.labels["agent"] == dec.name}
         assert rooms.get("WaitingForInput") == 1 and rooms.get("Success") == 0, rooms
+
+
+def test_a_failed_room_unsafe_past_the_peer_timeout_is_counted() -> None:
+    """A writer that neither acknowledges nor is proven gone (a partition, a dead host): the failed room stays
+    FENCING, and once that lasts longer than the peer timeout the operator sees it (declare_gone is due)."""
+    from kvbridge import metrics
+    from kvbridge.agent import AgentConfig
+
+    metrics.instrumented_registry()
+    hub = LocalHub()
+    pl, dl = _layout(1, 0), _layout(1, 0)
+    config = AgentConfig(heartbeat_interval_s=0.05, peer_timeout_s=0.3)
+    with TransferAgent(layout=pl, buffers=_buffers(pl), role=Role.PREFILL, link=hub.link("p"), instance="i",
+                       config=config) as pre, \
+         TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"), config=config) as dec:
+        pre.start()
+        dec.start()
+        dec.connect("i", timeout_s=5)
+        receiver = dec.receiver(4, "i")
+        receiver.send_metadata({"kv": np.array([1, 2])})
+        time.sleep(0.2)
+        pre._stop.set()                       # silent from now on, its process (and liveness listener) alive
+        metrics.watch_agent(dec, interval_s=0.05)
+        deadline = time.monotonic() + 10
+
+        def overdue() -> float:
+            return sum(s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
+                       if s.name == "kvbridge_rooms_unsafe_overdue" and s.labels["agent"] == dec.name)
+
+        while overdue() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.poll() == KVPoll.Failed and not receiver.safe_to_reuse
+        assert overdue() == 1
+        dec.declare_gone(pre.name)            # the orchestrator's word
+        while overdue() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.safe_to_reuse and overdue() == 0

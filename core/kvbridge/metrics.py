@@ -28,7 +28,9 @@ What is measured (every name starts with ``kvbridge_``):
   ``heartbeat_interval_s``; a live peer stays below it plus the link's round trip),
   ``peer_heartbeat_rtt_seconds`` {agent, peer}: the heartbeat round trip (each heartbeat echoes the last one
   the peer sent), ``agent_rooms`` {agent, role, state}: the agent's open rooms by state, and
-  ``peer_deaths_total`` {agent, reason}: sampled by :func:`watch_agent`.
+  ``peer_deaths_total`` {agent, reason}, and ``rooms_unsafe_overdue`` {agent}: failed decode rooms still not
+  safe to reuse longer than the peer timeout after they failed (an unproven writer: the orchestrator's
+  ``declare_gone`` is due): sampled by :func:`watch_agent`.
 
 Several processes of one host (the demo's ranks) share one exporter through ``prometheus_client``'s
 multiprocess mode: each process calls :func:`enable` with ``multiprocess_dir`` (before anything else imports
@@ -87,6 +89,9 @@ class _Metrics:
         self.rooms = pc.Gauge("kvbridge_rooms_open", "Rooms open, by state", ["role", "state"], **gauge)
         self.silence = pc.Gauge("kvbridge_peer_silence_seconds", "Time since the last frame of a peer",
                                 ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
+        self.overdue = pc.Gauge("kvbridge_rooms_unsafe_overdue", "Failed decode rooms not safe to reuse longer "
+                                "than the peer timeout (a writer neither acknowledged nor proven gone)", ["agent"],
+                                **gauge)
         self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
         self.rtt = pc.Gauge("kvbridge_peer_heartbeat_rtt_seconds", "Heartbeat round trip to a peer",
                             ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
@@ -230,6 +235,8 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
                     if peer.rtt_s is not None:
                         m.rtt.labels(name, peer.agent).set(peer.rtt_s)
                     seen.add(peer.agent)
+            if current.decode is not None:
+                m.overdue.labels(name).set(current.decode.overdue_fences(now))
             for role, side in (("prefill", current.prefill), ("decode", current.decode)):
                 if side is not None:
                     counts = Counter(room.status.name for room in list(side.rooms.values()))

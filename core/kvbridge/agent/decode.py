@@ -107,6 +107,7 @@ class RecvRoom:
     quiesced: set[str] = field(default_factory=set)                  # prefill agents that can no longer write
     pending: tuple[dict[str, PackedIndices], int] | None = None      # metadata given while bootstrapping
     metadata_at: float | None = None
+    failed_at: float | None = None                                   # when it failed (FENCING from then on)
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
     # ``indices`` on our CUDA device (with the pinned copies they came from): uploaded by the first staged
@@ -545,6 +546,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if room.status in (KVPoll.Failed, KVPoll.Success):
             return                                   # the table keeps these (and the first reason)
         room.reason = reason
+        room.failed_at = self._ctx.clock()
         self._waiting.discard(room.room)
         if room.metadata_at is None:                 # nothing was ever asked of the senders
             self._step(room, RecvEvent.FAIL_FENCED)
@@ -614,6 +616,14 @@ class DecodeSide(RoomTable[RecvRoom]):
             if room.metadata_at is None or not all(self._delivered(room, r) for r in ranks):
                 self._fail(room, reason)
             self._fenced_if_quiet(room)
+
+    def overdue_fences(self, now: float) -> int:
+        """Failed rooms still not safe to reuse longer than the peer timeout after they failed: a writer that
+        neither acknowledged nor was proven gone (a partition, a dead host: the engine's declare_gone is due)."""
+        limit = self._ctx.config.peer_timeout_s
+        with self._ctx.lock:
+            return sum(room.state is RecvState.FENCING and room.failed_at is not None and now - room.failed_at > limit
+                       for room in self.rooms.values())
 
     def unsettled(self) -> int:
         """Rooms not yet over: live, fencing, or with a scatter still writing into their items."""
