@@ -121,3 +121,37 @@ class RateLimitedLog:
             self.logger.error(self.message + " (%s: %s repeated %d more times, then stopped)", *self.args,
                               self._key[0], self._key[1], self._repeats)
         self._repeats = 0
+
+
+class LineBudget:
+    """At most ``per_interval`` lines per ``interval_s`` for each kind of message; the rest are counted and
+    the count is said with the next line that gets through (a flood of bad frames must not become a flood
+    of log lines)::
+
+        budget = LineBudget()
+        if budget.take("bad frame"):
+            log.warning("dropped: %s%s", why, budget.suppressed_note("bad frame"))
+    """
+
+    def __init__(self, per_interval: int = 20, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_interval, self.interval_s, self._clock = per_interval, interval_s, clock
+        self._window: dict[str, tuple[float, int]] = {}      # kind -> (window start, lines in it)
+        self._suppressed: dict[str, int] = {}
+
+    def take(self, kind: str) -> bool:
+        now = self._clock()
+        start, used = self._window.get(kind, (now, 0))
+        if now - start >= self.interval_s:
+            start, used = now, 0
+        if used >= self.per_interval:
+            self._window[kind] = (start, used)
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return False
+        self._window[kind] = (start, used + 1)
+        return True
+
+    def suppressed_note(self, kind: str) -> str:
+        """`` (N more like it not logged)`` once after lines were suppressed, else ``""``."""
+        count = self._suppressed.pop(kind, 0)
+        return f" ({count} more like it not logged in the last {self.interval_s:.0f} s)" if count else ""

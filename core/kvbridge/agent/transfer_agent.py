@@ -25,7 +25,7 @@ from kvbridge.backends.base import RegisteredBuffers, TransferBackend
 from kvbridge.errors import IncompatiblePeer, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
-from kvbridge.logs import RateLimitedLog
+from kvbridge.logs import LineBudget, RateLimitedLog
 from kvbridge.protocol.events import RoomEvent
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
@@ -87,6 +87,7 @@ class TransferAgent:
         self.decode = DecodeSide(self.context, self.peers, plans, self._reconnect) if role is Role.DECODE else None
         self._reconnecting: dict[str, threading.Thread] = {}
         self.rejected_frames = 0
+        self._log_budget = LineBudget()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._busy_until = 0.0          # the progress thread polls fast until then (see start())
@@ -339,19 +340,29 @@ class TransferAgent:
             self._dispatch(env, peer)
         except VersionMismatch as exc:
             self.rejected_frames += 1
-            log.error("%s: rejected control frame: %s", self.name, exc)
+            self._log_rejected(logging.ERROR, "rejected control frame", exc)
             self.peers.refuse_other_version(exc)
         except Dropped as exc:
             self.rejected_frames += 1
             # a notice can reach us twice by design (with the data and over the link): not worth a warning
-            level = logging.DEBUG if exc.duplicate_notice else logging.WARNING
-            log.log(level, "%s: dropped control frame: %s", self.name, exc)
+            if exc.duplicate_notice:
+                log.debug("%s: dropped control frame: %s", self.name, exc)
+            else:
+                self._log_rejected(logging.WARNING, "dropped control frame", exc)
         except ProtocolError as exc:
             self.rejected_frames += 1
-            log.error("%s: rejected control frame: %s", self.name, exc)
-        except Exception:
+            self._log_rejected(logging.ERROR, "rejected control frame", exc)
+        except Exception as exc:           # logged (rate-limited, with its traceback), never raised
             self.rejected_frames += 1
-            log.exception("%s: error while handling a control frame", self.name)
+            if self._log_budget.take("error"):
+                log.error("%s: error while handling a control frame%s", self.name,
+                          self._log_budget.suppressed_note("error"), exc_info=exc)
+
+    def _log_rejected(self, level: int, what: str, exc: Exception) -> None:
+        """One line per rejected frame, at most 20 per 10 s per kind: a flood of forged frames must not
+        become a flood of log lines (``rejected_frames`` counts them all)."""
+        if self._log_budget.take(what):
+            log.log(level, "%s: %s: %s%s", self.name, what, exc, self._log_budget.suppressed_note(what))
 
     def _dispatch(self, env: Envelope, peer: Peer | None) -> None:
         message = env.body
