@@ -137,3 +137,52 @@ def test_the_pattern_shares_no_code_with_kvbridge() -> None:
 def test_the_cycle_finder_reports_a_cycle() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c", "a"]]
+
+
+# ------------------------------------------------------------------ the allowed-dependency matrix
+# Layers (DESIGN.md §12), lowest first; a module may import its own layer and the ones below, never above.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "model": ("kvbridge._markers", "kvbridge.errors", "kvbridge.geometry", "kvbridge.pages", "kvbridge.logs",
+              "kvbridge.shmnames", "kvbridge.addresses", "kvbridge.pattern", "kvbridge.specs"),
+    "plan": ("kvbridge.slicing", "kvbridge.planner", "kvbridge.staging", "kvbridge.spans", "kvbridge.digests",
+             "kvbridge.handshake", "kvbridge.state", "kvbridge.hookspecs", "kvbridge.backends.base"),
+    "protocol": ("kvbridge.wire", "kvbridge.protocol"),
+    "runtime": ("kvbridge.agent", "kvbridge.backends", "kvbridge.links", "kvbridge.zmq_link", "kvbridge.discovery",
+                "kvbridge.registry", "kvbridge.hostpool", "kvbridge.metrics", "kvbridge.settings"),
+    "apps": ("kvbridge.cli", "kvbridge.demo", "kvbridge.bench", "kvbridge.bench_transfer", "kvbridge.bench_plots",
+             "kvbridge.sim", "kvbridge.testkit", "kvbridge.plugin", "kvbridge"),
+}
+# Known upward imports, each with why it is still there; a new one fails the test (move the code down).
+DEBTS = {
+    ("kvbridge.specs", "kvbridge.demo"): "the demo's model presets are listed with the plugin specs",
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: the longest prefix listed (``kvbridge.backends.base`` before ``kvbridge.backends``)."""
+    best, found = -1, -1
+    for index, prefixes in enumerate(LAYERS.values()):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    return found
+
+
+def test_every_core_module_has_a_layer() -> None:
+    assert [m for m in MODULES if layer_of(m) < 0] == []
+
+
+def test_imports_point_only_downward() -> None:
+    names = list(LAYERS)
+    upward, owed = [], set()
+    for module, targets in graph().items():
+        for target in targets:
+            if layer_of(target) <= layer_of(module):
+                continue
+            debt = next(((a, b) for a, b in DEBTS if module.startswith(a) and target.startswith(b)), None)
+            if debt is None:
+                upward.append(f"{module} ({names[layer_of(module)]}) imports {target} ({names[layer_of(target)]})")
+            else:
+                owed.add(debt)
+    assert upward == [], "\n".join(upward)
+    assert owed == set(DEBTS), f"paid debts still listed: {set(DEBTS) - owed}"
