@@ -64,7 +64,9 @@ class Request:
 class Engine:
     """Every request of the world; ``act`` performs one engine action on one side."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, *, lossless: bool = False) -> None:
+        #: no frame is lost, no process dies, pauses or is cut off: a room has no excuse to time out
+        self.lossless = lossless
         self.cluster = cluster
         self.world = cluster.world
         self.requests: list[Request] = []
@@ -190,6 +192,8 @@ class Engine:
                 if status is KVPoll.Success:
                     self.successes += 1
                     self.verify(req, side, proc)
+                elif self.lossless and "timeout" in rooms.reason(req.room):
+                    self.silent_wait(req, proc, rooms.reason(req.room))
             if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
                 return None
             receiver.clear()
@@ -200,6 +204,27 @@ class Engine:
             receiver.abort("sim: decode aborts")
             return f"{proc.name} abort receiver room={req.room}"
         return None
+
+    def silent_wait(self, req: Request, proc: Proc, reason: str) -> None:
+        """A decode room timed out in a schedule that loses nothing: a violation when some prefill rank it waits
+        for holds no live room with its request and has nothing in flight to it (it waited for nothing)."""
+        assert proc.agent is not None and proc.agent.decode is not None
+        targets = proc.agent.decode.rooms[req.room].targets.values()
+        for name in sorted(set(targets)):
+            writer = self.cluster.by_name[name]
+            if writer.agent is None or writer.agent.prefill is None or writer.status != UP:
+                continue
+            sent = writer.agent.prefill.rooms.get(req.room)
+            if sent is not None and proc.name in sent.requests and sent.status not in (KVPoll.Success, KVPoll.Failed):
+                continue
+            if any(d.src.split("/")[0] == name and d.dst.split("/")[0] == proc.name
+                   for d in self.world.pending.values()):
+                continue
+            state = "no room" if sent is None else f"{sent.status.name} with requests from {sorted(sent.requests)}"
+            self.world.violate(f"silent wait: room {req.room} on {proc.name} failed by timeout ({reason}) in a "
+                               f"schedule that loses nothing, while prefill {name} holds {state} for it and "
+                               "has nothing in flight to it: it waited for nothing")
+            return
 
     # ------------------------------------------------------------------ invariant 1
     def verify(self, req: Request, side: Side, proc: Proc) -> None:

@@ -71,7 +71,7 @@ class Simulation:
                              staging=s.staging if s.staging_bytes else "never", staging_bytes=s.staging_bytes,
                              staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20)
         self.cluster = Cluster(self.world, s.pt, s.dt, config)
-        self.engine = Engine(self.cluster)
+        self.engine = Engine(self.cluster, lossless=not s.faults & {"drop", "kill", "pause", "partition"})
         self.fences = Fences(self.cluster)
         self.config = self.cluster.config
         self.events = 0
