@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -20,15 +21,31 @@ from kvbridge.wire import KVPoll
 SCHEDULES = int(os.environ.get("KVBRIDGE_SIM_SCHEDULES", "10000"))
 CHUNKS = 4
 
-#: seeds whose schedule shows a protocol bug in code this suite may not fix: (seed, what); each is a strict
-#: xfail below, so the fix flips it, and it stays out of the sweep
-KNOWN_BUGS: list[tuple[int, str]] = [
-    (213, "prefill accepts a TransferRequest from a decode it declared gone (DEPARTED, never revived), and when "
-          "that decode restarts, _retire() of the not-alive record fails none of its rooms: the room's request, "
-          "keyed by agent name, then resolves to the NEW incarnation's peer and the prefill writes the dead "
-          "incarnation's request into the restarted decode's memory (a free page there)"),
+@dataclass(frozen=True)
+class KnownBug:
+    """A protocol bug the simulator found in code this suite may not fix. ``seed`` (with ``faults`` pinned
+    when given) reproduces it and is a strict xfail, so the fix flips it. ``signature``: a bug that shows in
+    many seeds of the sweep is tolerated there by this substring of its failure (reported, never silent);
+    None keeps only ``seed`` itself out of the sweep."""
+
+    seed: int
+    what: str
+    faults: frozenset[str] | None = None
+    signature: str | None = None
+
+
+KNOWN_BUGS: list[KnownBug] = [
+    KnownBug(52, "HANG (silent wait): a prefill room that fails before a decode's TransferRequest arrives (engine "
+                 "abort, bootstrap timeout) either records nothing (_accept_request returns early on a Failed room) "
+                 "or, once cleared, drops the request at its tombstone; nobody tells the decode, which waits its whole "
+                 "waiting_timeout_s (120 s by default) with no warning", signature="silent wait"),
 ]
-_KNOWN = {seed for seed, _ in KNOWN_BUGS}
+_KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
+
+
+def _unexpected(failures: dict[int, str]) -> dict[int, str]:
+    signatures = [b.signature for b in KNOWN_BUGS if b.signature]
+    return {seed: why for seed, why in failures.items() if not any(sig in why for sig in signatures)}
 
 
 def _seeds(chunk: int) -> list[int]:
@@ -41,13 +58,14 @@ def test_sweep(chunk: int) -> None:
     """SCHEDULES seeds in all (KVBRIDGE_SIM_SCHEDULES), split in CHUNKS tests, on every core."""
     summary = sweep(_seeds(chunk), jobs=min(2, os.cpu_count() or 1))
     print(summary.text())
-    assert not summary.failures, summary.text()
+    assert not _unexpected(summary.failures), summary.text()
 
 
-@pytest.mark.parametrize("seed, what", KNOWN_BUGS or [pytest.param(0, "", marks=pytest.mark.skip("none known"))])
-def test_known_bug(seed: int, what: str, request: pytest.FixtureRequest) -> None:
-    request.applymarker(pytest.mark.xfail(strict=True, reason=what))
-    result = run_seed(seed)
+@pytest.mark.parametrize("bug", KNOWN_BUGS or [pytest.param(None, marks=pytest.mark.skip("none known"))],
+                         ids=lambda b: f"seed{b.seed}" if b else "none")
+def test_known_bug(bug: KnownBug, request: pytest.FixtureRequest) -> None:
+    request.applymarker(pytest.mark.xfail(strict=True, reason=bug.what))
+    result = run_seed(bug.seed, faults=bug.faults)
     assert result.failure is None, result.failure
 
 

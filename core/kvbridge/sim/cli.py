@@ -16,10 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="print the event trace even when it passes")
     parser.add_argument("--schedules", type=int, default=0, help="run this many schedules")
     parser.add_argument("--start-seed", type=int, default=0)
+    parser.add_argument("--faults", help="pin the fault profile (comma-separated, e.g. kill,pause; 'none')")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes for --schedules (0: every core)")
     args = parser.parse_args(argv)
+    faults = None if args.faults is None else frozenset(f for f in args.faults.split(",") if f and f != "none")
     if args.seed is not None:
-        result = run_seed(args.seed)
+        result = run_seed(args.seed, faults=faults)
         if args.trace or result.failure:
             print("\n".join(result.trace))
         s = result.scenario
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules <= 0:
         parser.error("give --seed N or --schedules N")
     jobs = args.jobs or os.cpu_count() or 1
-    summary = sweep(range(args.start_seed, args.start_seed + args.schedules), jobs=jobs)
+    summary = sweep(range(args.start_seed, args.start_seed + args.schedules), jobs=jobs, faults=faults)
     print(summary.text())
     return 1 if summary.failures else 0
 

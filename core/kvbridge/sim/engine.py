@@ -209,8 +209,10 @@ class Engine:
         """A decode room timed out in a schedule that loses nothing: a violation when some prefill rank it waits
         for holds no live room with its request and has nothing in flight to it (it waited for nothing)."""
         assert proc.agent is not None and proc.agent.decode is not None
-        targets = proc.agent.decode.rooms[req.room].targets.values()
-        for name in sorted(set(targets)):
+        record = proc.agent.decode.rooms[req.room]
+        for rank, name in sorted(record.targets.items()):
+            if proc.agent.decode._delivered(record, rank):
+                continue                        # this rank delivered all it owed
             writer = self.cluster.by_name[name]
             if writer.agent is None or writer.agent.prefill is None or writer.status != UP:
                 continue

@@ -227,8 +227,12 @@ class Simulation:
                 proc = cluster.by_uid[rng.choice(writing)]
                 if proc.status not in (UP, PAUSED) or proc.uid not in writing:
                     return None
+            uid = proc.uid
             cluster.kill(proc)
             self.engine.lose(proc)
+            quiet = not any(d.kind == LAND and d.payload.writer == uid for d in world.pending.values())
+            if quiet and rng.random() < 0.5:
+                return self._reap(rng.random() < 0.7, uid)      # nothing of it can land: the orchestrator knows
             return None
         if what == "restart":
             dead = [p for p in cluster.procs if p.status == DEAD]
@@ -246,13 +250,14 @@ class Simulation:
         world.cuts.clear()
         return "HEAL"
 
-    def _reap(self, declare: bool) -> str | None:
-        """Killed writers become provably gone; the orchestrator may then also declare them gone."""
+    def _reap(self, declare: bool, uid: str | None = None) -> str | None:
+        """A killed writer (``uid``, else a random one) becomes provably gone; the orchestrator may then also
+        declare it gone."""
         cluster = self.cluster
-        killed = sorted(uid for uid, st in cluster.net.state.items() if st == KILLED)
+        killed = sorted(u for u, st in cluster.net.state.items() if st == KILLED)
         if not killed:
             return None
-        uid = self.world.rng.choice(killed)
+        uid = uid if uid is not None else self.world.rng.choice(killed)
         dropped = cluster.net.reap(uid)
         proc = cluster.by_uid[uid]
         text = f"REAP  {uid} ({dropped} writes dropped)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import time
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ class Summary:
     successes: int = 0
     failures: dict[int, str] = field(default_factory=dict)
     wall_s: float = 0.0
+    pinned: str = ""             # the replay command's --faults argument, when pinned
 
     def add(self, seed: int, events: int, requests: int, successes: int, failure: str | None) -> None:
         self.schedules += 1
@@ -34,27 +36,28 @@ class Summary:
         lines = [f"{self.schedules} schedules, events per schedule mean {mean:.1f} max {self.max_events}, "
                  f"{self.requests} requests, {self.successes} decode-rank successes verified, "
                  f"{len(self.failures)} failures, {self.wall_s:.1f} s"]
-        lines += [f"  seed {seed}: {why}  (replay: python -m kvbridge.sim --seed {seed} --trace)"
+        lines += [f"  seed {seed}: {why}  (replay: python -m kvbridge.sim --seed {seed} --trace{self.pinned})"
                   for seed, why in sorted(self.failures.items())]
         return "\n".join(lines)
 
 
-def _one(seed: int) -> tuple[int, int, int, int, str | None]:
-    r = run_seed(seed)
+def _one(seed: int, faults: frozenset[str] | None = None) -> tuple[int, int, int, int, str | None]:
+    r = run_seed(seed, faults=faults)
     return seed, r.events, r.requests, r.successes, r.failure
 
 
-def sweep(seeds: Iterable[int], jobs: int = 1) -> Summary:
-    """Run every seed (``jobs`` worker processes when > 1); failures are collected, never raised."""
-    summary = Summary()
+def sweep(seeds: Iterable[int], jobs: int = 1, faults: frozenset[str] | None = None) -> Summary:
+    """Run every seed (``jobs`` worker processes when > 1; ``faults`` pins the fault profile); failures are
+    collected, never raised."""
+    summary = Summary(pinned="" if faults is None else f" --faults {','.join(sorted(faults)) or 'none'}")
     started = time.perf_counter()
     seeds = list(seeds)
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for row in pool.imap_unordered(_one, seeds, chunksize=64):
+            for row in pool.imap_unordered(functools.partial(_one, faults=faults), seeds, chunksize=64):
                 summary.add(*row)
     else:
         for seed in seeds:
-            summary.add(*_one(seed))
+            summary.add(*_one(seed, faults))
     summary.wall_s = time.perf_counter() - started
     return summary
