@@ -447,3 +447,43 @@ def test_declare_gone_fences_a_silent_writer_the_backend_cannot_prove_dead(make_
     assert not receivers[0].safe_to_reuse
     dec.declare_gone(pre.name)                      # the orchestrator's word: that pod is gone
     wait(lambda: receivers[0].safe_to_reuse, timeout_s=3)
+
+
+# ------------------------------------------------------------------ a request after its room ended
+# A decode request that reaches a prefill rank after that rank's room ended without it (its bootstrap timeout ran
+# out while the decode was still starting: the host NIXL demo's hang, TP 2 -> 2, ~1 in 10 runs under load) must
+# fail the decode's room at once, with the reason, and leave it safe to reuse; it used to be dropped in silence,
+# and the decode waited for data that never came (waiting_timeout_s, 120 s: longer than the demo's run timeout).
+LATE_CONFIG = AgentConfig(bootstrap_timeout_s=0.2, waiting_timeout_s=60.0)
+
+
+@pytest.mark.parametrize("cleared", [True, False], ids=["sender-cleared", "sender-failed"])
+def test_a_request_after_the_prefill_room_timed_out_fails_the_decode_room(make_pair: Callable[..., Pair],
+                                                                          cleared: bool) -> None:
+    pair = make_pair(1, 1, config=LATE_CONFIG)
+    sender = pair.prefill[0].sender(91)                  # the prefill rank is up first and opens its room ...
+    wait(lambda: sender.poll() == KVPoll.Failed)          # ... whose bootstrap timeout runs out: nobody asked
+    assert "bootstrap timeout" in sender.failure_reason
+    if cleared:
+        assert sender.safe_to_reuse
+        sender.clear()                                    # what the demo does next (the room is tombstoned)
+    receiver = pair.decode[0].receiver(91, "inst")       # the late decode asks for it now
+    receiver.send_metadata({"kv": np.array([1, 2])})
+    wait(lambda: receiver.poll() == KVPoll.Failed, timeout_s=5.0)   # before the fix: WaitingForInput for 60 s
+    assert "after the room ended" in receiver.failure_reason
+    wait(lambda: receiver.safe_to_reuse, timeout_s=5.0)   # nothing was written for it: reusable at once
+    if not cleared:
+        assert sender.poll() == KVPoll.Failed
+
+
+def test_a_request_whose_sender_never_comes_fails_the_decode_room(make_pair: Callable[..., Pair]) -> None:
+    """The prefill engine never opens the room (the router sent the decode a request the prefill dropped): after
+    the bootstrap timeout the decode hears it, instead of waiting out its waiting timeout."""
+    pair = make_pair(1, 1, config=LATE_CONFIG)
+    receiver = pair.decode[0].receiver(92, "inst")
+    receiver.send_metadata({"kv": np.array([1, 2])})
+    wait(lambda: receiver.poll() == KVPoll.Failed, timeout_s=5.0)
+    assert "no sender() for it" in receiver.failure_reason
+    wait(lambda: receiver.safe_to_reuse, timeout_s=5.0)
+    sender = pair.prefill[0].sender(92)                  # the engine opens it after all: it fails at once
+    assert sender.poll() == KVPoll.Failed and "bootstrap timeout" in sender.failure_reason

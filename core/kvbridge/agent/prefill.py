@@ -120,11 +120,16 @@ class PrefillSide(RoomTable[SendRoom]):
     # ---------------------------------------------------------------- control frames (lock held)
     def on_request(self, req: TransferRequest, peer: Peer | None) -> None:
         ctx = self._ctx
-        if req.room in self._tombstones:
+        room = self.rooms.get(req.room)
+        if room is None and req.room in self._tombstones:
+            if peer is not None:     # the room ended and was cleared before this request came: say so
+                self._refuse_late(peer, req, "it was cleared")
             return
         if peer is None:
             raise Dropped(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
-        room = self.rooms.get(req.room)
+        if room is not None and room.state is SendState.FAILED and req.agent not in room.requests:
+            self._refuse_late(peer, req, room.reason)     # it failed (bootstrap timeout...) before this request
+            return
         try:
             _validate_request(peer, req)
             self._check_whole_reservations(peer, req)
@@ -159,6 +164,15 @@ class PrefillSide(RoomTable[SendRoom]):
             self._unqueue(dropped, heaviest)
             log.warning("%s: more than %d rooms requested before their sender(); forgot %s's request for room %d",
                         ctx.name, EARLY_ROOMS, heaviest, dropped)
+
+    def _refuse_late(self, peer: Peer, req: TransferRequest, why: str) -> None:
+        """A request for a room that ended without it: unless told, the decode waits for data that never comes
+        (silently, until its waiting_timeout_s: the host NIXL demo's hang). Nothing was or will be written for
+        this request, so the answer is an acknowledged abort: the decode's room fails and is safe at once."""
+        log.warning("%s: request for room %d from %s came after the room ended: %s", self._ctx.name, req.room,
+                    req.agent, why)
+        self._peers.post(peer, Abort(room=req.room, agent=self._ctx.name, quiesced=True,
+                                     reason=f"the request came after the room ended on this prefill rank: {why}"))
 
     def _unqueue(self, room: int, agent: str | None = None) -> list[TransferRequest]:
         """Take the early requests for ``room`` (only ``agent``'s when given) out of the queue."""
@@ -435,11 +449,16 @@ class PrefillSide(RoomTable[SendRoom]):
             if room.status is KVPoll.Bootstrapping and now - room.created > timeout:
                 self._fail(room, f"bootstrap timeout: {len(room.requests)} of {room.expected_requests or '?'} "
                                  f"decode requests after {timeout} s")
-        while self._early:                     # requests whose sender() never came
+        while self._early:                     # requests whose sender() never came: the decodes hear it
             room_id, (created, _) = next(iter(self._early.items()))
             if now - created <= timeout:
                 break
-            self._unqueue(room_id)
+            why = f"no sender() for it on this prefill rank within {timeout} s"
+            for req in self._unqueue(room_id):
+                peer = self._peers.get(req.agent)
+                if peer is not None and peer.alive:
+                    self._refuse_late(peer, req, why)
+            self._remember_abort(room_id, f"bootstrap timeout: the decode's request waited {timeout} s for sender()")
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         for room in self.rooms.values():
