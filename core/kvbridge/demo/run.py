@@ -117,9 +117,10 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                         metrics_dir=metrics_dir, settings_file=settings_file)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
+    go = ctx.Event()          # set once every rank is up: no prefill room's bootstrap clock runs before that
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]
     configs += [replace(base, role=Role.DECODE, rank=r) for r in range(decode_tp)]
-    procs = [ctx.Process(target=run_worker, args=(c, results), name=f"{c.role.value}{c.rank}", daemon=True)
+    procs = [ctx.Process(target=run_worker, args=(c, results, go), name=f"{c.role.value}{c.rank}", daemon=True)
              for c in configs]
     ranks = {p.name: f"{c.role.value} rank {c.rank}" for p, c in zip(procs, configs)}
     summary = Summary(requests=requests)
@@ -139,6 +140,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
             p.start()
         deadline = time.monotonic() + timeout_s + 30
         finished: set[str] = set()
+        ready: set[str] = set()
         exited_at: dict[str, float] = {}
         next_look = time.monotonic() + _POLL_S
         while len(finished) < len(procs):
@@ -160,12 +162,18 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                     summary.descriptors += descriptors
                     if ok:
                         summary.transfers.append(transfer_s)
+                    else:                # e.g. a bootstrap timeout before the decode asked: never silent
+                        summary.failed.append(f"request {index}: prefill rank {rank}: {reason}")
                 elif kind == "crashed":
                     name = f"{msg[1]}{msg[2]}"
                     finished.add(name)
                     first = msg[3].splitlines()[0] if msg[3] else "?"
                     _dead(summary, err, f"{ranks.get(name, name)} failed: {first}")
                     break
+                elif kind == "ready":
+                    ready.add(f"{msg[1]}{msg[2]}")
+                    if len(ready) == len(procs):
+                        go.set()
                 elif kind == "finished":
                     finished.add(f"{msg[1]}{msg[2]}")
             now = time.monotonic()

@@ -118,8 +118,11 @@ def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.nda
     return {m.name: (items[m.name], m.span(request)[0]) for m in preset.components if not m.chunked}
 
 
-def run_worker(cfg: WorkerConfig, results: Any) -> None:
-    """Process entry point; every outcome (also a crash) is reported on ``results``."""
+def run_worker(cfg: WorkerConfig, results: Any, go: Any = None) -> None:
+    """Process entry point; every outcome (also a crash) is reported on ``results``. ``go`` (an event the
+    launcher sets once every rank reported ready): wait for it before the first request, so that a rank that
+    starts late (importing the engine takes tens of seconds on a loaded host) does not eat the other side's
+    bootstrap timeout: a prefill room times out ``bootstrap_timeout_s`` after its sender() was made."""
     _die_with_parent()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
     configure_logging(os.environ.get("KVBRIDGE_LOG") or "WARNING",
@@ -142,6 +145,8 @@ def run_worker(cfg: WorkerConfig, results: Any) -> None:
             metrics.watch_agent(agent)
         agent.start()
         results.put(("ready", cfg.role.value, cfg.rank))
+        if go is not None and not go.wait(cfg.timeout_s):
+            raise TimeoutError(f"the other ranks were not up after {cfg.timeout_s} s")
         if cfg.role is Role.DECODE:
             agent.connect(INSTANCE, timeout_s=cfg.timeout_s)   # repeats its Hello until answered
         requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
