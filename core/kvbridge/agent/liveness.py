@@ -28,10 +28,13 @@ import logging
 import selectors
 import socket
 
+from kvbridge.logs import LineBudget
+
 log = logging.getLogger("kvbridge.agent")
 
 WatchKey = tuple[str, int]   # (agent, incarnation)
-MAX_HELD = 4096           # connections a listener holds at once; more are closed at once (they carry nothing)
+MAX_HELD = 4096           # connections a listener holds; past it, new ones wait in the kernel's backlog (never closed:
+#                           an EOF is the signal of our death, so closing a decode's connection would fence us alive)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -73,6 +76,7 @@ class LivenessListener:
         port = self._server.getsockname()[1]
         self.address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
         self._held = selectors.DefaultSelector()
+        self._accept_errors = LineBudget(per_interval=1)
 
     @property
     def held(self) -> int:
@@ -80,18 +84,18 @@ class LivenessListener:
         return len(held) if held is not None else 0
 
     def poll(self) -> None:
-        """Accept pending connections and close those whose peer went away (never blocks)."""
-        while True:
-            try:
+        """Accept pending connections (up to ``MAX_HELD``) and let go of those whose peer went away or that
+        carry bytes (a decode never sends any: that is not a decode). Never blocks, bounded work per call."""
+        while self.held < MAX_HELD:          # past the cap they wait in the backlog: an un-accepted connection
+            try:                             # still reads EOF/RST when we die, and is never closed by us alive
                 conn, _ = self._server.accept()
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:           # e.g. out of file descriptors: try again next time
-                log.warning("liveness listener %s: accept failed: %s", self.address, exc)
+                if self._accept_errors.take("accept"):
+                    log.warning("liveness listener %s: accept failed: %s%s", self.address, exc,
+                                self._accept_errors.suppressed_note("accept"))
                 break
-            if self.held >= MAX_HELD:
-                conn.close()
-                continue
             conn.setblocking(False)
             self._held.register(conn, selectors.EVENT_READ)
         if not self.held:
@@ -99,7 +103,7 @@ class LivenessListener:
         for key, _ in self._held.select(0):
             held = key.fileobj
             assert isinstance(held, socket.socket)
-            if _closed_by_peer(held):
+            if _peer_state(held) != "open":
                 self._held.unregister(held)
                 held.close()
 
@@ -155,8 +159,13 @@ class LivenessWatch:
                         continue
                     self._connecting.discard(key)
                     self._selector.modify(sock, selectors.EVENT_READ, key)
-                if events & selectors.EVENT_READ and _closed_by_peer(sock):
-                    self._lost(key)
+                if events & selectors.EVENT_READ:
+                    state = _peer_state(sock)
+                    if state == "closed":
+                        self._lost(key)
+                    elif state == "data":        # a kvbridge listener never sends: not one, no proof either way
+                        self.forget(key)
+                        self._unproven.append((key, "the listener sent data: not a kvbridge liveness listener"))
         found, self._closed = self._closed, []
         return found
 
@@ -183,14 +192,13 @@ class LivenessWatch:
             self._selector.close()
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """Read what is there: EOF or an error means the other side's kernel closed the connection."""
+def _peer_state(sock: socket.socket) -> str:
+    """One bounded read: ``"closed"`` (EOF or an error: the other side's kernel closed the connection),
+    ``"data"`` (bytes arrived, which no kvbridge peer sends) or ``"open"`` (nothing to read)."""
     try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
+        data = sock.recv(64)
     except (BlockingIOError, InterruptedError):
-        return False
+        return "open"
     except OSError:
-        return True
+        return "closed"
+    return "data" if data else "closed"
