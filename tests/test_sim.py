@@ -39,6 +39,12 @@ KNOWN_BUGS: list[KnownBug] = [
                  "abort, bootstrap timeout) either records nothing (_accept_request returns early on a Failed room) "
                  "or, once cleared, drops the request at its tombstone; nobody tells the decode, which waits its whole "
                  "waiting_timeout_s (120 s by default) with no warning", signature="silent wait"),
+    KnownBug(200292, "FENCE: a decode is killed with its TransferRequest in flight and declared gone; the prefill then "
+                     "accepts the request from the departed record (on_request never checks that the peer is alive), "
+                     "and when the decode restarts under the same name, _retire() of the not-alive old record fails "
+                     "none of its rooms: the room's request, keyed by agent name, resolves to the NEW incarnation's "
+                     "peer, and the prefill writes the dead incarnation's request into the restarted decode's memory",
+             faults=frozenset({"dup", "kill"})),
 ]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 
