@@ -39,6 +39,11 @@ KNOWN_BUGS: list[KnownBug] = [
                  "abort, bootstrap timeout) either records nothing (_accept_request returns early on a Failed room) "
                  "or, once cleared, drops the request at its tombstone; nobody tells the decode, which waits its whole "
                  "waiting_timeout_s (120 s by default) with no warning", signature="silent wait"),
+    KnownBug(736, "HANG (silent wait): a prefill rank judges a decode dead by silence (its engine loop stalled past "
+                  "peer_timeout_s) and fails the rooms it shares with it; StatusPush goes only to peers still alive, "
+                  "so the decode is not told, and when it speaks again it is re-admitted (_revive) without hearing of "
+                  "them: it waits its whole waiting_timeout_s for a room the prefill already failed and cleared",
+             signature="silent wait"),
     KnownBug(200292, "FENCE: a decode is killed with its TransferRequest in flight and declared gone; the prefill then "
                      "accepts the request from the departed record (on_request never checks that the peer is alive), "
                      "and when the decode restarts under the same name, _retire() of the not-alive old record fails "

@@ -192,7 +192,7 @@ class Engine:
                 if status is KVPoll.Success:
                     self.successes += 1
                     self.verify(req, side, proc)
-                elif self.lossless and "timeout" in rooms.reason(req.room):
+                elif self.lossless and rooms.reason(req.room).startswith(("waiting timeout", "bootstrap timeout")):
                     self.silent_wait(req, proc, rooms.reason(req.room))
             if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
                 return None
