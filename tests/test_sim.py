@@ -34,11 +34,9 @@ class KnownBug:
     signature: str | None = None
 
 
+# Fixed: seed 52 (a prefill room that failed before a decode's request came dropped the request in silence; the
+# decode waited out waiting_timeout_s - the host NIXL demo hang), by 6b6ab54 (_refuse_late); its xfail flipped.
 KNOWN_BUGS: list[KnownBug] = [
-    KnownBug(52, "HANG (silent wait): a prefill room that fails before a decode's TransferRequest arrives (engine "
-                 "abort, bootstrap timeout) either records nothing (_accept_request returns early on a Failed room) "
-                 "or, once cleared, drops the request at its tombstone; nobody tells the decode, which waits its whole "
-                 "waiting_timeout_s (120 s by default) with no warning", signature="silent wait"),
     KnownBug(736, "HANG (silent wait): a prefill rank judges a decode dead by silence (its engine loop stalled past "
                   "peer_timeout_s) and fails the rooms it shares with it; StatusPush goes only to peers still alive, "
                   "so the decode is not told, and when it speaks again it is re-admitted (_revive) without hearing of "
