@@ -138,6 +138,8 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
             print(f"  metrics on http://127.0.0.1:{metrics_port}/metrics", file=out)
         for p in procs:
             p.start()
+        # starting the ranks (importing an engine takes tens of seconds on a loaded host) has its own bound;
+        # the run's --timeout counts from the moment every rank is up
         deadline = time.monotonic() + timeout_s + 30
         finished: set[str] = set()
         ready: set[str] = set()
@@ -174,6 +176,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                     ready.add(f"{msg[1]}{msg[2]}")
                     if len(ready) == len(procs):
                         go.set()
+                        deadline = time.monotonic() + timeout_s + 30
                 elif kind == "finished":
                     finished.add(f"{msg[1]}{msg[2]}")
             now = time.monotonic()
@@ -189,7 +192,9 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                     _dead(summary, err, f"{ranks[p.name]} (pid {p.pid}) {_how(p.exitcode)}")
                 break
             if now > deadline:
-                summary.crashed.append(f"timed out after {timeout_s} s")
+                summary.crashed.append(f"timed out after {timeout_s} s" if go.is_set() else
+                                       f"the ranks were not all up after {timeout_s + 30:.0f} s "
+                                       f"({len(ready)} of {len(procs)} ready)")
                 break
         summary.wall_s = time.perf_counter() - started
     except BaseException:
