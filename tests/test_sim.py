@@ -46,8 +46,9 @@ KNOWN_BUGS: list[KnownBug] = [
                      "accepts the request from the departed record (on_request never checks that the peer is alive), "
                      "and when the decode restarts under the same name, _retire() of the not-alive old record fails "
                      "none of its rooms: the room's request, keyed by agent name, resolves to the NEW incarnation's "
-                     "peer, and the prefill writes the dead incarnation's request into the restarted decode's memory",
-             faults=frozenset({"dup", "kill"})),
+                     "peer, and the prefill writes the dead incarnation's request into the restarted decode's memory "
+                     "(also seed 4243 of the sweep, and others)",
+             faults=frozenset({"dup", "kill"}), signature="a dead incarnation's request is written into its successor"),
 ]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 

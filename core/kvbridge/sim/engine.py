@@ -70,6 +70,7 @@ class Engine:
         self.cluster = cluster
         self.world = cluster.world
         self.requests: list[Request] = []
+        self.by_room: dict[int, Request] = {}
         self.next_room = self.world.rng.getrandbits(40) << 8
         self.successes = 0
 
@@ -82,8 +83,15 @@ class Engine:
         req = Request(room=self.next_room, pattern=rng.getrandbits(31), cuts=[*inner, n], created=self.world.now)
         req.sides = {p.name: Side(proc=p.name) for p in self.cluster.procs}
         self.requests.append(req)
+        self.by_room[req.room] = req
         self.world.log(f"req   room={req.room} pages={n} chunks={req.cuts}")
         return req
+
+    def opened_by(self, room: int, proc: str) -> int | None:
+        """The generation of ``proc`` whose engine opened ``room`` there (None: unknown room, or not opened)."""
+        req = self.by_room.get(room)
+        side = req.sides.get(proc) if req is not None else None
+        return side.gen if side is not None and side.gen >= 0 else None
 
     def open_requests(self) -> list[Request]:
         return [r for r in self.requests if r.live_sides()]

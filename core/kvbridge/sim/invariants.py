@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvbridge.sim.backend import SimWrite
@@ -22,8 +24,9 @@ MAX_INFLIGHT = 256        # writes in flight or queued for one room
 class Fences:
     """The landing hook of the sim backend: checks each write's pages against the engines' ownership."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, opened_by: Callable[[int, str], int | None]) -> None:
         self.cluster = cluster
+        self.opened_by = opened_by          # (room, process) -> the generation whose engine opened it there
         cluster.net.on_land = self.on_land
 
     def on_land(self, write: SimWrite) -> None:
@@ -33,6 +36,12 @@ class Fences:
         cluster, world = self.cluster, self.cluster.world
         target = cluster.by_uid.get(write.target)
         if target is not None and target.uid == write.target:
+            gen = self.opened_by(t.room, target.name)
+            if gen is not None and gen != target.gen:
+                world.violate(f"a write of room {t.room} lands in {target.name} generation {target.gen}, but room "
+                              f"{t.room} was requested there by generation {gen}: a dead incarnation's request is "
+                              "written into its successor's memory")
+                return
             self._check(world, target, t.plan.dst_addr, t.room, "lands in")
         writer = cluster.by_uid.get(write.writer)
         if writer is not None and writer.uid == write.writer:

@@ -72,7 +72,7 @@ class Simulation:
                              staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20)
         self.cluster = Cluster(self.world, s.pt, s.dt, config)
         self.engine = Engine(self.cluster, lossless=not s.faults & {"drop", "kill", "pause", "partition"})
-        self.fences = Fences(self.cluster)
+        self.fences = Fences(self.cluster, self.engine.opened_by)
         self.config = self.cluster.config
         self.events = 0
         # plain writes are checked page by page as they land; only a staged scatter (the decode's own copy
