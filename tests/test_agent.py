@@ -47,6 +47,29 @@ class Pair:
             agent.close()
 
 
+def hand_pair(config: AgentConfig | None = None, *, threads: bool = False) -> tuple[TransferAgent, TransferAgent]:
+    """One prefill rank ("p0", instance "inst") and one decode rank ("d0") over an in-process link, connected;
+    driven by hand (``progress()``) unless ``threads``. The caller closes both."""
+    hub = LocalHub()
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=config, name="p0")
+    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
+                        link=hub.link("d0"), config=config, name="d0")
+    if threads:
+        pre.start(0.001)
+        dec.start(0.001)
+        dec.connect("inst", timeout_s=10)
+        return pre, dec
+    shake = dec.connect_async("inst")
+    for _ in range(2000):
+        pre.progress()
+        dec.progress()
+        if shake.done:
+            break
+    assert shake.done, "the in-process handshake did not complete"
+    return pre, dec
+
+
 @pytest.fixture
 def make_pair() -> Iterator[Callable[..., Pair]]:
     made: list[Pair] = []

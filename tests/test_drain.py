@@ -9,30 +9,20 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV pool
+from test_agent import hand_pair  # the agent tests' small dense-KV pool
 
 from kvbridge import Draining
 from kvbridge.agent import AgentConfig, TransferAgent
-from kvbridge.links import LocalHub
 from kvbridge.protocol.states import PeerState
-from kvbridge.wire import KVPoll, Role
+from kvbridge.wire import KVPoll
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
-    hub = LocalHub()
-    cfg = AgentConfig(peer_timeout_s=2.0, heartbeat_interval_s=0.1)
-    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
-                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
-    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
-                        link=hub.link("d0"), config=cfg, name="d0")
-    pre.start(0.001)
-    dec.start(0.001)
-    dec.connect("inst", timeout_s=10)
+    pre, dec = hand_pair(AgentConfig(peer_timeout_s=2.0, heartbeat_interval_s=0.1), threads=True)
     yield pre, dec
     pre.close()
     dec.close()
-
 
 def _wait(what: str, cond: object, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV pool
+from test_agent import hand_pair, kv_buffers, kv_layout  # the agent tests' small dense-KV pool
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent.liveness import LivenessListener, LivenessWatch, host_of, split_address
@@ -130,23 +130,10 @@ def test_sigstop_is_not_death_and_kill9_is() -> None:
 # ------------------------------------------------------------------ the agent: safe without declare_gone
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
-    hub = LocalHub()
-    cfg = AgentConfig(peer_timeout_s=30.0, writer_exit_grace_s=0.3)
-    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
-                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
-    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
-                        link=hub.link("d0"), config=cfg, name="d0")
-    shake = dec.connect_async("inst")
-    for _ in range(2000):
-        pre.progress()
-        dec.progress()
-        if shake.done:
-            break
-    assert shake.done
+    pre, dec = hand_pair(AgentConfig(peer_timeout_s=30.0, writer_exit_grace_s=0.3))
     yield pre, dec
     pre.close()
     dec.close()
-
 
 def test_a_writer_whose_process_exited_is_fenced_after_the_grace(pair: tuple[TransferAgent, TransferAgent]) -> None:
     pre, dec = pair

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV pool
+from test_agent import hand_pair  # the agent tests' small dense-KV pool
 
 from kvbridge.agent import AgentConfig, RoomEventKind, TransferAgent
-from kvbridge.links import LocalHub
 from kvbridge.protocol import states
 from kvbridge.protocol.states import (
     PEER,
@@ -34,7 +33,7 @@ from kvbridge.protocol.states import (
     WriteEvent,
     WriteState,
 )
-from kvbridge.wire import Abort, KVPoll, Role
+from kvbridge.wire import Abort, KVPoll
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol-states.md"
 
@@ -111,23 +110,10 @@ def test_the_docs_hold_the_tables() -> None:
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
     """One prefill and one decode rank over an in-process link, driven by hand (no threads)."""
-    hub = LocalHub()
-    cfg = AgentConfig(peer_timeout_s=5.0)
-    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
-                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
-    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
-                        link=hub.link("d0"), config=cfg, name="d0")
-    shake = dec.connect_async("inst")
-    for _ in range(2000):
-        pre.progress()
-        dec.progress()
-        if shake.done:
-            break
-    assert shake.done
+    pre, dec = hand_pair(AgentConfig(peer_timeout_s=5.0))
     yield pre, dec
     pre.close()
     dec.close()
-
 
 def _spin(*agents: TransferAgent, steps: int = 50) -> None:
     for _ in range(steps):

@@ -26,11 +26,8 @@ from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     RECV_POLL,
     RECV_ROOM,
-    IllegalTransition,
     RecvEvent,
     RecvState,
-    record_illegal,
-    strict,
 )
 from kvbridge.staging import dest_index, scatter_rows, should_stage
 from kvbridge.wire import Abort, Credit, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
@@ -522,14 +519,10 @@ class DecodeSide(RoomTable[RecvRoom]):
         """The one place a receive room changes state. An event the table does not allow raises in strict
         mode (tests) and otherwise fails the room naming the event and the state."""
         before = room.state
-        try:
-            room.state = RECV_ROOM.step(before, event, f"{self._ctx.name} room {room.room}")
-        except IllegalTransition as exc:
-            record_illegal(exc)
-            if strict():
-                raise
-            log.error("%s", exc)
-            self._fail(room, str(exc))
+        room.state, illegal = RECV_ROOM.advance(before, event, f"{self._ctx.name} room {room.room}")
+        if illegal:
+            log.error("%s", illegal)
+            self._fail(room, illegal)
             return
         if room.state is before:
             return

@@ -32,11 +32,8 @@ from kvbridge.handshake import check_compatible
 from kvbridge.protocol.states import (
     LIVE_PEER,
     PEER,
-    IllegalTransition,
     PeerEvent,
     PeerState,
-    record_illegal,
-    strict,
 )
 from kvbridge.wire import (
     PROTOCOL_VERSION,
@@ -95,13 +92,9 @@ class Peer:
     def step(self, event: PeerEvent) -> PeerState:
         """Move through the peer table; an illegal event raises in strict mode, else is logged and ignored
         (a peer has no room to fail: its rooms learn of it through the death callbacks)."""
-        try:
-            self.state = PEER.step(self.state, event, f"peer {self.agent}")
-        except IllegalTransition as exc:
-            record_illegal(exc)
-            if strict():
-                raise
-            log.error("%s", exc)
+        self.state, illegal = PEER.advance(self.state, event, f"peer {self.agent}")
+        if illegal:
+            log.error("%s", illegal)
         return self.state
 
     def beat(self, *, agent: str, address: str, seq: int, now: float) -> Heartbeat:

@@ -20,12 +20,9 @@ from kvbridge.planner import check_indices
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     SEND_ROOM,
-    IllegalTransition,
     SendEvent,
     SendState,
     WriteEvent,
-    record_illegal,
-    strict,
 )
 from kvbridge.slicing import served_ranks
 from kvbridge.staging import STAGING
@@ -412,14 +409,10 @@ class PrefillSide(RoomTable[SendRoom]):
         """The one place a send room changes state. An event the table does not allow raises in strict mode
         (tests) and otherwise fails the room naming the event and the state."""
         before = room.state
-        try:
-            room.state = SEND_ROOM.step(before, event, f"{self._ctx.name} room {room.room}")
-        except IllegalTransition as exc:
-            record_illegal(exc)
-            if strict():
-                raise
-            log.error("%s", exc)
-            self._fail(room, str(exc))
+        room.state, illegal = SEND_ROOM.advance(before, event, f"{self._ctx.name} room {room.room}")
+        if illegal:
+            log.error("%s", illegal)
+            self._fail(room, illegal)
             return
         if room.state is not before and room.state is SendState.SUCCESS:
             self._ctx.events.emit(room.room, RoomEventKind.FINISHED)

@@ -79,6 +79,17 @@ class Machine(Generic[S, E]):
             raise IllegalTransition(self.name, state, event, where or self.name)
         return after
 
+    def advance(self, state: S, event: E, where: str) -> tuple[S, str]:
+        """(next state, "") or, for an illegal event, (``state`` unchanged, the reason): the event is recorded
+        (:func:`illegal_events`) and raised in strict mode; the caller fails what it owns with the reason."""
+        try:
+            return self.step(state, event, where), ""
+        except IllegalTransition as exc:
+            record_illegal(exc)
+            if strict():
+                raise
+            return state, str(exc)
+
     def rows(self) -> list[tuple[str, str, str]]:
         """(state, event, next state) for the docs, in declaration order."""
         return [(s.value, e.value, n.value) for (s, e), n in self.table.items()]
