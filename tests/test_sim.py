@@ -34,22 +34,12 @@ class KnownBug:
     signature: str | None = None
 
 
-# Fixed: seed 52 (a prefill room that failed before a decode's request came dropped the request in silence; the
-# decode waited out waiting_timeout_s - the host NIXL demo hang), by 6b6ab54 (_refuse_late); its xfail flipped.
-KNOWN_BUGS: list[KnownBug] = [
-    KnownBug(736, "HANG (silent wait): a prefill rank judges a decode dead by silence (its engine loop stalled past "
-                  "peer_timeout_s) and fails the rooms it shares with it; StatusPush goes only to peers still alive, "
-                  "so the decode is not told, and when it speaks again it is re-admitted (_revive) without hearing of "
-                  "them: it waits its whole waiting_timeout_s for a room the prefill already failed and cleared",
-             signature="silent wait"),
-    KnownBug(200292, "FENCE: a decode is killed with its TransferRequest in flight and declared gone; the prefill then "
-                     "accepts the request from the departed record (on_request never checks that the peer is alive), "
-                     "and when the decode restarts under the same name, _retire() of the not-alive old record fails "
-                     "none of its rooms: the room's request, keyed by agent name, resolves to the NEW incarnation's "
-                     "peer, and the prefill writes the dead incarnation's request into the restarted decode's memory "
-                     "(also seed 4243 of the sweep, and others)",
-             faults=frozenset({"dup", "kill"}), signature="a dead incarnation's request is written into its successor"),
-]
+# Fixed, with their seeds kept in the sweep: 52 (a request after its room ended, dropped in silence: the host
+# NIXL demo hang, 6b6ab54), 736 (a decode judged dead by silence never told of the rooms failed meanwhile) and
+# 200292 with faults dup,kill (a dead incarnation's request written into its same-name successor's memory).
+KNOWN_BUGS: list[KnownBug] = []
+FIXED = [KnownBug(52, "request after its room ended"), KnownBug(736, "decode judged dead never told"),
+         KnownBug(200292, "dead incarnation's request into its successor", faults=frozenset({"dup", "kill"}))]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 
 
@@ -71,12 +61,11 @@ def test_sweep(chunk: int) -> None:
     assert not _unexpected(summary.failures), summary.text()
 
 
-@pytest.mark.parametrize("bug", KNOWN_BUGS or [pytest.param(None, marks=pytest.mark.skip("none known"))],
-                         ids=lambda b: f"seed{b.seed}" if b else "none")
-def test_known_bug(bug: KnownBug, request: pytest.FixtureRequest) -> None:
-    request.applymarker(pytest.mark.xfail(strict=True, reason=bug.what))
-    result = run_seed(bug.seed, faults=bug.faults)
-    assert result.failure is None, result.failure
+def test_known_bugs_still_reproduce() -> None:
+    """Each open bug's seed still fails (once it passes, the bug is fixed: move it to FIXED)."""
+    for bug in KNOWN_BUGS:
+        result = run_seed(bug.seed, faults=bug.faults)
+        assert result.failure is not None, f"seed {bug.seed} replays clean now: move it to FIXED ({bug.what})"
 
 
 def _replay(seed: int, hashseed: str) -> str:
@@ -144,3 +133,10 @@ def test_catches_ignored_abort(plant: Callable[[object, str, object], None]) -> 
     """Prefill ignores the decode's Abort: a failed decode room is never acknowledged, so never safe (a hang)."""
     plant(PrefillSide, "on_abort", lambda self, abort, env: None)
     _first_failure(range(20_000, 20_300), "liveness")
+
+
+@pytest.mark.parametrize("bug", FIXED, ids=lambda b: f"seed{b.seed}")
+def test_a_fixed_bug_stays_fixed(bug: KnownBug) -> None:
+    """The seeds that found the bugs fixed in wave 3 replay clean (each failed before its fix)."""
+    result = run_seed(bug.seed, faults=bug.faults)
+    assert result.failure is None, result.failure

@@ -120,6 +120,7 @@ class PeerTable:
         self._windows: OrderedDict[tuple[str, int, bool], ReplayWindow] = OrderedDict()
         self._on_death: list[PeerDied] = []
         self._in_use: list[InUse] = []
+        self._on_revive: list[Callable[[Peer], None]] = []
         self._last_beat = 0.0
         self._beat_seq = 0
         self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
@@ -134,6 +135,10 @@ class PeerTable:
 
     def on_death(self, callback: PeerDied) -> None:
         self._on_death.append(callback)
+
+    def on_revive(self, callback: Callable[[Peer], None]) -> None:
+        """``callback(peer)`` when a peer judged dead by silence speaks again in the same incarnation."""
+        self._on_revive.append(callback)
 
     def on_in_use(self, callback: InUse) -> None:
         """``callback(agent)`` says whether rooms still refer to a peer (it is kept until they do not)."""
@@ -193,12 +198,17 @@ class PeerTable:
         log.warning("%s: peer %s is back after being judged dead; re-admitted", self._ctx.name, peer.agent)
         peer.step(PeerEvent.FRAME)
         peer.died_at = None
+        for callback in self._on_revive:
+            callback(peer)
         self.beat_targets[peer.agent] = (peer.address, peer.incarnation)
 
     def _retire(self, old: Peer, why: str) -> None:
         """End an old record of a peer that comes back changed: its rooms fail, its resources go."""
         if old.alive:
             self._died(old, why, PeerEvent.RETIRE)
+        else:                   # already dead: its rooms still hear that this incarnation is over for good
+            for callback in self._on_death:
+                callback(old, f"peer {old.agent} {why}")
         self._drop(old, keep_watch=True)
 
     def _insert(self, new: Peer) -> None:

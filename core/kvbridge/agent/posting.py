@@ -26,7 +26,7 @@ from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
 from kvbridge.digests import digest_items
-from kvbridge.errors import GeometryError, RegionError
+from kvbridge.errors import GeometryError, KVBridgeError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.protocol.states import WriteEvent, WriteState
 from kvbridge.slicing import ComponentSlice
@@ -100,7 +100,10 @@ class Poster:
             src = check_indices(src_raw, comp.num_items, f"room {room.room} {comp.name} source")
         writes = []
         for agent, req in room.requests.items():
-            peer = self._peers[agent]
+            peer = self._peers.get(agent)
+            if peer is None or peer.incarnation != room.incarnations.get(agent):
+                raise KVBridgeError(f"room {room.room}: decode {agent} left or restarted since it asked for the room "
+                                    "(a new incarnation never asked for it)")
             segs = self._plans.slice_for(peer, comp_index)
             if segs.is_empty:
                 continue
@@ -378,7 +381,7 @@ class Poster:
     def _post_pending(self, room: SendRoom, p: Pending) -> None:
         ctx = self._ctx
         peer = self._peers.get(p.peer)
-        if peer is None:
+        if peer is None or peer.incarnation != room.incarnations.get(p.peer):
             p.step(WriteEvent.DROP)
             if p.local is not None and ctx.buffers.staging is not None:
                 ctx.buffers.staging.free(*p.local)

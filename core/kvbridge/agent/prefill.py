@@ -20,6 +20,7 @@ from kvbridge.planner import check_indices
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     SEND_ROOM,
+    PeerState,
     SendEvent,
     SendState,
     WriteEvent,
@@ -45,7 +46,10 @@ class PrefillSide(RoomTable[SendRoom]):
         self._tombstones = Tombstones()
         self._poster = Poster(ctx, peers, plans)
         self.draining = ""                      # why new rooms are refused (TransferAgent.drain), "" when not
+        # rooms that failed while a decode was judged dead by silence, by agent: told when it speaks again
+        self._owed: dict[tuple[str, int], OrderedDict[int, str]] = {}
         peers.on_death(self._peer_died)
+        peers.on_revive(self._peer_revived)
         peers.on_in_use(self._refers_to)
 
     # ---------------------------------------------------------------- engine-facing (Sender)
@@ -59,7 +63,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self._tombstones.revive(room)
             state = self.rooms[room] = SendRoom(room=room, created=self._ctx.clock())
             for req in self._unqueue(room):
-                self._accept_request(state, req)
+                self._accept_request(state, req, self._peers.get(req.agent))
             early_abort = self._early_aborts.pop(room, None)
             if early_abort is not None:
                 self._fail(state, early_abort)
@@ -124,6 +128,8 @@ class PrefillSide(RoomTable[SendRoom]):
             return
         if peer is None:
             raise Dropped(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
+        if not peer.alive:      # departed (goodbye, declared gone, exited): a late frame of a dead incarnation
+            raise Dropped(f"transfer request for room {req.room} from {req.agent}, which is {peer.state.value}")
         if room is not None and room.state is SendState.FAILED and req.agent not in room.requests:
             self._refuse_late(peer, req, room.reason)     # it failed (bootstrap timeout...) before this request
             return
@@ -141,7 +147,7 @@ class PrefillSide(RoomTable[SendRoom]):
                 self._remember_abort(req.room, why)
             return
         if room is not None:
-            self._accept_request(room, req)
+            self._accept_request(room, req, peer)
             return
         if self.draining:                      # no sender() will come: the decode hears it now, with the reason
             self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
@@ -251,12 +257,15 @@ class PrefillSide(RoomTable[SendRoom]):
                                     f"offset {offset}, past the end of the {size} B staging area the decode "
                                     "registered")
 
-    def _accept_request(self, room: SendRoom, req: TransferRequest) -> None:
+    def _accept_request(self, room: SendRoom, req: TransferRequest, peer: Peer | None) -> None:
         if room.status is KVPoll.Failed:
             return
         if req.agent in room.requests:
             return  # duplicate: exactly-once per (room, decode rank)
+        if peer is None or not peer.alive:
+            return  # its incarnation left before the room opened (its death unqueued it; this is a late copy)
         room.requests[req.agent] = req
+        room.incarnations[req.agent] = peer.incarnation
         layout = self._ctx.layout
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
         if len(room.requests) >= room.expected_requests and room.state is SendState.BOOTSTRAPPING:
@@ -454,12 +463,33 @@ class PrefillSide(RoomTable[SendRoom]):
             self._remember_abort(room_id, f"bootstrap timeout: the decode's request waited {timeout} s for sender()")
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
+        owed = self._owed.setdefault((peer.agent, peer.incarnation), OrderedDict())
         for room in self.rooms.values():
             if peer.agent in room.requests:
                 self._fail(room, reason)
                 room.must_confirm.pop(peer.agent, None)
+                if peer.state is PeerState.SILENT:      # it may only be slow: it must hear of the room later
+                    owed[room.room] = room.reason
+                    while len(owed) > TOMBSTONES:
+                        owed.popitem(last=False)
+        if not owed or peer.state is not PeerState.SILENT:
+            self._owed.pop((peer.agent, peer.incarnation), None)
         for room_id in list(self._early_by_agent.get(peer.agent, ())):
             self._unqueue(room_id, peer.agent)
+
+    def _peer_revived(self, peer: Peer) -> None:
+        """A decode judged dead by silence spoke again: the rooms that failed meanwhile were never told to it
+        (it waited its whole waiting timeout for them). A room still here is failed to it and acknowledged once
+        its writes drained; a room already cleared gets its acknowledgement at once (nothing is in flight)."""
+        for room_id, reason in self._owed.pop((peer.agent, peer.incarnation), {}).items():
+            room = self.rooms.get(room_id)
+            if room is not None and room.incarnations.get(peer.agent) == peer.incarnation:
+                self._peers.post(peer, StatusPush(room=room_id, agent=self._ctx.name, status=KVPoll.Failed,
+                                                  reason=reason))
+                room.must_confirm[peer.agent] = (peer.address, peer.incarnation)
+                self._active.add(room_id)
+            elif room is None:
+                self._peers.post(peer, Abort(room=room_id, agent=self._ctx.name, quiesced=True, reason=reason))
 
     def begin_drain(self, reason: str) -> None:
         """Refuse new rooms from now on; requests queued for rooms whose sender() never came fail at once."""

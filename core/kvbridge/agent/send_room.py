@@ -109,6 +109,8 @@ class SendRoom:
     room: int
     created: float
     requests: dict[str, TransferRequest] = field(default_factory=dict)
+    # decode agent -> the incarnation whose request it is: a restart under the same name is another decode
+    incarnations: dict[str, int] = field(default_factory=dict)
     expected_requests: int | None = None
     state: SendState = SendState.BOOTSTRAPPING    # changed only through ``SEND_ROOM`` (PrefillSide._step)
     reason: str = ""
