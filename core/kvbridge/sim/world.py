@@ -96,7 +96,7 @@ class World:
         return [d for d in self.pending.values() if d.due <= self.now and not self.cut(d.src, d.dst)]
 
 
-class _Body(msgspec.Struct):
+class _Body(msgspec.Struct, kw_only=True):
     type: str = "?"
     room: int | None = None
     sender: int | str | None = None
@@ -105,7 +105,7 @@ class _Body(msgspec.Struct):
     quiesced: bool = False
 
 
-class _Peek(msgspec.Struct, array_like=True):
+class _Peek(msgspec.Struct, array_like=True, kw_only=True):
     version: int
     from_agent: str
     address: str
