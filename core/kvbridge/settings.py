@@ -103,6 +103,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         gt=0, le=_MAX_BYTES)] = 256 << 20
     checksums: Annotated[bool, _doc(
         "decode: ask for per-destination digests of every write and verify them on arrival (host memory)")] = False
+    prove_writer_death: Annotated[bool, _doc(
+        "decode: hold a TCP connection to each prefill rank; its kernel closes it when the process ends, which "
+        "makes a killed writer's rooms safe to reuse without declare_gone")] = True
+    writer_exit_grace_s: Annotated[float, _doc(
+        "after that connection's EOF, how long writes the dead process posted may still land (s)", ge=0,
+        le=_MAX_S)] = 0.5
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0
@@ -133,7 +139,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
 AGENT_KEYS = ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s", "secret",
               "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "checksums",
-              "backend_options")
+              "prove_writer_death", "writer_exit_grace_s", "backend_options")
 
 
 def _as_text(value: Any) -> str:
