@@ -507,6 +507,9 @@ class KVBridgeKVSender(BaseKVSender):
         self._flush()
 
     def _flush(self) -> None:
+        if self._cleared:                  # aborted and released (the reaper cleared it): later chunks go nowhere
+            self._queue.clear()
+            return
         while self._queue:
             status = self._sender.poll()
             if status == KVBridgePoll.Failed:
