@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 from kvbridge.addresses import (
     NoFreePort,
@@ -169,21 +168,25 @@ def test_a_bootstrap_server_bound_everywhere_hands_out_its_advertised_address() 
 
 def test_a_port_range_binds_inside_it_and_says_when_it_is_exhausted(server: BootstrapServer) -> None:
     lo = _free_port_pair()
-    blocker = zmq.Context.instance().socket(zmq.PULL)
-    blocker.setsockopt(zmq.LINGER, 0)
+    # The one taking the first port is a plain listening socket, not a ZMQ one: ZMQ closes a socket in its I/O
+    # thread after close() returns, so a port "freed" by a ZMQ close may still be bound when the link tries
+    # it a moment later (this test failed 2 of 8 runs that way). socket.close() releases it before returning,
+    # and a listening socket that never accepted leaves no TIME_WAIT behind.
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     links: list[ZmqLink] = []
     try:
-        blocker.bind(f"tcp://127.0.0.1:{lo}")          # the first port of the range is taken by someone else
+        blocker.bind(("127.0.0.1", lo))                 # the first port of the range is taken by someone else
+        blocker.listen(1)
         links.append(ZmqLink(bootstrap=server.address, port_range=f"{lo}-{lo + 1}"))
         assert links[0].address == f"tcp://127.0.0.1:{lo + 1}"
         with pytest.raises(NoFreePort, match=rf"no free port in {lo}-{lo + 1} on 127.0.0.1 \(all 2 in use\)"):
             ZmqLink(bootstrap=server.address, port_range=(lo, lo + 1))
-        blocker.close(0)
+        blocker.close()
         links.append(ZmqLink(bootstrap=server.address, port_range=(lo, lo + 1)))   # freed: taken again
         assert links[1].address == f"tcp://127.0.0.1:{lo}"
         assert _delivers(links[0], links[1])
     finally:
-        blocker.close(0)
+        blocker.close()
         for link in links:
             link.close()
 
