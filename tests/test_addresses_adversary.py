@@ -4,6 +4,7 @@ early; IPv6 literals bracketed."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -94,7 +95,9 @@ def test_ipv6_literals_are_bracketed_and_unspecified_ones_refused(server: Bootst
 
 
 def test_a_link_bound_everywhere_without_a_route_asks_for_advertise() -> None:
-    srv = BootstrapServer("ipc:///tmp/kvbridge-adv-ops-bootstrap.ipc").start()
+    # a path of this process's own: two runs on one host (parallel workers, CI beside a developer) must not
+    # bind the same ipc endpoint
+    srv = BootstrapServer(f"ipc:///tmp/kvbridge-adv-ops-bootstrap-{os.getpid()}.ipc").start()
     try:
         with pytest.raises(ValueError, match="give advertise="):
             ZmqLink(bootstrap=srv.address, host="0.0.0.0")
