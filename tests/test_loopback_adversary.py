@@ -186,7 +186,8 @@ def test_a_claimed_pid_does_not_switch_on_raw_addresses(prefill: Prefill) -> Non
         prefill.backend.add_peer(forged)
 
 
-@pytest.mark.parametrize("proof", [b"\0" * 16, os.urandom(16)])
+# fixed ids: a random one would differ between xdist workers, which then refuse to run
+@pytest.mark.parametrize("proof", [b"\0" * 16, os.urandom(16)], ids=["zeros", "random"])
 def test_a_guessed_proof_is_a_remote_peer_and_its_raw_addresses_are_never_written(
         prefill: Prefill, proof: bytes) -> None:
     """Not proven local: a region without a /dev/shm segment is unreachable, so the send is refused."""
