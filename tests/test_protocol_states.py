@@ -187,9 +187,9 @@ def test_events_report_each_room_once_in_order_without_polling(pair: tuple[Trans
     for _ in range(100):
         seen["pre"] += [(e.room, e.kind) for e in pre.events()]
         seen["dec"] += [(e.room, e.kind) for e in dec.events()]
-    F, X, S = RoomEventKind.FINISHED, RoomEventKind.FAILED, RoomEventKind.SAFE_TO_REUSE
+    R, F, X, S = RoomEventKind.READY, RoomEventKind.FINISHED, RoomEventKind.FAILED, RoomEventKind.SAFE_TO_REUSE
     assert sorted(seen["dec"], key=lambda x: x[0]) == [(1, F), (1, S), (2, X), (2, S)]
-    assert sorted(seen["pre"], key=lambda x: x[0]) == [(1, F), (1, S), (2, X), (2, S)]
+    assert sorted(seen["pre"], key=lambda x: x[0]) == [(1, R), (1, F), (1, S), (2, R), (2, X), (2, S)]
     assert ok_r.poll() is KVPoll.Success and bad_r.safe_to_reuse
     assert not pre.events() and not dec.events()                    # each once
 

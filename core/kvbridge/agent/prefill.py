@@ -423,7 +423,9 @@ class PrefillSide(RoomTable[SendRoom]):
             log.error("%s", illegal)
             self._fail(room, illegal)
             return
-        if room.state is not before and room.state is SendState.SUCCESS:
+        if room.state is not before and room.state is SendState.WAITING_FOR_INPUT:
+            self._ctx.events.emit(room.room, RoomEventKind.READY)
+        elif room.state is not before and room.state is SendState.SUCCESS:
             self._ctx.events.emit(room.room, RoomEventKind.FINISHED)
         elif room.state is not before and room.state is SendState.FAILED:
             self._ctx.events.emit(room.room, RoomEventKind.FAILED, room.reason)

@@ -1,7 +1,8 @@
 """Room events: what an engine learns per step instead of polling every room.
 
-A room reports ``FINISHED`` (Success) or ``FAILED`` (with the reason) once, and ``SAFE_TO_REUSE`` once when
-nothing more can land in (decode) or be read from (prefill) its pages. They are emitted by the state
+A prefill room reports ``READY`` once every decode request it serves arrived (``send()`` may go). A room reports
+``FINISHED`` (Success) or ``FAILED`` (with the reason) once, and ``SAFE_TO_REUSE`` once when nothing more can
+land in (decode) or be read from (prefill) its pages. They are emitted by the state
 machines' transitions (``kvbridge.protocol.states``) and drained by :meth:`TransferAgent.events`, the way
 vLLM's connector reports finished request ids per step:
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 
 class RoomEventKind(enum.Enum):
+    READY = "ready"                  # prefill: every decode request arrived (WaitingForInput): send() may go
     FINISHED = "finished"            # Success: every byte landed (decode) / every write completed (prefill)
     FAILED = "failed"                # the room failed; ``reason`` says why (its pages may not be reusable yet)
     SAFE_TO_REUSE = "safe_to_reuse"  # nothing more can land in or be read from the room's pages
