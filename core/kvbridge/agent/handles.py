@@ -41,7 +41,7 @@ class Sender:
         return self._side.prefix_len(self.room)
 
     def send(self, pages: np.ndarray, last: bool = False, *, layers: range | None = None,
-             state: Mapping[str, IndexArg] | None = None) -> None:
+             state: Mapping[str, IndexArg] | None = None, from_start: bool = False) -> None:
         """Send one chunk: KV ``pages`` (source page ids), and on the last chunk every state component's
         indices (``{name: indices}`` or ``{name: (indices, first_position)}``).
 
@@ -50,9 +50,17 @@ class Sender:
         as the forward pass writes them, every layer exactly once, then the next chunk. The chunk counts
         once all its layers went; ``last=True`` goes with the final group of the final chunk, and the state
         components travel with it. Returns at once: on CUDA the writes follow the work queued so far on the
-        caller's current stream, without waiting for it."""
+        caller's current stream, without waiting for it.
+
+        ``from_start=True``: the chunks hold the request's pages from position 0 and kvbridge drops the ones the
+        decode has cached (``decode_prefix_len``); such a send is accepted in Bootstrapping too and held until
+        every decode request arrived (whole chunks only, every chunk of the room the same way)::
+
+            sender = agent.sender(room)
+            sender.send(all_pages, last=True, from_start=True)    # no need to wait for WaitingForInput
+        """
         normalized = {k: _split(v) for k, v in (state or {}).items()}
-        self._side.send(self.room, np.asarray(pages), last, normalized, layers)
+        self._side.send(self.room, np.asarray(pages), last, normalized, layers, from_start=from_start)
         self._progress()
 
     @property

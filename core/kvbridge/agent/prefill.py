@@ -13,7 +13,7 @@ from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.posting import Poster, StateIndices
-from kvbridge.agent.send_room import InFlight, OpenChunk, SendRoom
+from kvbridge.agent.send_room import HeldChunk, InFlight, OpenChunk, SendRoom
 from kvbridge.backends.base import HandleState, Poll
 from kvbridge.errors import Draining, GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
@@ -78,25 +78,71 @@ class PrefillSide(RoomTable[SendRoom]):
             state = self.get(room)
             return state.nbytes, state.descriptors
 
-    def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None = None) -> None:
+    def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None = None,
+             *, from_start: bool = False) -> None:
         ctx = self._ctx
         after = self._engine_event()           # outside the lock: only the engine's own stream is touched
         with ctx.lock:
             record = self.get(room)
             if record.status is KVPoll.Failed:
                 raise TransferError(room, record.reason)
-            if record.status is KVPoll.Bootstrapping:
-                raise KVBridgeError(f"room {room} is still bootstrapping: wait for WaitingForInput before send()")
-            if record.last_sent:
+            if record.from_start is not None and record.from_start != from_start:
+                raise KVBridgeError(f"room {room}: every chunk of a room is sent with the same from_start (the first "
+                                    f"had from_start={record.from_start})")
+            if from_start and layers is not None:
+                raise KVBridgeError(f"room {room}: from_start=True sends whole chunks; a layer-wise send (layers=) "
+                                    "starts at the decode's prefix: wait for WaitingForInput")
+            if record.last_sent or (record.held and record.held[-1].last):
                 raise KVBridgeError(f"room {room}: the last chunk was already sent")
+            if record.status is KVPoll.Bootstrapping:
+                if not from_start:
+                    raise KVBridgeError(f"room {room} is still bootstrapping: wait for WaitingForInput before send(), "
+                                        "or send(from_start=True) to have the chunk held until then")
+                record.from_start = True
+                record.held.append(HeldChunk(pages=np.array(pages, dtype=np.int64, copy=True), last=last,
+                                             state=state, after=after))
+                self._step(record, SendEvent.HOLD)
+                return
+            record.from_start = from_start
+            self._post_chunk(record, pages, last, state, layers, after)
+
+    def _post_chunk(self, record: SendRoom, pages: np.ndarray, last: bool, state: StateIndices,
+                    layers: range | None, after: Any) -> None:
+        """Send one chunk of a room past Bootstrapping (lock held); a refusal fails the room and raises."""
+        if record.from_start:
+            pages = self._drop_prefix(record, pages)
+            if not len(pages) and not last:
+                return                         # wholly inside the decode's cached prefix
+        try:
+            self._send_chunk(record, pages, last, state, layers, after)
+        except KVBridgeError as exc:
+            self._fail(record, str(exc))
+            raise
+        except Exception as exc:   # an engine's own exception: the room fails with the engine's words
+            self._fail(record, f"{self._ctx.backend_name} send_component raised {type(exc).__name__}: {exc}")
+            raise
+
+    def _drop_prefix(self, record: SendRoom, pages: np.ndarray) -> np.ndarray:
+        """A from_start chunk's pages after the decode's cached prefix (chunks are consecutive from position 0)."""
+        if record.skip_left is None:
+            reqs = record.requests
+            prefix = next(iter(reqs.values())).prefix_len if reqs else 0
+            record.skip_left = prefix // self._ctx.layout.page_size
+        skip = min(record.skip_left, len(pages))
+        record.skip_left -= skip
+        return pages[skip:]
+
+    def _post_held(self, record: SendRoom) -> None:
+        """Every request came: post the chunks the engine sent before, in order (a refusal fails the room)."""
+        held, record.held = record.held, []
+        for chunk in held:
+            if record.status is KVPoll.Failed:
+                return
             try:
-                self._send_chunk(record, pages, last, state, layers, after)
-            except KVBridgeError as exc:
-                self._fail(record, str(exc))
-                raise
-            except Exception as exc:   # an engine's own exception: the room fails with the engine's words
-                self._fail(record, f"{ctx.backend_name} send_component raised {type(exc).__name__}: {exc}")
-                raise
+                self._post_chunk(record, chunk.pages, chunk.last, chunk.state, None, chunk.after)
+            except Exception as exc:  # noqa: BLE001 - the room failed with the reason; the engine polls it
+                log.error("%s: room %d: a held chunk was refused: %s", self._ctx.name, record.room, exc)
+                return
 
     def abort(self, room: int, reason: str) -> None:
         with self._ctx.lock:
@@ -270,6 +316,8 @@ class PrefillSide(RoomTable[SendRoom]):
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
         if len(room.requests) >= room.expected_requests and room.state is SendState.BOOTSTRAPPING:
             self._step(room, SendEvent.REQUESTS_COMPLETE)
+            if room.held:
+                self._post_held(room)
 
     # ---------------------------------------------------------------- posting (lock held)
     def _engine_event(self) -> Any:
@@ -435,6 +483,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self._step(room, SendEvent.FAIL)   # Success and Failed keep their state (and the first reason)
             return
         room.reason = reason
+        room.held.clear()                      # never posted: nothing of them was read or written
         self._step(room, SendEvent.FAIL)
         for agent in room.requests:
             peer = self._peers.get(agent)

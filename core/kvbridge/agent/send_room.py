@@ -73,6 +73,17 @@ class StagingRing:
         return False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldChunk:
+    """A chunk the engine sent (``from_start=True``) before every decode request arrived: posted, in order, once
+    they did (its pages still include the decode's cached prefix; nothing reads them before then)."""
+
+    pages: np.ndarray
+    last: bool
+    state: Any                                 # the state components' indices (on the last chunk)
+    after: Any                                 # the engine's CUDA event at send() time (None on the host)
+
+
 @dataclass(slots=True, kw_only=True)
 class Pending:
     """A write not posted yet: a plain one waiting for the engine's CUDA work (``after``), or a staged piece
@@ -126,6 +137,9 @@ class SendRoom:
     nbytes: int = 0
     descriptors: int = 0
     rings: dict[tuple[str, str], StagingRing] = field(default_factory=dict)    # (decode agent, component)
+    held: list[HeldChunk] = field(default_factory=list)     # sent before every request came (from_start)
+    from_start: bool | None = None            # how the engine positions its chunks (fixed by its first send)
+    skip_left: int | None = None              # from_start: prefix pages of the decode still to drop
 
     @property
     def status(self) -> KVPoll:

@@ -108,6 +108,7 @@ class SendState(enum.Enum):
 
 class SendEvent(enum.Enum):
     REQUESTS_COMPLETE = "requests_complete"  # the last expected decode request was accepted
+    HOLD = "hold"                            # send(from_start=True) before every request came: chunk held
     SEND = "send"                            # the engine's chunk was validated and posted or queued
     DRAINED = "drained"                      # the last chunk was sent and no write is queued or in flight
     FAIL = "fail"                            # a bad request, a failed write, a dead peer, an abort, a timeout
@@ -115,6 +116,7 @@ class SendEvent(enum.Enum):
 
 SEND_ROOM: Machine[SendState, SendEvent] = Machine("send room", {
     (SendState.BOOTSTRAPPING, SendEvent.REQUESTS_COMPLETE): SendState.WAITING_FOR_INPUT,
+    (SendState.BOOTSTRAPPING, SendEvent.HOLD): SendState.BOOTSTRAPPING,
     (SendState.BOOTSTRAPPING, SendEvent.FAIL): SendState.FAILED,
     (SendState.WAITING_FOR_INPUT, SendEvent.SEND): SendState.TRANSFERRING,
     (SendState.WAITING_FOR_INPUT, SendEvent.FAIL): SendState.FAILED,

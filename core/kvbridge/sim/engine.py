@@ -164,15 +164,18 @@ class Engine:
         if not polite and self.world.rng.random() < 0.03:
             sender.abort("sim: prefill aborts")
             return f"{proc.name} abort sender room={req.room}"
-        if status is KVPoll.WaitingForInput or (status is KVPoll.Transferring and side.sent < len(req.cuts)):
+        # a third of the requests send from position 0 at once (from_start): the core holds them until asked
+        early = req.pattern % 3 == 0
+        if (status is KVPoll.WaitingForInput or (status is KVPoll.Transferring and side.sent < len(req.cuts))
+                or (early and status is KVPoll.Bootstrapping)):
             if side.sent >= len(req.cuts):
                 return None
             a = req.cuts[side.sent - 1] if side.sent else 0
             b = req.cuts[side.sent]
             last = side.sent == len(req.cuts) - 1
-            sender.send(side.pages[a:b], last=last)
+            sender.send(side.pages[a:b], last=last, from_start=early)
             side.sent += 1
-            return f"{proc.name} send room={req.room} pages[{a}:{b}]{' last' if last else ''}"
+            return f"{proc.name} send room={req.room} pages[{a}:{b}]{' last' if last else ''}{' held' if early else ''}"
         return None
 
     def _decode(self, req: Request, side: Side, proc: Proc, polite: bool) -> str | None:
