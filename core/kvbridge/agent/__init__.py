@@ -37,6 +37,13 @@ from kvbridge.agent.config import AgentConfig
 from kvbridge.agent.handles import Receiver, Sender
 from kvbridge.agent.handshake import Handshake
 from kvbridge.agent.transfer_agent import TransferAgent
+from kvbridge.links import LocalHub
 from kvbridge.protocol.events import RoomEvent, RoomEventKind
+from kvbridge.settings import Settings, load_settings
+from kvbridge.wire import KVPoll, Role
+from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
-__all__ = ["AgentConfig", "Handshake", "Receiver", "RoomEvent", "RoomEventKind", "Sender", "TransferAgent"]
+# What an engine needs, from this one public module: the agent and its handles, the poll states and roles,
+# the control links (ZMQ, or the in-process hub for tests) and the settings loader.
+__all__ = ["AgentConfig", "BootstrapServer", "Handshake", "KVPoll", "LocalHub", "Receiver", "Role", "RoomEvent",
+           "RoomEventKind", "Sender", "Settings", "TransferAgent", "ZmqLink", "load_settings"]
