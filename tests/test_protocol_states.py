@@ -219,3 +219,40 @@ def test_a_cleared_rooms_events_are_dropped(pair: tuple[TransferAgent, TransferA
     assert receiver.safe_to_reuse
     receiver.clear()
     assert len(dec.context.events) == 0 and not dec.events()
+
+
+def test_an_early_abort_by_one_decode_rank_tells_the_others_that_asked() -> None:
+    """Prefill TP 1 serves decode ranks d0 and d1; both ask before the prefill's sender(); d0 aborts. The room
+    can never succeed: d1, whose request was queued with d0's, must hear it (a quiesced abort: nothing was
+    written), not wait for its waiting timeout (simulator seed 5724)."""
+    from test_agent import kv_buffers, kv_layout
+
+    from kvbridge.links import LocalHub
+    from kvbridge.wire import Role
+
+    hub = LocalHub()
+    config = AgentConfig(peer_timeout_s=5.0)
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=config, name="p0")
+    decs = [TransferAgent(layout=kv_layout(2, r), buffers={"kv": kv_buffers(kv_layout(2, r))}, role=Role.DECODE,
+                          link=hub.link(f"d{r}"), config=config, name=f"d{r}") for r in range(2)]
+    try:
+        shakes = [d.connect_async("inst") for d in decs]
+        for _ in range(2000):
+            _spin(pre, *decs, steps=1)
+            if all(s.done for s in shakes):
+                break
+        receivers = [d.receiver(5, "inst") for d in decs]
+        for r in receivers:
+            r.send_metadata({"kv": np.array([1, 2])})
+        _spin(pre, *decs)                                     # both requests queued: no sender() yet
+        receivers[0].abort("the engine gave up")
+        _spin(pre, *decs)
+        assert receivers[0].poll() is KVPoll.Failed and receivers[0].safe_to_reuse
+        assert receivers[1].poll() is KVPoll.Failed, "d1 was never told the room cannot succeed"
+        assert "d0" in receivers[1].failure_reason and receivers[1].safe_to_reuse
+        sender = pre.sender(5)                                # comes late: fails at once with the reason
+        assert sender.poll() is KVPoll.Failed and "aborted by decode d0" in sender.failure_reason
+    finally:
+        for agent in (pre, *decs):
+            agent.close()

@@ -19,7 +19,7 @@ from kvbridge.sim.sweep import sweep
 from kvbridge.wire import KVPoll
 
 SCHEDULES = int(os.environ.get("KVBRIDGE_SIM_SCHEDULES", "10000"))
-CHUNKS = 4
+CHUNKS = 8
 
 @dataclass(frozen=True)
 class KnownBug:
@@ -39,7 +39,9 @@ class KnownBug:
 # 200292 with faults dup,kill (a dead incarnation's request written into its same-name successor's memory).
 KNOWN_BUGS: list[KnownBug] = []
 FIXED = [KnownBug(52, "request after its room ended"), KnownBug(736, "decode judged dead never told"),
-         KnownBug(200292, "dead incarnation's request into its successor", faults=frozenset({"dup", "kill"}))]
+         KnownBug(200292, "dead incarnation's request into its successor", faults=frozenset({"dup", "kill"})),
+         KnownBug(5724, "one decode's early abort dropped the other decode ranks' queued requests unanswered"),
+         KnownBug(1443, "a timeout judged when the engine looked, after the prefill cleared (checker race)")]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 
 

@@ -243,8 +243,15 @@ class PrefillSide(RoomTable[SendRoom]):
             del self._early[room]
         return taken
 
-    def _remember_abort(self, room: int, reason: str) -> None:
-        self._unqueue(room)
+    def _remember_abort(self, room: int, reason: str, *, told: str = "") -> None:
+        """The room failed before its sender() (an abort, a bad request, a timeout): the sender() that comes later
+        fails at once with ``reason``, and every other decode rank whose request was queued for it hears it now
+        (an acknowledged abort: nothing was written), not at its waiting timeout (simulator seed 5724)."""
+        for req in self._unqueue(room):
+            peer = self._peers.get(req.agent)
+            if req.agent != told and peer is not None and peer.alive:
+                self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True,
+                                             reason=f"the room failed before this prefill rank opened it: {reason}"))
         if room not in self._tombstones:
             self._early_aborts[room] = reason
             while len(self._early_aborts) > TOMBSTONES:
@@ -263,7 +270,7 @@ class PrefillSide(RoomTable[SendRoom]):
                 queued = self._early.get(abort.room, (0.0, []))[1]
                 if queued and all(q.agent != abort.agent for q in queued):
                     raise Dropped(f"abort of room {abort.room} from {abort.agent}, which did not request it")
-                self._remember_abort(abort.room, f"aborted by decode {abort.agent}: {abort.reason}")
+                self._remember_abort(abort.room, f"aborted by decode {abort.agent}: {abort.reason}", told=abort.agent)
             ctx.post(env.address, ack, incarnation=env.incarnation)
             return
         if abort.agent not in room.requests:

@@ -15,8 +15,11 @@ import numpy as np
 from kvbridge.agent import Receiver, Sender
 from kvbridge.errors import KVBridgeError
 from kvbridge.pattern import logical_pages, shard_pages
+from kvbridge.protocol.events import RoomEventKind
 from kvbridge.sim.cluster import INSTANCE, LAYERS, PAGES, SPEC, UP, Cluster, Proc
 from kvbridge.wire import KVPoll, Role
+
+TIMEOUTS = ("waiting timeout", "bootstrap timeout")     # the reasons of a decode room that gave up waiting
 
 NEW, OPEN, META, TERMINAL, CLEARED, LOST = "new", "open", "meta", "terminal", "cleared", "lost"
 
@@ -203,8 +206,6 @@ class Engine:
                 if status is KVPoll.Success:
                     self.successes += 1
                     self.verify(req, side, proc)
-                elif self.lossless and rooms.reason(req.room).startswith(("waiting timeout", "bootstrap timeout")):
-                    self.silent_wait(req, proc, rooms.reason(req.room))
             if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
                 return None
             receiver.clear()
@@ -215,6 +216,22 @@ class Engine:
             receiver.abort("sim: decode aborts")
             return f"{proc.name} abort receiver room={req.room}"
         return None
+
+    def watch_timeouts(self) -> None:
+        """Check each decode room that failed by timeout the moment it failed (its FAILED event), not when the
+        engine looks at it: by then the prefill may have cleared its side after the decode's abort."""
+        if not self.lossless:
+            return
+        for proc in self.cluster.live():
+            if proc.agent is None or proc.agent.decode is None:
+                continue
+            with proc.agent.context.lock:
+                events = proc.agent.context.events.take()        # no progress step: the schedule stays the same
+            for event in events:
+                if event.kind is RoomEventKind.FAILED and event.reason.startswith(TIMEOUTS):
+                    req = next((r for r in self.requests if r.room == event.room), None)
+                    if req is not None:
+                        self.silent_wait(req, proc, event.reason)
 
     def silent_wait(self, req: Request, proc: Proc, reason: str) -> None:
         """A decode room timed out in a schedule that loses nothing: a violation when some prefill rank it waits

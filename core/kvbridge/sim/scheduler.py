@@ -124,6 +124,7 @@ class Simulation:
         self.world.step = self.events
         if text:
             self.world.log(text)
+        self.engine.watch_timeouts()
         self._check()
 
     def _round(self) -> None:
@@ -298,6 +299,7 @@ class Simulation:
                 assert proc.agent is not None
                 proc.agent.progress()
                 proc.dirty = self.staged
+            self.engine.watch_timeouts()
             for req in self.engine.open_requests():
                 for name in sorted(req.sides):
                     text = self.engine.act(req, req.sides[name], polite=True)
