@@ -235,3 +235,29 @@ def test_a_failed_room_unsafe_past_the_peer_timeout_is_counted() -> None:
         while overdue() > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert receiver.safe_to_reuse and overdue() == 0
+
+
+def test_rejected_frames_are_exported_per_agent() -> None:
+    """A flood of forged frames is visible to the operator as a number (its log lines are rate-limited)."""
+    from kvbridge import metrics
+    from kvbridge.agent import AgentConfig
+    from kvbridge.wire import Codec, Heartbeat
+
+    metrics.instrumented_registry()
+    hub = LocalHub()
+    dl = _layout(1, 0)
+    with TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"),
+                       config=AgentConfig(secret=b"the secret")) as dec:
+        metrics.watch_agent(dec, interval_s=0.05)
+        forger = Codec(b"a guess", sender="m", address="m")
+        for seq in range(1, 301):
+            dec.handle_frame(forger.encode(Heartbeat(agent="m", address="m", seq=seq), to="d"))
+
+        def exported() -> float:
+            return sum(s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
+                       if s.name == "kvbridge_rejected_frames_total" and s.labels["agent"] == dec.name)
+
+        deadline = time.monotonic() + 10
+        while exported() < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dec.rejected_frames == 300 and exported() == 300

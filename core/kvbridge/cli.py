@@ -90,7 +90,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvbridge import bench, bench_transfer
+    from kvbridge import bench, bench_flood, bench_transfer
     from kvbridge.bench_transfer import TRANSFER_ARGS
 
     if args.what == "transfer":
@@ -102,6 +102,8 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if args.backend:
         return bench.main_backend(args.backend)
+    if args.what == "flood":
+        return bench_flood.main()
     return {"planner": bench.main_planner, "control": bench.main_control}[args.what]()
 
 
@@ -134,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs kvbridge[metrics])")
     d.set_defaults(func=_demo)
     b = sub.add_parser("bench", help="benchmarks, printed as ratios against a baseline of the same run")
-    b.add_argument("what", nargs="?", choices=("planner", "control", "transfer"), default="planner",
-                   help="planner, control, or transfer (kvbridge end to end vs raw NIXL and a copy; JSON, plots)")
+    b.add_argument("what", nargs="?", choices=("planner", "control", "transfer", "flood"), default="planner",
+                   help="planner, control, transfer (kvbridge end to end vs raw NIXL and a copy; JSON, plots), or "
+                        "flood (healthy requests' latency under 10 s of bad-MAC frames at 10k/s, vs a baseline)")
     b.add_argument("--backend", default=None,
                    help="run this backend plugin's benchmark instead; with `transfer`: the backend kvbridge uses "
                         "(default nixl when usable, else loopback)")

@@ -63,6 +63,14 @@ _ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": 
 
 MAX_NAME = 256            # characters of a buffer, component, state-type or model name
 MAX_BYTES = 2**63 - 1     # a buffer's size, in bytes, fits a signed 64-bit length
+# Bounds that make a layout impossible (a peer's Hello naming one is refused with the bound): far above any
+# real pool, low enough that nothing downstream sizes an allocation or a loop by a forged count.
+MAX_ITEMS = 1 << 32           # pages or slots of one buffer
+MAX_BUFFER_BYTES = 1 << 48    # bytes of one buffer (256 TiB)
+MAX_ITEM_DIMS = 16            # axes of an item
+MAX_SHARD_GROUPS = 64         # independently sharded blocks of one axis
+MAX_LAYOUT_BUFFERS = 4096     # buffers of one pool layout, all components together
+MAX_COMPONENTS = 64           # components of one pool layout
 
 
 def checked_int(owner: str, field: str, value: object, minimum: int, maximum: int = MAX_BYTES) -> int:
@@ -164,6 +172,8 @@ class ShardAxis(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         msgspec.structs.force_setattr(self, "total", checked_int(owner, "total", self.total, 1))
         if not isinstance(self.groups, (tuple, list)):
             raise GeometryError(f"{owner}: groups={self.groups!r} is not a sequence of integers")
+        if len(self.groups) > MAX_SHARD_GROUPS:
+            raise GeometryError(f"{owner}: {len(self.groups)} groups, at most {MAX_SHARD_GROUPS}")
         groups = tuple(checked_int(owner, f"groups[{i}]", g, 1) for i, g in enumerate(self.groups))
         msgspec.structs.force_setattr(self, "groups", groups)
 
@@ -218,16 +228,18 @@ class BufferGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             msgspec.structs.force_setattr(self, "dtype", dtype)
         if isinstance(self.num_items, int) and not isinstance(self.num_items, bool) and self.num_items <= 0:
             raise GeometryError(f"{owner}: zero-length buffer (num_items={self.num_items})")
-        msgspec.structs.force_setattr(self, "num_items", checked_int(owner, "num_items", self.num_items, 1))
+        msgspec.structs.force_setattr(self, "num_items", checked_int(owner, "num_items", self.num_items, 1, MAX_ITEMS))
         if not isinstance(self.item_shape, (tuple, list)) or not self.item_shape:
             raise GeometryError(f"{owner}: item_shape={self.item_shape!r} must be a non-empty sequence of integers")
+        if len(self.item_shape) > MAX_ITEM_DIMS:
+            raise GeometryError(f"{owner}: item_shape has {len(self.item_shape)} axes, at most {MAX_ITEM_DIMS}")
         if any(isinstance(d, int) and not isinstance(d, bool) and d <= 0 for d in self.item_shape):
             raise GeometryError(f"{owner}: item shape {tuple(self.item_shape)} has an empty axis")
         shape = tuple(checked_int(owner, f"item_shape[{i}]", d, 1) for i, d in enumerate(self.item_shape))
         msgspec.structs.force_setattr(self, "item_shape", shape)
-        if self.nbytes > MAX_BYTES:
+        if self.nbytes > MAX_BUFFER_BYTES:
             raise GeometryError(f"{owner}: {self.num_items} items of {self.item_nbytes} B = {self.nbytes} B exceed "
-                                f"{MAX_BYTES} B")
+                                f"the {MAX_BUFFER_BYTES}-byte bound of one buffer")
         if self.shard is not None:
             if not isinstance(self.shard, ShardAxis):
                 raise GeometryError(f"{owner}: shard={self.shard!r} is not a ShardAxis")
@@ -342,6 +354,10 @@ class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                                                                       for c in self.components):
             raise GeometryError(f"{owner}: components={self.components!r} is not a sequence of Component")
         msgspec.structs.force_setattr(self, "components", tuple(self.components))
+        count = sum(len(c.buffers) for c in self.components)
+        if len(self.components) > MAX_COMPONENTS or count > MAX_LAYOUT_BUFFERS:
+            raise GeometryError(f"{owner}: {len(self.components)} components of {count} buffers; at most "
+                                f"{MAX_COMPONENTS} components and at most {MAX_LAYOUT_BUFFERS} buffers per layout")
         names = [c.name for c in self.components]
         if len(set(names)) != len(names):
             raise GeometryError(f"pool has duplicate component names {names}")

@@ -30,7 +30,9 @@ What is measured (every name starts with ``kvbridge_``):
   the peer sent), ``agent_rooms`` {agent, role, state}: the agent's open rooms by state, and
   ``peer_deaths_total`` {agent, reason}, and ``rooms_unsafe_overdue`` {agent}: failed decode rooms still not
   safe to reuse longer than the peer timeout after they failed (an unproven writer: the orchestrator's
-  ``declare_gone`` is due): sampled by :func:`watch_agent`.
+  ``declare_gone`` is due), and ``rejected_frames_total`` {agent}: control frames the agent refused (bad MAC,
+  malformed, replayed, stale, from a non-participant, over a bound; ``TransferAgent.rejected_frames``; a
+  flood of forged frames shows here, its log lines are rate-limited): sampled by :func:`watch_agent`.
 
 Several processes of one host (the demo's ranks) share one exporter through ``prometheus_client``'s
 multiprocess mode: each process calls :func:`enable` with ``multiprocess_dir`` (before anything else imports
@@ -97,6 +99,8 @@ class _Metrics:
                             ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
         self.agent_rooms = pc.Gauge("kvbridge_agent_rooms", "An agent's rooms, by state", ["agent", "role", "state"],
                                     **gauge)
+        self.rejected = pc.Counter("kvbridge_rejected_frames", "Control frames an agent refused (bad MAC, malformed, "
+                                   "replayed, stale, from a non-participant, over a bound)", ["agent"])
 
 
 class MetricsPlugin:
@@ -224,11 +228,16 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
 
     def sample() -> None:
         seen: set[str] = set()
+        counted = 0
         while True:
             current = ref()
             if current is None or getattr(current, "_closed", False):
                 break
             now = time.monotonic()
+            rejected = int(getattr(current, "rejected_frames", 0))
+            if rejected > counted:
+                m.rejected.labels(name).inc(rejected - counted)
+                counted = rejected
             for peer in list(current.peers.peers.values()):
                 if peer.alive:
                     m.silence.labels(name, peer.agent).set(max(0.0, now - peer.last_seen))

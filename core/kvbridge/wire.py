@@ -16,12 +16,13 @@ import numpy as np
 
 from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
-from kvbridge.geometry import PoolLayout
+from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS, MAX_SHARD_GROUPS, PoolLayout
 
 # 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
 # 3: layers, offsets
 PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
+MAX_HANDSHAKE_BYTES = 4 << 20       # a Hello or Welcome larger than this is refused before decoding
 MAX_ROOM = 2**63 - 1
 _MAC_BYTES = 32
 
@@ -196,6 +197,99 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Envelope)
+HANDSHAKES = frozenset({"hello", "welcome"})
+
+
+class _Version(msgspec.Struct, array_like=True):
+    """The first field of any version's envelope (the rest is skipped, not decoded)."""
+
+    version: int
+
+
+class Head(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
+    """An envelope with its body left undecoded: who sent it, where to answer, and the body's bytes."""
+
+    version: int
+    sender: str
+    address: str
+    incarnation: int
+    to_incarnation: int
+    seq: int
+    body: msgspec.Raw
+
+
+class _Kind(msgspec.Struct):
+    type: str = ""
+
+
+# The shape of a handshake's layout and buffers: counts only (integers and raw items are decoded in C, no
+# Python object per buffer), to refuse a layout above the bounds before it is built and validated.
+class _ShardShape(msgspec.Struct):
+    groups: list[msgspec.Raw] = []
+
+
+class _BufferShape(msgspec.Struct):
+    item_shape: list[msgspec.Raw] = []
+    shard: _ShardShape | None = None
+
+
+class _ComponentShape(msgspec.Struct):
+    buffers: list[_BufferShape] = []
+
+
+class _LayoutShape(msgspec.Struct):
+    components: list[_ComponentShape] = []
+
+
+class _RemoteShape(msgspec.Struct):
+    regions: list[msgspec.Raw] = []
+
+
+class _HandshakeShape(msgspec.Struct):
+    layout: _LayoutShape | None = None
+    buffers: list[_RemoteShape] = []
+
+
+_SHAPE_DECODER = msgspec.msgpack.Decoder(_HandshakeShape)
+
+
+def _check_handshake_shape(kind: str, body: bytes) -> None:
+    """Refuse a Hello/Welcome whose layout or buffer list is larger than the bounds, before decoding it."""
+    try:
+        shape = _SHAPE_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {kind}: {exc}") from None
+    comps = shape.layout.components if shape.layout is not None else []
+    buffers = sum(len(c.buffers) for c in comps)
+    regions = sum(len(b.regions) for b in shape.buffers)
+    if len(comps) > MAX_COMPONENTS or buffers > MAX_LAYOUT_BUFFERS:
+        raise ProtocolError(f"its layout has {len(comps)} components of {buffers} buffers: at most {MAX_COMPONENTS} "
+                            f"components and at most {MAX_LAYOUT_BUFFERS} buffers per layout")
+    if len(shape.buffers) > MAX_COMPONENTS + 1 or regions > MAX_LAYOUT_BUFFERS + 1:
+        raise ProtocolError(f"it registers {regions} regions in {len(shape.buffers)} components: at most "
+                            f"{MAX_LAYOUT_BUFFERS} buffers per layout")
+    for c in comps:
+        for b in c.buffers:
+            if len(b.item_shape) > MAX_ITEM_DIMS or (b.shard is not None and len(b.shard.groups) > MAX_SHARD_GROUPS):
+                raise ProtocolError(f"a buffer's item_shape has {len(b.item_shape)} axes (at most {MAX_ITEM_DIMS}) or "
+                                    f"its shard more than {MAX_SHARD_GROUPS} groups")
+
+
+class Sealed(msgspec.Struct, frozen=True, kw_only=True):
+    """A frame whose size, MAC and version were checked (``Codec.check``) but whose body is not decoded yet."""
+
+    head: Head
+    kind: str              # the body's tag ("hello", "notice", ...)
+    frame: bytes           # the envelope's bytes, without the MAC
+
+
+class RefusedHandshake(ProtocolError):
+    """A Hello or Welcome that cannot be used (above a bound, or its layout fails validation): the head says
+    where to send the refusal, ``reason`` says why."""
+
+    def __init__(self, head: Head, kind: str, reason: str) -> None:
+        self.head, self.kind, self.reason = head, kind, reason
+        super().__init__(f"{kind.capitalize()} from {head.sender!r} at {head.address!r} refused: {reason}")
 
 
 class ReplayWindow:
@@ -269,6 +363,12 @@ class Codec:
 
     def open(self, frame: bytes) -> Envelope:
         """Check size, MAC (bound to our address), version and field ranges; the whole envelope."""
+        return self.unseal(self.check(frame))
+
+    def check(self, frame: bytes) -> Sealed:
+        """The cheap checks, before the body is decoded: size, MAC, version, the body's kind, and for a
+        handshake its size (``MAX_HANDSHAKE_BYTES``) and the size of its layout (``kvbridge.geometry``'s
+        bounds). A handshake above a bound raises :class:`RefusedHandshake` (the caller may answer it)."""
         if len(frame) > self.max_bytes + (_MAC_BYTES if self._secret else 0):
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {self.max_bytes}-byte limit")
         if self._secret is not None:
@@ -278,19 +378,57 @@ class Codec:
                                     "was the frame meant for this agent?)")
         version = _peek_version(frame)
         if version is not None and version != PROTOCOL_VERSION:
-            raise VersionMismatch(version, msgspec.msgpack.decode(frame))
+            raw = msgspec.msgpack.decode(frame) if len(frame) <= MAX_HANDSHAKE_BYTES else None
+            raise VersionMismatch(version, raw)
         try:
-            envelope = _DECODER.decode(frame)
+            head = msgspec.msgpack.decode(frame, type=Head)
+            kind = msgspec.msgpack.decode(head.body, type=_Kind).type
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"malformed frame: {exc}") from None
+        if kind in HANDSHAKES:
+            if len(frame) > MAX_HANDSHAKE_BYTES:
+                raise RefusedHandshake(head, kind, f"{kind.capitalize()} of {len(frame)} bytes exceeds the "
+                                                   f"{MAX_HANDSHAKE_BYTES}-byte limit of a handshake")
+            try:
+                _check_handshake_shape(kind, head.body)
+            except ProtocolError as exc:
+                raise RefusedHandshake(head, kind, str(exc)) from None
+        return Sealed(head=head, kind=kind, frame=frame)
+
+    def unseal(self, sealed: Sealed) -> Envelope:
+        """Decode and validate a checked frame (the expensive part: may run without any lock held)."""
+        try:
+            envelope = _DECODER.decode(sealed.frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if sealed.kind in HANDSHAKES:
+                raise RefusedHandshake(sealed.head, sealed.kind, f"malformed frame: {exc}") from None
+            raise ProtocolError(f"malformed frame: {exc}") from None
         except KVBridgeError as exc:   # a received layout that fails validation (GeometryError names the field)
-            raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
-        _check_ranges(envelope.body)
+            why = f"malformed frame: {type(exc).__name__}: {exc}"
+            if sealed.kind in HANDSHAKES:
+                raise RefusedHandshake(sealed.head, sealed.kind, why) from None
+            raise ProtocolError(why) from None
+        try:
+            _check_ranges(envelope.body)
+        except ProtocolError as exc:
+            if sealed.kind in HANDSHAKES:
+                raise RefusedHandshake(sealed.head, sealed.kind, str(exc)) from None
+            raise
         agent = getattr(envelope.body, "agent", None)
         if agent is not None and agent != envelope.sender:
             raise ProtocolError(f"{type(envelope.body).__name__} names agent {agent!r} but comes from "
                                 f"{envelope.sender!r}")
         return envelope
+
+    def kind(self, frame: bytes) -> str:
+        """The body's tag of a frame, unauthenticated and without decoding the body ("" if unreadable): only
+        for deciding where a frame is decoded, never for acting on it."""
+        body = frame[_MAC_BYTES:] if self._secret is not None else frame
+        try:
+            head = msgspec.msgpack.decode(body, type=Head)
+            return msgspec.msgpack.decode(head.body, type=_Kind).type
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ""
 
     def decode(self, frame: bytes) -> Message:
         """The message of a frame (see ``open`` for the checks)."""
@@ -311,13 +449,11 @@ class VersionMismatch(ProtocolError):
 
 
 def _peek_version(frame: bytes) -> int | None:
+    """The envelope's first field if it is an integer (nothing after it is decoded)."""
     try:
-        raw = msgspec.msgpack.decode(frame)
-    except (msgspec.DecodeError, ValueError, RecursionError):
+        return msgspec.msgpack.decode(frame, type=_Version).version
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError):
         return None
-    if isinstance(raw, list) and raw and isinstance(raw[0], int):
-        return raw[0]
-    return None
 
 
 def _check_ranges(message: Message) -> None:

@@ -58,4 +58,5 @@ TOMBSTONES = 1 << 16        # rooms remembered after clear(), so late frames for
 GOODBYE_GRACE_S = 1.0       # after a peer's goodbye, its notices on the engine's own channel may still arrive
 HELLO_RESEND_S = 1.0        # connect() repeats its Hello to targets that have not answered
 TICK_S = 0.05               # timeouts are checked this often (not on every progress call)
-EARLY_ROOMS = 4096          # decode requests kept for rooms whose sender() has not been created yet
+EARLY_ROOMS = 4096          # decode requests kept for rooms whose sender() has not been created yet ...
+EARLY_BYTES = 256 << 20     # ... and the bytes of their page ids (about 33 M page ids)

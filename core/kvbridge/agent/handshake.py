@@ -4,6 +4,7 @@ registered, and the rate limit on Hellos that would admit a new peer."""
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,19 +57,28 @@ class Handshake:
 
 
 class HelloBudget:
-    """A token bucket: Hellos that would admit a new peer (or incarnation), ``per_s`` with a ``burst``."""
+    """A token bucket: Hellos that would admit a new peer (or incarnation), or handshake bytes, ``per_s``
+    with a ``burst``; ``locked``: safe to call from several threads."""
 
-    def __init__(self, per_s: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, per_s: float, burst: float, clock: Callable[[], float] = time.monotonic, *,
+                 locked: bool = False) -> None:
         self.per_s, self._burst, self._clock = per_s, burst, clock
         self._tokens, self._refill = burst, clock()
+        self._lock = threading.Lock() if locked else None
 
-    def take(self) -> bool:
+    def take(self, amount: float = 1.0) -> bool:
+        if self._lock is None:
+            return self._take(amount)
+        with self._lock:
+            return self._take(amount)
+
+    def _take(self, amount: float) -> bool:
         now = self._clock()
         self._tokens = min(self._burst, self._tokens + (now - self._refill) * self.per_s)
         self._refill = now
-        if self._tokens < 1.0:
+        if self._tokens < amount:
             return False
-        self._tokens -= 1.0
+        self._tokens -= amount
         return True
 
 
@@ -87,8 +97,11 @@ def refusal(ctx: AgentContext, hello: Hello) -> str:
 
 
 def check_remote_buffers(layout: PoolLayout, info: PeerInfo) -> None:
+    """Raise ProtocolError unless the peer registered one region of the right size per buffer of its layout."""
     for comp in layout.components:
-        remote = info.component(comp.name)
+        remote = next((b for b in info.buffers if b.component == comp.name), None)
+        if remote is None:
+            raise ProtocolError(f"peer {info.name!r} registered no buffers for {comp.name!r}")
         if len(remote.regions) != len(comp.buffers):
             raise ProtocolError(f"peer {info.name} registered {len(remote.regions)} regions for {comp.name}, "
                                 f"its layout has {len(comp.buffers)} buffers")

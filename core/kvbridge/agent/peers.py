@@ -43,6 +43,7 @@ from kvbridge.wire import (
     Hello,
     Message,
     Notice,
+    RefusedHandshake,
     ReplayWindow,
     Role,
     VersionMismatch,
@@ -351,12 +352,16 @@ class PeerTable:
         if not same and not self._hellos.take():
             raise Dropped(f"Hello from {hello.agent}: more than {_NEW_PEERS_PER_S:.0f} new peers per second")
         reason = refusal(self._ctx, hello)
+        if not reason:
+            try:
+                check_remote_buffers(hello.layout, info)
+            except ProtocolError as exc:
+                reason = str(exc)
         if reason:
             log.error("%s: refused %s: %s", ctx.name, hello.agent, reason)
             self._refuse(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
                                               accepted=False, reason=reason), env.incarnation)
             return
-        check_remote_buffers(hello.layout, info)
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
                           reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint,
                           liveness=self.liveness_address)
@@ -372,6 +377,22 @@ class PeerTable:
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
                            endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock()))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
+
+    def refuse_handshake(self, exc: RefusedHandshake) -> None:
+        """A Hello we cannot use (above a bound, impossible geometry) is answered with the reason, within the
+        Hello rate limit; a Welcome we cannot use ends the handshake with its address, with the reason."""
+        ctx, head = self._ctx, exc.head
+        if exc.kind == "hello" and ctx.role is Role.PREFILL:
+            if not self._hellos.take():
+                return
+            self._refuse(head.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
+                                               accepted=False, reason=f"Hello refused: {exc.reason}"),
+                         head.incarnation)
+        elif exc.kind == "welcome":
+            for target in self._targets_at(head.address):
+                if target.state is HandshakeState.WAITING:
+                    target.state = HandshakeState.REFUSED
+                    target.reason = f"prefill at {head.address} sent a Welcome we cannot use: {exc.reason}"
 
     def refuse_other_version(self, exc: VersionMismatch) -> None:
         """A Hello of another protocol version gets a refusal naming both versions; a refusal of ours by

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.agent.config import EARLY_ROOMS, TICK_S, TOMBSTONES
+from kvbridge.agent.config import EARLY_BYTES, EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
@@ -41,6 +41,9 @@ class PrefillSide(RoomTable[SendRoom]):
         self._early: OrderedDict[int, tuple[float, list[TransferRequest]]] = OrderedDict()   # before sender()
         self._early_by_agent: dict[str, OrderedDict[int, None]] = {}   # agent -> its early rooms, oldest first
         self._early_aborts: OrderedDict[int, str] = OrderedDict()
+        self._early_bytes_by_agent: dict[str, int] = {}   # agent -> bytes of page ids its early requests hold
+        self.early_bytes = 0                    # ... all of them
+        self.early_bytes_limit = EARLY_BYTES
         self._active: set[int] = set()          # rooms with writes in flight or an acknowledgement owed
         self._next_timeouts = 0.0
         self._tombstones = Tombstones()
@@ -202,17 +205,44 @@ class PrefillSide(RoomTable[SendRoom]):
         created, queued = self._early.get(req.room, (self._ctx.clock(), []))
         if any(q.agent == req.agent for q in queued):
             return
+        size = _request_bytes(req)
+        if size > self.early_bytes_limit:
+            self._evict_early(req.room, peer, f"a request of {size} bytes is more than the {self.early_bytes_limit} "
+                                              "bytes of page ids kept for rooms before their sender()", queued=False)
+            return
         queued.append(req)
         self._early[req.room] = (created, queued)
         self._early_by_agent.setdefault(req.agent, OrderedDict())[req.room] = None
-        # bounded, and fair: the peer with the most queued requests loses its oldest one (a flooding peer
-        # evicts its own requests, never those a quieter decode queued before it)
-        while len(self._early) > EARLY_ROOMS:
-            heaviest = max(self._early_by_agent, key=lambda agent: len(self._early_by_agent[agent]))
+        self._early_bytes_by_agent[req.agent] = self._early_bytes_by_agent.get(req.agent, 0) + size
+        self.early_bytes += size
+        # bounded in count and in bytes, and fair: the peer with the most queued requests (or bytes) loses its
+        # oldest one (a flooding peer evicts its own requests, never those a quieter decode queued before it)
+        while len(self._early) > EARLY_ROOMS or self.early_bytes > self.early_bytes_limit:
+            if len(self._early) > EARLY_ROOMS:
+                heaviest = max(self._early_by_agent, key=lambda agent: len(self._early_by_agent[agent]))
+                why = f"more than {EARLY_ROOMS} rooms requested before their sender()"
+            else:
+                heaviest = max(self._early_bytes_by_agent, key=lambda agent: self._early_bytes_by_agent[agent])
+                why = (f"more than {self.early_bytes_limit} bytes of page ids requested for rooms before their "
+                       "sender()")
             dropped = next(iter(self._early_by_agent[heaviest]))
-            self._unqueue(dropped, heaviest)
-            log.warning("%s: more than %d rooms requested before their sender(); forgot %s's request for room %d",
-                        ctx.name, EARLY_ROOMS, heaviest, dropped)
+            self._evict_early(dropped, self._peers.get(heaviest), why)
+
+    def _evict_early(self, room: int, peer: Peer | None, why: str, *, queued: bool = True) -> None:
+        """Forget ``peer``'s early request for ``room`` (over a bound): the decode hears it (an acknowledged
+        abort: nothing was written, its room fails and is safe at once), and the sender() that comes later
+        fails with the reason; other decodes' requests for the room stay (they hear it from that failure)."""
+        agent = peer.agent if peer is not None else ""
+        if queued:
+            self._unqueue(room, agent)
+        log.warning("%s: %s; forgot %s's request for room %d", self._ctx.name, why, agent, room)
+        if peer is not None and peer.alive:
+            self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True,
+                                         reason=f"prefill {self._ctx.name} dropped the request: {why}"))
+        if room not in self._tombstones:
+            self._early_aborts[room] = f"the request of decode {agent} was dropped: {why}"
+            while len(self._early_aborts) > TOMBSTONES:
+                self._early_aborts.popitem(last=False)
 
     def _refuse_late(self, peer: Peer, req: TransferRequest, why: str) -> None:
         """A request for a room that ended without it: unless told, the decode waits for data that never comes
@@ -237,6 +267,13 @@ class PrefillSide(RoomTable[SendRoom]):
                 rooms.pop(room, None)
                 if not rooms:
                     del self._early_by_agent[q.agent]
+            size = _request_bytes(q)
+            self.early_bytes -= size
+            left = self._early_bytes_by_agent.get(q.agent, 0) - size
+            if left > 0:
+                self._early_bytes_by_agent[q.agent] = left
+            else:
+                self._early_bytes_by_agent.pop(q.agent, None)
         if kept:
             self._early[room] = (created, kept)
         else:
@@ -566,6 +603,11 @@ class PrefillSide(RoomTable[SendRoom]):
 
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.requests for room in self.rooms.values())
+
+
+def _request_bytes(req: TransferRequest) -> int:
+    """What an early request holds: its page ids' bytes, plus a fixed cost per request and component."""
+    return sum(len(p.data) + 64 for p in req.indices.values()) + 256
 
 
 def _validate_request(peer: Peer, req: TransferRequest) -> None:

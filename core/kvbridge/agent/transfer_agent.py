@@ -7,6 +7,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvbridge.agent.config import HELLO_RESEND_S, AgentConfig
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.decode import DecodeSide
 from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.handshake import HelloBudget
 from kvbridge.agent.liveness import LivenessListener, host_of
 from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
@@ -31,6 +33,7 @@ from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.staging import StagingArea
 from kvbridge.wire import (
+    HANDSHAKES,
     Abort,
     Codec,
     Credit,
@@ -40,6 +43,7 @@ from kvbridge.wire import (
     Hello,
     KVPoll,
     Notice,
+    RefusedHandshake,
     Role,
     StatusPush,
     TransferRequest,
@@ -51,6 +55,10 @@ log = logging.getLogger("kvbridge.agent")
 
 BUSY_INTERVAL_S = 0.0002     # the progress thread's wait between steps while a transfer is under way
 BUSY_WINDOW_S = 0.05         # how long frames, notices or a request's metadata keep it that fast
+HANDSHAKE_BYTES_PER_S = 16 << 20    # Hello/Welcome bytes decoded per second (checked before decoding) ...
+HANDSHAKE_BYTES_BURST = 64 << 20    # ... with this burst; beyond it they are dropped undecoded
+SMALL_FRAME_BYTES = 64 << 10        # frames that arrive while the progress step waits for the lock are decoded
+#                                     under it only up to this size (never a handshake); larger ones next step
 
 
 class TransferAgent:
@@ -86,8 +94,12 @@ class TransferAgent:
         self.prefill = PrefillSide(self.context, self.peers, plans) if role is Role.PREFILL else None
         self.decode = DecodeSide(self.context, self.peers, plans, self._reconnect) if role is Role.DECODE else None
         self._reconnecting: dict[str, threading.Thread] = {}
-        self.rejected_frames = 0
+        self.rejected_frames = 0             # frames refused, dropped or failing (metric kvbridge_rejected_frames)
+        self._counter_lock = threading.Lock()
         self._log_budget = LineBudget()
+        # Hellos/Welcomes are decoded outside the agent lock, within a byte budget checked before decoding
+        self._handshake_bytes = HelloBudget(HANDSHAKE_BYTES_PER_S, HANDSHAKE_BYTES_BURST, clock, locked=True)
+        self._deferred: deque[bytes] = deque()      # frames left for the next progress step (see progress())
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._busy_until = 0.0          # the progress thread polls fast until then (see start())
@@ -234,12 +246,9 @@ class TransferAgent:
             self.peers.declare_gone(agent)
 
     def link_wait(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for control frames and handle them."""
-        frames = self.context.link.recv(timeout_s)
-        if frames:
-            with self.context.lock:
-                for frame in frames:
-                    self.handle_frame(frame)
+        """Wait up to ``timeout_s`` for control frames and handle them (each decoded outside the lock)."""
+        for frame in self.context.link.recv(timeout_s):
+            self.handle_frame(frame)
 
     # ------------------------------------------------------------------ rooms
     def sender(self, room: int) -> Sender:
@@ -297,18 +306,26 @@ class TransferAgent:
         undelivered = self._drain_notify_failures()
         if notices:
             self._busy_until = self._clock() + BUSY_WINDOW_S
+        # each frame is decoded before the lock is taken (a large Hello must not stall the engine's calls),
+        # then acts under it
+        frames = self._take_deferred() + ctx.link.recv(0.0)
+        for frame in frames:
+            self.handle_frame(frame)
+        for _peer, blob in notices:
+            self.handle_frame(blob)
         with ctx.lock:
-            # drained under the lock, right before the liveness check: frames that queued up while another
-            # thread held the lock (a long send) must count before a peer is judged silent
-            frames = ctx.link.recv(0.0)
+            # drained again under the lock, right before the liveness check: frames that queued up while
+            # another thread held the lock (a long send) must count before a peer is judged silent; small
+            # ones are handled here, handshakes and large ones are left for the next step (outside the lock)
+            for frame in ctx.link.recv(0.0):
+                if len(frame) <= SMALL_FRAME_BYTES and not self._is_handshake(frame):
+                    self.handle_frame(frame)
+                else:
+                    self._deferred.append(frame)
             for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
                 peer = self.peers.get(peer_id)
                 if peer is not None and peer.alive:
                     ctx.send_frame(peer.address, notice, "resent notice")
-            for frame in frames:
-                self.handle_frame(frame)
-            for _peer, blob in notices:
-                self.handle_frame(blob)
             now = self._clock()
             if self._liveness is not None:
                 self._liveness.poll()
@@ -331,38 +348,90 @@ class TransferAgent:
             log.exception("%s: drain_notify_failures failed", self.name)
             return []
 
-    def handle_frame(self, frame: bytes) -> None:
-        """Authenticate, decode, admit and act on one control frame (call with the agent lock held);
-        never raises: a bad frame is logged and counted."""
+    def _take_deferred(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self._deferred.popleft())
+            except IndexError:
+                return out
+
+    def _is_handshake(self, frame: bytes) -> bool:
+        """Does ``frame`` (unauthenticated: used only to decide where it is decoded) carry a Hello/Welcome?"""
+        return self.context.codec.kind(frame) in HANDSHAKES
+
+    def _open(self, frame: bytes) -> Envelope | Exception:
+        """Check and decode one frame; needs no lock (call it without holding one). A handshake counts
+        against a byte budget before it is decoded. The exception instead of the envelope when it fails."""
+        codec = self.context.codec
         try:
-            env = self.context.codec.open(frame)
+            sealed = codec.check(frame)
+            if sealed.kind in HANDSHAKES and not self._handshake_bytes.take(len(frame)):
+                raise Dropped(f"{sealed.kind} of {len(frame)} bytes from {sealed.head.sender!r}: more than "
+                              f"{HANDSHAKE_BYTES_PER_S} handshake bytes per second (not decoded)")
+            return codec.unseal(sealed)
+        except Exception as exc:  # noqa: BLE001 - counted and logged under the lock by _act
+            return exc
+
+    def handle_frame(self, frame: bytes) -> None:
+        """Authenticate, decode, admit and act on one control frame; never raises: a bad frame is logged
+        and counted. The frame is decoded before the agent lock is taken (unless the caller holds it)."""
+        opened = self._open(frame)
+        if isinstance(opened, ProtocolError) and not isinstance(opened, (RefusedHandshake, VersionMismatch)):
+            self._count_rejected()          # forged or malformed: counted and logged without the agent lock
+            self._log_rejected(logging.WARNING if isinstance(opened, Dropped) else logging.ERROR,
+                               "dropped control frame" if isinstance(opened, Dropped) else "rejected control frame",
+                               opened)
+            return
+        with self.context.lock:
+            self._act(opened)
+
+    def _count_rejected(self) -> None:
+        with self._counter_lock:
+            self.rejected_frames += 1
+
+    def _act(self, opened: Envelope | Exception) -> None:
+        """Admit and act on a decoded frame, or count and log why it was not (call with the lock held)."""
+        try:
+            if isinstance(opened, Exception):
+                raise opened
+            env = opened
             peer = self.peers.admit(env)
             self._dispatch(env, peer)
+        except RefusedHandshake as exc:
+            self._count_rejected()
+            self._log_rejected(logging.ERROR, "refused handshake", exc)
+            self.peers.refuse_handshake(exc)
         except VersionMismatch as exc:
-            self.rejected_frames += 1
+            self._count_rejected()
             self._log_rejected(logging.ERROR, "rejected control frame", exc)
             self.peers.refuse_other_version(exc)
         except Dropped as exc:
-            self.rejected_frames += 1
+            self._count_rejected()
             # a notice can reach us twice by design (with the data and over the link): not worth a warning
             if exc.duplicate_notice:
                 log.debug("%s: dropped control frame: %s", self.name, exc)
             else:
                 self._log_rejected(logging.WARNING, "dropped control frame", exc)
         except ProtocolError as exc:
-            self.rejected_frames += 1
+            self._count_rejected()
             self._log_rejected(logging.ERROR, "rejected control frame", exc)
         except Exception as exc:           # logged (rate-limited, with its traceback), never raised
-            self.rejected_frames += 1
-            if self._log_budget.take("error"):
-                log.error("%s: error while handling a control frame%s", self.name,
-                          self._log_budget.suppressed_note("error"), exc_info=exc)
+            self._count_rejected()
+            with self._counter_lock:
+                logged = self._log_budget.take("error")
+                note = self._log_budget.suppressed_note("error") if logged else ""
+            if logged:
+                log.error("%s: error while handling a control frame%s", self.name, note, exc_info=exc)
 
     def _log_rejected(self, level: int, what: str, exc: Exception) -> None:
         """One line per rejected frame, at most 20 per 10 s per kind: a flood of forged frames must not
         become a flood of log lines (``rejected_frames`` counts them all)."""
-        if self._log_budget.take(what):
-            log.log(level, "%s: %s: %s%s", self.name, what, exc, self._log_budget.suppressed_note(what))
+        with self._counter_lock:
+            if not self._log_budget.take(what):
+                return
+            note = self._log_budget.suppressed_note(what)
+        log.log(level, "%s: %s: %s%s", self.name, what, exc, note)
 
     def _dispatch(self, env: Envelope, peer: Peer | None) -> None:
         message = env.body
