@@ -79,6 +79,7 @@ _NONCES = 1 << 16
 _WATCH_LOG = 4096                             # changes the server remembers for watchers
 _MAX_WATCH_WAIT_S = 5.0                       # longest a watch request is parked on the server
 _TELL_LINGER_MS = 500                         # how long a fire-and-forget withdrawal may try to leave
+DOWN_QUEUE_FRAMES = 16                        # frames kept for an address whose peer is dead (peer_down)
 
 
 class _Publish(msgspec.Struct, frozen=True, tag="publish", kw_only=True):
@@ -640,7 +641,10 @@ class ZmqLink:
     """A process's control mailbox (PULL), per-peer outgoing queues drained by one sender thread, and its
     discovery client (see the module docstring for addresses and discovery).
 
-    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost. ``context``:
+    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost, and what was
+    dropped for a peer that died or left (``dropped_dead_frames``, of those). ``peer_down(address)``: the peer
+    there is dead: its queued frames are dropped and at most ``DOWN_QUEUE_FRAMES`` are kept from then on (the
+    newest) until ``peer_up(address)`` or ``forget(address)``. ``context``:
     the ZMQ context whose I/O thread carries the frames (default: the process's shared instance); an engine
     that pins its threads to cores may give kvbridge its own, made where its I/O thread is not pinned.
     ``address`` is the advertised endpoint (``tcp://<advertised host>:<port>``), ``bound`` the bound one.
@@ -673,10 +677,12 @@ class ZmqLink:
         self._queues: dict[str, deque[bytes]] = {}
         self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
         self._forgotten: set[str] = set()
+        self._down: set[str] = set()            # addresses whose peer is dead: queues capped at DOWN_QUEUE_FRAMES
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.dropped_frames = 0
+        self.dropped_dead_frames = 0
         self._recv_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
@@ -734,18 +740,57 @@ class ZmqLink:
                     return
                 except zmq.Again:
                     pass
-            if len(queue) >= self._queue_frames:
+            down = address in self._down
+            if len(queue) >= (DOWN_QUEUE_FRAMES if down else self._queue_frames):
                 queue.popleft()
                 self.dropped_frames += 1
+                self.dropped_dead_frames += down
             queue.append(frame)
         self._wake.set()
 
     def forget(self, address: str) -> None:
-        """Drop the queue and close the socket of a peer that left."""
+        """Drop the queue and close the socket of a peer that left (the dropped frames are counted)."""
         with self._lock:
-            self._queues.pop(address, None)
+            lost = len(self._queues.pop(address, ()))
+            self.dropped_frames += lost
+            self.dropped_dead_frames += lost
+            self._down.discard(address)
             self._forgotten.add(address)
         self._wake.set()
+
+    def peer_down(self, address: str) -> int:
+        """The peer at ``address`` died or left: drop its queued frames (and the socket's, which ZMQ may still
+        hold) and keep at most ``DOWN_QUEUE_FRAMES`` of the frames sent there from now on. Returns how many
+        frames were dropped."""
+        with self._lock:
+            queue = self._queues.get(address)
+            lost = len(queue) if queue else 0
+            if queue:
+                queue.clear()
+            self.dropped_frames += lost
+            self.dropped_dead_frames += lost
+            self._down.add(address)
+            if address in self._sockets:
+                self._forgotten.add(address)     # closed by the sender thread (LINGER 0); a later frame reopens it
+        self._wake.set()
+        return lost
+
+    def peer_up(self, address: str) -> None:
+        """A live peer listens at ``address`` again (re-admitted, or a new incarnation): its queue's bound is
+        ``queue_frames`` again."""
+        with self._lock:
+            self._down.discard(address)
+
+    def queued_to(self, address: str) -> int:
+        """Frames waiting in this link's queue for ``address``."""
+        with self._lock:
+            queue = self._queues.get(address)
+            return len(queue) if queue else 0
+
+    def is_down(self, address: str) -> bool:
+        """Is ``address`` marked by :meth:`peer_down` (and not since by ``peer_up``/``forget``)?"""
+        with self._lock:
+            return address in self._down
 
     @property
     def queued(self) -> dict[str, int]:
