@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvbridge import metrics
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout
 from kvbridge.links import PeerQueues
@@ -135,7 +136,19 @@ def pair(server: BootstrapServer) -> Iterator[Pair]:
     made.close()
 
 
+def dropped_metric(agent: str) -> float:
+    import prometheus_client
+
+    return sum(s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
+               if s.name == "kvbridge_link_dropped_frames" and s.labels == {"agent": agent, "reason": "dead_peer"})
+
+
 def test_a_killed_prefills_queued_frames_are_dropped_and_the_fences_requests_stay_bounded(pair: Pair) -> None:
+    try:
+        metrics.enable()
+        metrics.watch_agent(pair.dec, interval_s=0.05)
+    except ImportError:
+        pass                                          # kvbridge[metrics] not installed: the link's counters only
     receivers = []
     for room in range(ROOMS):
         pair.pre.sender(room)
@@ -166,6 +179,9 @@ def test_a_killed_prefills_queued_frames_are_dropped_and_the_fences_requests_sta
         time.sleep(0.005)
     assert peak <= DOWN_QUEUE_FRAMES, f"{peak} frames queued to a dead address"
     assert pair.dec_link.dropped_dead_frames - sent_before > ROOMS, "the fence stopped asking (nothing to bound)"
+    if metrics.enabled():
+        wait(lambda: dropped_metric(pair.dec.name) >= pair.dec_link.dropped_dead_frames - 10 * ROOMS, 5,
+             "kvbridge_link_dropped_frames{reason=dead_peer}")
     pair.dec.declare_gone("pre")
     wait(lambda: all(r.safe_to_reuse for r in receivers), 5, "the rooms to be safe after declare_gone")
     assert pair.dec_link.queued_to(address) <= DOWN_QUEUE_FRAMES
