@@ -203,3 +203,28 @@ def test_a_peer_judged_dead_that_speaks_again_gets_its_full_queue_back(pair: Pai
         del pair.pre.link.send                        # type: ignore[method-assign]
     wait(lambda: pair.dec.peers["pre"].state is PeerState.ALIVE, 5 * TIMEOUT_S, "the prefill re-admitted")
     assert not pair.dec_link.is_down(address)
+
+
+def test_a_frame_sent_right_after_peer_down_still_reaches_a_listener_there(link: ZmqLink) -> None:
+    """A restarted peer may listen at the dead one's address at once: a frame sent to it after peer_down must
+    not go into the old socket that the sender thread is about to close (it was lost: a Welcome to a restarted
+    decode at the same address, test_churn)."""
+    import zmq
+
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVTIMEO, 3000)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        link.send(address, b"first")
+        assert pull.recv() == b"first"
+        for i in range(10):
+            link.peer_down(address)
+            link.peer_up(address)
+            for j in range(300):
+                link.send(address, b"after %d.%d " % (i, j) + bytes(2048))
+            got = [pull.recv() for _ in range(300)]
+            assert [g.split(b" ")[1] for g in got] == [b"%d.%d" % (i, j) for j in range(300)], f"round {i}"
+    finally:
+        pull.close(0)

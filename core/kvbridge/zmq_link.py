@@ -678,6 +678,7 @@ class ZmqLink:
         self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
         self._forgotten: set[str] = set()
         self._down: set[str] = set()            # addresses whose peer is dead: queues capped at DOWN_QUEUE_FRAMES
+        self._closing: list[zmq.Socket[bytes]] = []     # sockets of dead peers, for the sender thread to close
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -770,8 +771,9 @@ class ZmqLink:
             self.dropped_frames += lost
             self.dropped_dead_frames += lost
             self._down.add(address)
-            if address in self._sockets:
-                self._forgotten.add(address)     # closed by the sender thread (LINGER 0); a later frame reopens it
+            sock = self._sockets.pop(address, None)
+            if sock is not None:                # closed by the sender thread (LINGER 0): never used again, so a
+                self._closing.append(sock)      # frame sent meanwhile goes to a fresh socket, not into this one
         self._wake.set()
         return lost
 
@@ -808,6 +810,9 @@ class ZmqLink:
                         if sock is not None:
                             sock.close(0)
                     self._forgotten = set()
+                    for sock in self._closing:
+                        sock.close(0)
+                    self._closing.clear()
                     for address, queue in self._queues.items():
                         if queue:
                             sock = self._sockets.get(address)
@@ -816,9 +821,10 @@ class ZmqLink:
                             self._drain(queue, sock)
         finally:
             with self._lock:
-                for sock in self._sockets.values():
+                for sock in [*self._sockets.values(), *self._closing]:
                     sock.close(0)
                 self._sockets.clear()
+                self._closing.clear()
 
     def _pending(self) -> bool:
         with self._lock:
