@@ -148,7 +148,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "kvbridge.handshake", "kvbridge.state", "kvbridge.hookspecs", "kvbridge.backends.base"),
     "protocol": ("kvbridge.wire", "kvbridge.protocol"),
     "runtime": ("kvbridge.agent", "kvbridge.backends", "kvbridge.links", "kvbridge.zmq_link", "kvbridge.discovery",
-                "kvbridge.registry", "kvbridge.hostpool", "kvbridge.metrics", "kvbridge.settings"),
+                "kvbridge.registry", "kvbridge.hostpool", "kvbridge.metrics", "kvbridge.settings",
+                "kvbridge.clockskew"),
     "apps": ("kvbridge.cli", "kvbridge.demo", "kvbridge.bench", "kvbridge.bench_transfer", "kvbridge.bench_plots",
              "kvbridge.sim", "kvbridge.testkit", "kvbridge.plugin", "kvbridge"),
 }

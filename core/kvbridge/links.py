@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -33,6 +33,17 @@ class Link(Protocol):
     def publish(self, instance: str, tp_size: int, rank: int) -> None: ...
     def lookup(self, instance: str) -> InstanceInfo | None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PeerQueues(Protocol):
+    """A link that queues frames per address (``kvbridge.zmq_link.ZmqLink``): the agent tells it when the peer
+    at an address dies (its queued frames are dropped, later ones bounded), comes back, or is forgotten."""
+
+    def peer_down(self, address: str) -> int: ...
+    def peer_up(self, address: str) -> None: ...
+    def forget(self, address: str) -> None: ...
+    def queued_to(self, address: str) -> int: ...
 
 
 class LocalHub:

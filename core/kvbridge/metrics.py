@@ -32,7 +32,10 @@ What is measured (every name starts with ``kvbridge_``):
   safe to reuse longer than the peer timeout after they failed (an unproven writer: the orchestrator's
   ``declare_gone`` is due), and ``rejected_frames_total`` {agent}: control frames the agent refused (bad MAC,
   malformed, replayed, stale, from a non-participant, over a bound; ``TransferAgent.rejected_frames``; a
-  flood of forged frames shows here, its log lines are rate-limited): sampled by :func:`watch_agent`.
+  flood of forged frames shows here, its log lines are rate-limited): sampled by :func:`watch_agent`;
+  ``link_dropped_frames`` {agent, reason}: control frames its link dropped
+  (``full``: a peer's queue overflowed; ``dead_peer``: queued to a peer that died or left, see
+  ``ZmqLink.peer_down``): sampled by :func:`watch_agent`.
 
 Several processes of one host (the demo's ranks) share one exporter through ``prometheus_client``'s
 multiprocess mode: each process calls :func:`enable` with ``multiprocess_dir`` (before anything else imports
@@ -94,6 +97,9 @@ class _Metrics:
         self.overdue = pc.Gauge("kvbridge_rooms_unsafe_overdue", "Failed decode rooms not safe to reuse longer "
                                 "than the peer timeout (a writer neither acknowledged nor proven gone)", ["agent"],
                                 **gauge)
+        self.link_dropped = pc.Gauge("kvbridge_link_dropped_frames", "Control frames the agent's link dropped "
+                                     "(reason full: a peer's queue overflowed; dead_peer: queued to a peer that "
+                                     "died or left)", ["agent", "reason"], **gauge)
         self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
         self.rtt = pc.Gauge("kvbridge_peer_heartbeat_rtt_seconds", "Heartbeat round trip to a peer",
                             ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
@@ -246,6 +252,11 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
                     seen.add(peer.agent)
             if current.decode is not None:
                 m.overdue.labels(name).set(current.decode.overdue_fences(now))
+            dropped, dead = (getattr(current.link, "dropped_frames", None),
+                             getattr(current.link, "dropped_dead_frames", None))
+            if isinstance(dropped, int) and isinstance(dead, int):
+                m.link_dropped.labels(name, "full").set(dropped - dead)
+                m.link_dropped.labels(name, "dead_peer").set(dead)
             for role, side in (("prefill", current.prefill), ("decode", current.decode)):
                 if side is not None:
                     counts = Counter(room.status.name for room in list(side.rooms.values()))

@@ -109,6 +109,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     writer_exit_grace_s: Annotated[float, _doc(
         "after that connection's EOF, how long writes the dead process posted may still land (s)", ge=0,
         le=_MAX_S)] = 0.5
+    clock_window_s: Annotated[float, _doc(
+        "with a secret: a bootstrap request (publish, lookup, watch) whose timestamp is further than this from "
+        "the bootstrap server's clock is refused as stale (a replay); both sides log the measured offset once a "
+        "minute per address (s)", gt=0, le=_MAX_S)] = 60.0
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0

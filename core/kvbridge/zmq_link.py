@@ -48,6 +48,14 @@ from kvbridge.addresses import (
     is_unspecified,
     parse_port_range,
 )
+from kvbridge.clockskew import (
+    CLOCK_WINDOW_ENV,
+    CLOCK_WINDOW_SETTING,
+    Clock,
+    check_window,
+    clock_window_from_env,
+    skew_log_budget,
+)
 from kvbridge.discovery import (
     ZMQ_SCHEMES,
     Change,
@@ -67,11 +75,11 @@ log = logging.getLogger(__name__)
 _MAX_FRAME = MAX_MESSAGE_BYTES + 64          # a frame above this is refused by ZMQ before it is read
 _MAX_REQUEST = 1 << 20
 _MAC = 32
-_CLOCK_SKEW_S = 60.0                          # authenticated bootstrap requests older than this are refused
 _NONCES = 1 << 16
 _WATCH_LOG = 4096                             # changes the server remembers for watchers
 _MAX_WATCH_WAIT_S = 5.0                       # longest a watch request is parked on the server
 _TELL_LINGER_MS = 500                         # how long a fire-and-forget withdrawal may try to leave
+DOWN_QUEUE_FRAMES = 16                        # frames kept for an address whose peer is dead (peer_down)
 
 
 class _Publish(msgspec.Struct, frozen=True, tag="publish", kw_only=True):
@@ -116,6 +124,8 @@ class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     epoch: int = 0
     changes: list[Change] = []
     reset: bool = False    # the server cannot tell what changed since (restart, log overrun): a snapshot
+    skew_s: float = 0.0    # refused as stale: the request's time minus the server's clock (0: not refused so)
+    window_s: float = 0.0  # ... and the server's window (its clock_window_s)
 
 
 _Request = _Publish | _Lookup | _Withdraw | _Watch
@@ -160,13 +170,39 @@ class _Parked:
     deadline: float
 
 
+class _Skewed(ValueError):
+    """An authentic request whose time lies outside the server's window."""
+
+    def __init__(self, offset_s: float, window_s: float) -> None:
+        self.offset_s, self.window_s = offset_s, window_s
+        super().__init__(f"clock skew: the request's time is {offset_s:+.1f} s off the bootstrap server's clock, "
+                         f"outside its {CLOCK_WINDOW_SETTING}={window_s:g} ({CLOCK_WINDOW_ENV})")
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The TCP peer of a received frame ("?" when ZMQ cannot tell)."""
+    try:
+        return str(frame.get("Peer-Address")) or "?"
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return "?"
+
+
 class BootstrapServer:
     """Answers publish/lookup/withdraw/watch requests for prefill instances on one ROUTER socket (a daemon
     thread). ``address``: what clients connect to (``advertise`` replaces the bound host in it, for a server
-    bound to every interface)."""
+    bound to every interface).
+
+    With a secret, a request is refused unless its time is within ``clock_window_s`` of ``clock()`` (default
+    ``KVBRIDGE_CLOCK_WINDOW_S`` or 60 s; the wall clock); such refusals are counted in ``rejected_skew`` and
+    logged once a minute per client address with the measured offset."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:0", *, secret: bytes | None = None,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, advertise: str | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, advertise: str | None = None,
+                 clock_window_s: float | None = None, clock: Clock = time.time) -> None:
+        self._window = (clock_window_from_env() if clock_window_s is None
+                        else check_window(clock_window_s, f"BootstrapServer.{CLOCK_WINDOW_SETTING}"))
+        self._clock = clock
+        self._skew_log = skew_log_budget()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -192,6 +228,11 @@ class BootstrapServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rejected = 0
+        self.rejected_skew = 0          # of which: authentic but outside the clock window
+
+    @property
+    def clock_window_s(self) -> float:
+        return self._window
 
     def start(self) -> BootstrapServer:
         self._thread = threading.Thread(target=self._serve, name="kvbridge-bootstrap", daemon=True)
@@ -219,14 +260,17 @@ class BootstrapServer:
 
     def _receive(self) -> None:
         try:
-            ident, _, frame = self._sock.recv_multipart(zmq.NOBLOCK)
-        except (zmq.Again, ValueError):
+            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
             return
+        if len(parts) != 3:
+            return
+        ident, frame = parts[0].bytes, parts[2].bytes
         nonce = b""
         try:
             request = _REQ_DECODER.decode(_unseal(self._secret, b"bootstrap-request", frame))
             nonce = request.nonce
-            self._check_fresh(request)
+            self._check_fresh(request, parts[2])
             if isinstance(request, _Publish):
                 answer = self._publish(request)
             elif isinstance(request, _Withdraw):
@@ -238,6 +282,10 @@ class BootstrapServer:
                 answer = parked
             else:
                 answer = _Answer(info=self._info(request.instance))
+        except _Skewed as exc:
+            self.rejected += 1
+            self.rejected_skew += 1
+            answer = _Answer(info=None, error=str(exc), skew_s=exc.offset_s, window_s=exc.window_s)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.rejected += 1
             log.error("bootstrap: rejected request: %s", exc)
@@ -251,18 +299,28 @@ class BootstrapServer:
         except zmq.ZMQError as exc:
             log.debug("bootstrap: an answer was dropped: %s", exc)
 
-    def _check_fresh(self, request: _Request) -> None:
-        """With a secret, a request is accepted once and only while fresh (no replay)."""
+    def _check_fresh(self, request: _Request, frame: zmq.Frame) -> None:
+        """With a secret, a request is accepted once and only while fresh (no replay). An authentic request
+        outside the clock window raises :class:`_Skewed` (logged once a minute per client address)."""
         if self._secret is None:
             return
-        now = time.time()
-        if abs(now - request.time) > _CLOCK_SKEW_S or len(request.nonce) < 16:
-            raise ValueError("stale or unnumbered request")
+        if len(request.nonce) < 16:
+            raise ValueError("unnumbered request")
+        now = self._clock()
+        offset = request.time - now
+        if not abs(offset) <= self._window:           # NaN too
+            peer = _peer_address(frame)
+            if self._skew_log.take(peer):
+                log.warning("bootstrap: requests from %s are %+.1f s off this server's clock, outside %s=%g s (%s)"
+                            ": refused until the clocks agree (NTP) or the window is raised; logged once a minute "
+                            "per address%s", peer, offset, CLOCK_WINDOW_SETTING, self._window, CLOCK_WINDOW_ENV,
+                            self._skew_log.suppressed_note(peer))
+            raise _Skewed(offset, self._window)
         if request.nonce in self._nonces:
             raise ValueError("replayed request")
         self._nonces[request.nonce] = now
         while self._nonces and (len(self._nonces) > _NONCES
-                                or now - next(iter(self._nonces.values())) > 2 * _CLOCK_SKEW_S):
+                                or now - next(iter(self._nonces.values())) > 2 * self._window):
             self._nonces.popitem(last=False)
 
     # ---------------------------------------------------------------- the table
@@ -389,7 +447,7 @@ class ZmqBootstrap:
 
     def __init__(self, url: str, *, secret: bytes | None = None, timeout_s: float = 2.0, lease_s: float = 10.0,
                  republish_s: float = 2.0, context: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 options: Mapping[str, str] | None = None) -> None:
+                 options: Mapping[str, str] | None = None, clock: Clock = time.time) -> None:
         unknown = sorted(set(options or {}) - {"republish_s"})
         if unknown:
             raise ValueError(f"unknown zmq discovery option(s) {unknown}; known: ['republish_s']")
@@ -410,6 +468,9 @@ class ZmqBootstrap:
         self._life = secrets.token_bytes(8)      # in every publication: the server tells lives apart by it
         self._stop = threading.Event()
         self._republisher: threading.Thread | None = None
+        self._clock = clock
+        self._skew_log = skew_log_budget()
+        self.skew_rejections = 0         # requests the server refused because our clocks disagree
 
     def route_target(self) -> tuple[str, int] | None:
         return endpoint_host_port(self.url)
@@ -424,7 +485,7 @@ class ZmqBootstrap:
     def _stamp(self, request: _Request) -> _Request:
         if self._secret is None:
             return request
-        return msgspec.structs.replace(request, nonce=os.urandom(16), time=time.time())
+        return msgspec.structs.replace(request, nonce=os.urandom(16), time=self._clock())
 
     def _ask(self, request: _Request, timeout_ms: int | None = None) -> _Answer:
         request = self._stamp(request)
@@ -445,7 +506,21 @@ class ZmqBootstrap:
             sock.close(0)
         if self._secret is not None and answer.nonce != request.nonce:
             return _Answer(info=None, error="bootstrap answer does not belong to this request")
+        if answer.skew_s:
+            self._skewed(answer)
         return answer
+
+    def _skewed(self, answer: _Answer) -> None:
+        """The server refused an authentic request of ours as stale: say so once a minute, with the offset."""
+        with self._lock:
+            self.skew_rejections += 1
+            due = self._skew_log.take(self.url)
+            note = self._skew_log.suppressed_note(self.url) if due else ""
+        if due:
+            log.warning("bootstrap server %s refuses our requests: this host's clock is %+.1f s off the server's, "
+                        "outside its %s=%g s (%s): publications, lookups and watches fail until the clocks agree "
+                        "(NTP) or the window is raised on the server; logged once a minute%s", self.url,
+                        answer.skew_s, CLOCK_WINDOW_SETTING, answer.window_s, CLOCK_WINDOW_ENV, note)
 
     def _tell(self, request: _Request) -> None:
         """Send a request and do not wait for the answer (it is dropped); the frame may try to leave for
@@ -495,7 +570,7 @@ class ZmqBootstrap:
 
     def lookup(self, instance: str) -> InstanceInfo | None:
         answer = self._ask(_Lookup(instance=instance))
-        if answer.error:
+        if answer.error and not answer.skew_s:       # a skew is logged once a minute by _ask
             log.warning("bootstrap lookup of %r failed: %s", instance, answer.error)
         return answer.info
 
@@ -566,7 +641,10 @@ class ZmqLink:
     """A process's control mailbox (PULL), per-peer outgoing queues drained by one sender thread, and its
     discovery client (see the module docstring for addresses and discovery).
 
-    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost. ``context``:
+    ``queue_frames`` bounds each peer's queue; ``dropped_frames`` counts what a full queue lost, and what was
+    dropped for a peer that died or left (``dropped_dead_frames``, of those). ``peer_down(address)``: the peer
+    there is dead: its queued frames are dropped and at most ``DOWN_QUEUE_FRAMES`` are kept from then on (the
+    newest) until ``peer_up(address)`` or ``forget(address)``. ``context``:
     the ZMQ context whose I/O thread carries the frames (default: the process's shared instance); an engine
     that pins its threads to cores may give kvbridge its own, made where its I/O thread is not pinned.
     ``address`` is the advertised endpoint (``tcp://<advertised host>:<port>``), ``bound`` the bound one.
@@ -599,10 +677,13 @@ class ZmqLink:
         self._queues: dict[str, deque[bytes]] = {}
         self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
         self._forgotten: set[str] = set()
+        self._down: set[str] = set()            # addresses whose peer is dead: queues capped at DOWN_QUEUE_FRAMES
+        self._closing: list[zmq.Socket[bytes]] = []     # sockets of dead peers, for the sender thread to close
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.dropped_frames = 0
+        self.dropped_dead_frames = 0
         self._recv_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
@@ -660,18 +741,58 @@ class ZmqLink:
                     return
                 except zmq.Again:
                     pass
-            if len(queue) >= self._queue_frames:
+            down = address in self._down
+            if len(queue) >= (DOWN_QUEUE_FRAMES if down else self._queue_frames):
                 queue.popleft()
                 self.dropped_frames += 1
+                self.dropped_dead_frames += down
             queue.append(frame)
         self._wake.set()
 
     def forget(self, address: str) -> None:
-        """Drop the queue and close the socket of a peer that left."""
+        """Drop the queue and close the socket of a peer that left (the dropped frames are counted)."""
         with self._lock:
-            self._queues.pop(address, None)
+            lost = len(self._queues.pop(address, ()))
+            self.dropped_frames += lost
+            self.dropped_dead_frames += lost
+            self._down.discard(address)
             self._forgotten.add(address)
         self._wake.set()
+
+    def peer_down(self, address: str) -> int:
+        """The peer at ``address`` died or left: drop its queued frames (and the socket's, which ZMQ may still
+        hold) and keep at most ``DOWN_QUEUE_FRAMES`` of the frames sent there from now on. Returns how many
+        frames were dropped."""
+        with self._lock:
+            queue = self._queues.get(address)
+            lost = len(queue) if queue else 0
+            if queue:
+                queue.clear()
+            self.dropped_frames += lost
+            self.dropped_dead_frames += lost
+            self._down.add(address)
+            sock = self._sockets.pop(address, None)
+            if sock is not None:                # closed by the sender thread (LINGER 0): never used again, so a
+                self._closing.append(sock)      # frame sent meanwhile goes to a fresh socket, not into this one
+        self._wake.set()
+        return lost
+
+    def peer_up(self, address: str) -> None:
+        """A live peer listens at ``address`` again (re-admitted, or a new incarnation): its queue's bound is
+        ``queue_frames`` again."""
+        with self._lock:
+            self._down.discard(address)
+
+    def queued_to(self, address: str) -> int:
+        """Frames waiting in this link's queue for ``address``."""
+        with self._lock:
+            queue = self._queues.get(address)
+            return len(queue) if queue else 0
+
+    def is_down(self, address: str) -> bool:
+        """Is ``address`` marked by :meth:`peer_down` (and not since by ``peer_up``/``forget``)?"""
+        with self._lock:
+            return address in self._down
 
     @property
     def queued(self) -> dict[str, int]:
@@ -689,6 +810,9 @@ class ZmqLink:
                         if sock is not None:
                             sock.close(0)
                     self._forgotten = set()
+                    for sock in self._closing:
+                        sock.close(0)
+                    self._closing.clear()
                     for address, queue in self._queues.items():
                         if queue:
                             sock = self._sockets.get(address)
@@ -697,9 +821,10 @@ class ZmqLink:
                             self._drain(queue, sock)
         finally:
             with self._lock:
-                for sock in self._sockets.values():
+                for sock in [*self._sockets.values(), *self._closing]:
                     sock.close(0)
                 self._sockets.clear()
+                self._closing.clear()
 
     def _pending(self) -> bool:
         with self._lock:

@@ -29,6 +29,7 @@ from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
+from kvbridge.links import PeerQueues
 from kvbridge.protocol.states import (
     LIVE_PEER,
     PEER,
@@ -202,6 +203,7 @@ class PeerTable:
         for callback in self._on_revive:
             callback(peer)
         self.beat_targets[peer.agent] = (peer.address, peer.incarnation)
+        self._link_up(peer.address)
 
     def _retire(self, old: Peer, why: str) -> None:
         """End an old record of a peer that comes back changed: its rooms fail, its resources go."""
@@ -215,6 +217,24 @@ class PeerTable:
     def _insert(self, new: Peer) -> None:
         self.peers[new.agent] = new
         self.beat_targets[new.agent] = (new.address, new.incarnation)
+        self._link_up(new.address)
+
+    def _link_up(self, address: str) -> None:
+        link = self._ctx.link
+        if isinstance(link, PeerQueues):
+            link.peer_up(address)
+
+    def _link_down(self, peer: Peer) -> None:
+        """``peer`` died or left: the link drops the frames queued to its address and bounds later ones (the
+        fence's abort requests to a dead writer would otherwise pile up), unless a live peer listens there."""
+        link = self._ctx.link
+        if not isinstance(link, PeerQueues) or any(p.alive and p.address == peer.address
+                                                   for p in self.peers.values()):
+            return
+        lost = link.peer_down(peer.address)
+        if lost:
+            log.info("%s: dropped %d frames queued to %s at %s (gone)", self._ctx.name, lost, peer.agent,
+                     peer.address)
 
     def _drop(self, peer: Peer, *, keep_watch: bool = False) -> None:
         """Release everything held for a peer record (backend peer, caches, link socket); ``keep_watch``: a
@@ -239,7 +259,8 @@ class PeerTable:
         """Let the link release what it holds for an address no peer of ours listens at (optional link
         method ``forget``: queue and socket)."""
         if not any(p.address == address for p in self.peers.values()):
-            forget = getattr(self._ctx.link, "forget", None)
+            link = self._ctx.link
+            forget = link.forget if isinstance(link, PeerQueues) else getattr(link, "forget", None)
             if forget is not None:
                 forget(address)
 
@@ -467,6 +488,7 @@ class PeerTable:
         peer.step(event)
         peer.died_at = self._ctx.clock()
         self.beat_targets.pop(peer.agent, None)
+        self._link_down(peer)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
         log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self._ctx.name, reason)
         for callback in self._on_death:
@@ -486,6 +508,7 @@ class PeerTable:
             return
         if peer.state is not PeerState.RETIRED:
             peer.step(event)
+        self._link_down(peer)
         for callback in self._on_death:
             callback(peer, f"peer {peer.agent} {why}")
 

@@ -109,7 +109,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     model = get_preset(preset, registry)
     model.check_tp(prefill_tp, decode_tp)
     metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
-    server = BootstrapServer().start()
+    server = BootstrapServer(clock_window_s=settings.clock_window_s).start()
     exporter = None
     base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
