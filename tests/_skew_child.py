@@ -1,12 +1,14 @@
-"""One rank of a version-skew test (tests/test_version_skew.py), run as ``python tests/_skew_child.py JOB``.
+"""Ranks of a version-skew test (tests/test_version_skew.py), run as ``python tests/_skew_child.py JOB``.
 
 The same script runs against either release: the test starts it with ``PYTHONPATH`` pointing at a tree
-extracted from git history (the previous release) or at this one, so it uses only the API both share
-(``TransferAgent``, ``ZmqLink``, ``sender``/``receiver``). JOB is one JSON object; the child answers with
-``SKEW {json}`` lines on stdout: ``ready`` (which kvbridge it imported, its protocol version), then
-``done`` (the room's final status; a decode adds its own comparison of every destination page with the
-reference and the pages' SHA-256, which the test recomputes independently). A prefill waits for stdin to
-close before it closes its agent (a decode may still be reading its last notice).
+extracted from git history (the previous release), so it uses only the API both share (``TransferAgent``,
+``ZmqLink``, ``sender``/``receiver``). JOB is one JSON object: ``{"bootstrap", "backend", "timeout_s",
+"ranks": [{"role", "name", "instance", "room", "seed", "src_pages", "dst_pages", "model"?}, ...]}`` (a
+prefill and a decode may share the process: NIXL starts once). The child answers with ``SKEW {json}`` lines
+on stdout: ``ready`` per rank (which kvbridge it imported, its protocol version), then ``done`` per rank
+(the room's final status; a decode adds its own comparison of every destination page with the reference
+and the pages' SHA-256, which the test recomputes independently). The agents close once stdin closes (a
+decode may still be reading a prefill's last notice until then).
 
 The bytes are :func:`reference` pages: NumPy's seeded generator, no kvbridge code involved.
 """
@@ -25,7 +27,7 @@ PAGES, TOKENS, HEADS, HEAD_DIM, LAYERS = 16, 4, 2, 8, 2
 ITEM_BYTES = TOKENS * HEADS * HEAD_DIM * 2          # bfloat16
 
 
-def layout(tp_rank: int = 0) -> Any:
+def layout(tp_rank: int = 0, model: str = "skew") -> Any:
     """The pool both ranks use: TP 1, one KV component of 2 layers x (k, v)."""
     from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 
@@ -33,7 +35,7 @@ def layout(tp_rank: int = 0) -> Any:
                                 dtype=DType.BFLOAT16, shard=ShardAxis(1, HEADS))
                  for t in "kv" for layer in range(LAYERS))
     return PoolLayout(components=(Component(name="kv", state_type="kv", buffers=bufs),), tp_size=1,
-                      tp_rank=tp_rank, page_size=TOKENS, model="skew")
+                      tp_rank=tp_rank, page_size=TOKENS, model=model)
 
 
 def reference(seed: int, buffer: int, count: int) -> np.ndarray:
@@ -78,53 +80,82 @@ def _wait_status(poll: Any, done: Any, timeout_s: float) -> Any:
 
 
 def main(job: dict[str, Any]) -> None:
+    """Start every rank of ``job["ranks"]`` (a prefill and a decode may share the process: one NIXL start),
+    run each in a thread, and close them all once stdin closes."""
     import os
+    import threading
 
-    from kvbridge.wire import Role
-
-    role = Role(job["role"])
-    buffers, segment = shm_buffers(role.value)
-    try:
-        _run(job, role, buffers)
-    finally:
-        os.unlink(segment)
-
-
-def _run(job: dict[str, Any], role: Any, buffers: list[np.ndarray]) -> None:
     import kvbridge
     from kvbridge import wire
     from kvbridge.agent import TransferAgent
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
 
-    if role is Role.PREFILL:
-        for b, buf in enumerate(buffers):
-            buf[job["src_pages"]] = reference(job["seed"], b, len(job["src_pages"]))
-    link = ZmqLink(bootstrap=job["bootstrap"])
-    agent = TransferAgent(layout=layout(), buffers={"kv": buffers}, role=role, link=link, backend=job["backend"],
-                          instance=job["instance"] if role is Role.PREFILL else "", name=job["name"])
-    agent.start(0.001)
-    _say("ready", kvbridge=kvbridge.__file__, version=wire.PROTOCOL_VERSION, name=agent.name)
-    timeout = float(job["timeout_s"])
-    finished = (KVPoll.Success, KVPoll.Failed)
-    if role is Role.PREFILL:
-        sender = agent.sender(job["room"])
-        status = _wait_status(sender.poll, lambda s: s >= KVPoll.WaitingForInput or s is KVPoll.Failed, timeout)
-        if status is KVPoll.WaitingForInput:
-            sender.send(np.asarray(job["src_pages"]), last=True)
-            status = _wait_status(sender.poll, lambda s: s in finished, timeout)
-        _say("done", status=status.name, reason=sender.failure_reason() if status is KVPoll.Failed else "")
+    agents: list[Any] = []
+    segments: list[str] = []
+    threads: list[threading.Thread] = []
+    try:
+        for rank in job["ranks"]:
+            role = Role(rank["role"])
+            buffers, segment = shm_buffers(rank["name"][-12:])
+            segments.append(segment)
+            if role is Role.PREFILL:
+                for b, buf in enumerate(buffers):
+                    buf[rank["src_pages"]] = reference(rank["seed"], b, len(rank["src_pages"]))
+            agent = TransferAgent(layout=layout(model=rank.get("model", "skew")), buffers={"kv": buffers}, role=role,
+                                  link=ZmqLink(bootstrap=job["bootstrap"]), backend=job["backend"],
+                                  instance=rank["instance"] if role is Role.PREFILL else "", name=rank["name"])
+            agents.append(agent)
+            agent.start(0.001)
+            _say("ready", kvbridge=kvbridge.__file__, version=wire.PROTOCOL_VERSION, name=agent.name)
+            run = _serve if role is Role.PREFILL else _receive
+            threads.append(threading.Thread(target=_reporting, args=(run, agent, rank, buffers, job["timeout_s"]),
+                                            daemon=True))
+        for thread in threads:
+            thread.start()
         sys.stdin.read()                        # until the test closes it
-    else:
-        agent.connect(job["instance"], timeout_s=timeout)
-        receiver = agent.receiver(job["room"], job["instance"])
-        receiver.send_metadata({"kv": np.asarray(job["dst_pages"])})
-        status = _wait_status(receiver.poll, lambda s: s in finished, timeout)
-        exact = all(np.array_equal(buf[job["dst_pages"]], reference(job["seed"], b, len(job["dst_pages"])))
-                    for b, buf in enumerate(buffers))
-        _say("done", status=status.name, reason=receiver.failure_reason() if status is KVPoll.Failed else "",
-             exact=exact, digests=digests(buffers, job["dst_pages"]))
-    agent.close()
+        for thread in threads:
+            thread.join(float(job["timeout_s"]))
+    finally:
+        for agent in agents:
+            agent.close()
+        for segment in segments:
+            os.unlink(segment)
+
+
+def _reporting(run: Any, agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout_s: float) -> None:
+    try:
+        run(agent, rank, buffers, float(timeout_s))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        _say("error", name=agent.name, text=f"{type(exc).__name__}: {exc}")
+
+
+def _serve(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout: float) -> None:
+    from kvbridge.wire import KVPoll
+
+    if rank.get("room") is None:
+        return                                  # only there to answer Hellos
+    sender = agent.sender(rank["room"])
+    status = _wait_status(sender.poll, lambda s: s >= KVPoll.WaitingForInput or s is KVPoll.Failed, timeout)
+    if status is KVPoll.WaitingForInput:
+        sender.send(np.asarray(rank["src_pages"]), last=True)
+        status = _wait_status(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), timeout)
+    _say("done", name=agent.name, status=status.name,
+         reason=sender.failure_reason() if status is KVPoll.Failed else "")
+
+
+def _receive(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout: float) -> None:
+    from kvbridge.wire import KVPoll
+
+    agent.connect(rank["instance"], timeout_s=timeout)
+    receiver = agent.receiver(rank["room"], rank["instance"])
+    pages = rank["dst_pages"]
+    receiver.send_metadata({"kv": np.asarray(pages)})
+    status = _wait_status(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), timeout)
+    exact = all(np.array_equal(buf[pages], reference(rank["seed"], b, len(pages))) for b, buf in enumerate(buffers))
+    _say("done", name=agent.name, status=status.name,
+         reason=receiver.failure_reason() if status is KVPoll.Failed else "", exact=exact,
+         digests=digests(buffers, pages))
 
 
 if __name__ == "__main__":
