@@ -2,13 +2,14 @@
 
 The same script runs against either release: the test starts it with ``PYTHONPATH`` pointing at a tree
 extracted from git history (the previous release), so it uses only the API both share (``TransferAgent``,
-``ZmqLink``, ``sender``/``receiver``). JOB is one JSON object: ``{"bootstrap", "backend", "timeout_s",
-"ranks": [{"role", "name", "instance", "room", "seed", "src_pages", "dst_pages", "model"?}, ...]}`` (a
-prefill and a decode may share the process: NIXL starts once). The child answers with ``SKEW {json}`` lines
-on stdout: ``ready`` per rank (which kvbridge it imported, its protocol version), then ``done`` per rank
-(the room's final status; a decode adds its own comparison of every destination page with the reference
-and the pages' SHA-256, which the test recomputes independently). The agents close once stdin closes (a
-decode may still be reading a prefill's last notice until then).
+``AgentConfig``, ``ZmqLink``, ``sender``/``receiver``). JOB is one JSON object: ``{"bootstrap", "backend",
+"timeout_s", "secret"? (hex), "config"? (AgentConfig fields), "ranks": [{"role", "name", "instance", "room",
+"seed", "src_pages", "dst_pages", "model"?}, ...]}`` (a prefill and a decode may share the process: NIXL
+starts once). The child answers with ``SKEW {json}`` lines on stdout: ``ready`` per rank (which kvbridge it
+imported, its protocol version), then ``done`` per rank (the room's final status; a decode adds its own
+comparison of every destination page with the reference and the pages' SHA-256, which the test recomputes
+independently). Once stdin closes, each rank says ``final`` (the peers it still counts alive) and closes (a
+decode may read a prefill's last notice until then).
 
 The bytes are :func:`reference` pages: NumPy's seeded generator, no kvbridge code involved.
 """
@@ -87,9 +88,12 @@ def main(job: dict[str, Any]) -> None:
 
     import kvbridge
     from kvbridge import wire
-    from kvbridge.agent import TransferAgent
+    from kvbridge.agent import AgentConfig, TransferAgent
     from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
+
+    secret = bytes.fromhex(job["secret"]) if job.get("secret") else None
+    config = AgentConfig(secret=secret, **job.get("config", {}))
 
     agents: list[Any] = []
     segments: list[str] = []
@@ -103,8 +107,9 @@ def main(job: dict[str, Any]) -> None:
                 for b, buf in enumerate(buffers):
                     buf[rank["src_pages"]] = reference(rank["seed"], b, len(rank["src_pages"]))
             agent = TransferAgent(layout=layout(model=rank.get("model", "skew")), buffers={"kv": buffers}, role=role,
-                                  link=ZmqLink(bootstrap=job["bootstrap"]), backend=job["backend"],
-                                  instance=rank["instance"] if role is Role.PREFILL else "", name=rank["name"])
+                                  link=ZmqLink(bootstrap=job["bootstrap"], secret=secret), backend=job["backend"],
+                                  instance=rank["instance"] if role is Role.PREFILL else "", name=rank["name"],
+                                  config=config)
             agents.append(agent)
             agent.start(0.001)
             _say("ready", kvbridge=kvbridge.__file__, version=wire.PROTOCOL_VERSION, name=agent.name)
@@ -116,6 +121,10 @@ def main(job: dict[str, Any]) -> None:
         sys.stdin.read()                        # until the test closes it
         for thread in threads:
             thread.join(float(job["timeout_s"]))
+        for agent in agents:                    # whom it still counts alive (heartbeats understood both ways)
+            with agent.context.lock:
+                alive = sorted(p.agent for p in agent.peers.peers.values() if p.alive)
+            _say("final", name=agent.name, alive=alive)
     finally:
         for agent in agents:
             agent.close()

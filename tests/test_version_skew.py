@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _skew_child as kid
 
 from kvbridge import wire
-from kvbridge.agent import TransferAgent
+from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import LocalHub
 from kvbridge.wire import KVPoll, Role
@@ -57,7 +57,11 @@ def _nixl_ok() -> bool:
     return bool(kvbridge_nixl.probe().available)
 
 
-BACKENDS = ["loopback", pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_ok(), reason="nixl not usable"))]
+# loopback with a shared secret (the MAC covers the version), NIXL without
+BACKENDS = [pytest.param("loopback", b"skew-secret", id="loopback-secret"),
+            pytest.param("nixl", None, id="nixl", marks=pytest.mark.skipif(not _nixl_ok(), reason="nixl not usable"))]
+# short timeouts: the test outlives the peer timeout, so heartbeats must be understood both ways
+CONFIG = {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.1}
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[bytes]:
@@ -138,8 +142,14 @@ class OldRelease:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-4000:]
 
+    def finish(self, *names: str) -> dict[str, list[str]]:
+        """Close its stdin: each rank says whom it still counts alive, then closes."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return {name: self.wait("final", name)["alive"] for name in names}
+
     def close(self) -> None:
-        if self.proc.stdin is not None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)
@@ -150,8 +160,13 @@ class OldRelease:
 
 
 @pytest.fixture
-def bootstrap() -> Iterator[str]:
-    server = BootstrapServer().start()
+def secret(request: pytest.FixtureRequest) -> bytes | None:
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def bootstrap(secret: bytes | None) -> Iterator[str]:
+    server = BootstrapServer(secret=secret).start()
     try:
         yield server.address
     finally:
@@ -170,22 +185,24 @@ def cleanup() -> Iterator[list[Any]]:
             item.close()
 
 
-def _new_agent(role: Role, backend: str, bootstrap: str, instance: str, cleanup: list[Any]) -> tuple[
-        TransferAgent, list[np.ndarray]]:
+def _new_agent(role: Role, backend: str, bootstrap: str, instance: str, cleanup: list[Any],
+               secret: bytes | None = None) -> tuple[TransferAgent, list[np.ndarray]]:
     buffers, segment = kid.shm_buffers(f"test-{role.value}-{uuid.uuid4().hex[:6]}")
     cleanup.append(segment)
-    link = ZmqLink(bootstrap=bootstrap)
+    link = ZmqLink(bootstrap=bootstrap, secret=secret)
     agent = TransferAgent(layout=kid.layout(), buffers={"kv": buffers}, role=role, link=link, backend=backend,
-                          instance=instance if role is Role.PREFILL else "", name=f"new-{role.value}-{instance}")
+                          instance=instance if role is Role.PREFILL else "", name=f"new-{role.value}-{instance}",
+                          config=AgentConfig(secret=secret, **CONFIG))
     cleanup.append(agent)
     agent.start(0.001)
     return agent, buffers
 
 
-def _old(tree: Path, cleanup: list[Any], backend: str, bootstrap: str, *ranks: dict[str, Any]) -> OldRelease:
+def _old(tree: Path, cleanup: list[Any], backend: str, bootstrap: str, *ranks: dict[str, Any],
+         secret: bytes | None = None) -> OldRelease:
     """Start ranks of the previous release (they start while the test builds its own agents: NIXL takes seconds)."""
     release = OldRelease(tree, {"timeout_s": TIMEOUT_S, "backend": backend, "bootstrap": bootstrap,
-                                "ranks": list(ranks)})
+                                "ranks": list(ranks), "secret": secret.hex() if secret else "", "config": CONFIG})
     cleanup.append(release)
     return release
 
@@ -205,23 +222,24 @@ def _until(predicate: Any, what: str, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_requests_both_ways_with_the_previous_release(previous_release: Path, bootstrap: str,
-                                                      cleanup: list[Any], backend: str) -> None:
+@pytest.mark.parametrize("backend, secret", BACKENDS, indirect=["secret"])
+def test_requests_both_ways_with_the_previous_release(previous_release: Path, bootstrap: str, cleanup: list[Any],
+                                                      backend: str, secret: bytes | None) -> None:
     """Old prefill -> new decode (instance A) and new prefill -> old decode (instance B) at once: both
-    handshakes negotiate 5 (recorded on our side), both rooms succeed, every landed byte is the reference's."""
+    handshakes negotiate 5 (recorded on our side), both rooms succeed, every landed byte is the reference's,
+    and past the peer timeout every pair still counts the other alive (heartbeats understood both ways)."""
     tag = uuid.uuid4().hex[:8]
     a, b, old_prefill, old_decode = f"skew-a-{tag}", f"skew-b-{tag}", f"old-prefill-{tag}", f"old-decode-{tag}"
     old = _old(previous_release, cleanup, backend, bootstrap,
                {"role": "prefill", "name": old_prefill, "instance": a, "room": 77, "seed": 11,
                 "src_pages": SRC_PAGES, "dst_pages": DST_PAGES},
                {"role": "decode", "name": old_decode, "instance": b, "room": 78, "seed": 23,
-                "src_pages": SRC_PAGES, "dst_pages": DST_PAGES})
-    prefill, src = _new_agent(Role.PREFILL, backend, bootstrap, b, cleanup)
+                "src_pages": SRC_PAGES, "dst_pages": DST_PAGES}, secret=secret)
+    prefill, src = _new_agent(Role.PREFILL, backend, bootstrap, b, cleanup, secret)
     for i, buf in enumerate(src):
         buf[SRC_PAGES] = kid.reference(23, i, len(SRC_PAGES))
     sender = prefill.sender(78)
-    decode, dst = _new_agent(Role.DECODE, backend, bootstrap, a, cleanup)
+    decode, dst = _new_agent(Role.DECODE, backend, bootstrap, a, cleanup, secret)
     old.ready(old_prefill)
     old.ready(old_decode)
 
@@ -248,6 +266,14 @@ def test_requests_both_ways_with_the_previous_release(previous_release: Path, bo
     want = [hashlib.sha256(pages.tobytes()).hexdigest() for pages in _expected(23)]
     assert done["digests"] == want, "the old decode's pages differ from the reference"
     _until(lambda: sender.poll() is KVPoll.Success, "the new prefill's room succeeded")
+
+    time.sleep(1.5 * CONFIG["peer_timeout_s"])
+    assert decode.peer_versions() == {old_prefill: PREVIOUS_VERSION}
+    assert prefill.peer_versions() == {old_decode: PREVIOUS_VERSION}
+    final = old.finish(old_prefill, old_decode)
+    assert final == {old_prefill: [decode.name], old_decode: [prefill.name]}, final
+    assert decode.rejected_frames == prefill.rejected_frames == 0 or backend == "nixl", (
+        decode.rejected_frames, prefill.rejected_frames)
 
 
 def _hello_frame(version: int, agent: str, address: str) -> bytes:
