@@ -44,7 +44,7 @@ from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 REPO = Path(__file__).resolve().parents[1]
 PREVIOUS = "3dddad1"                  # the previous release: end of wave 2, protocol 5
-PREVIOUS_VERSION = 5
+PREVIOUS_VERSION = 5                  # its PROTOCOL_VERSION: this release's MIN_PROTOCOL_VERSION
 CHILD = Path(kid.__file__).resolve()
 TIMEOUT_S = 20.0
 
