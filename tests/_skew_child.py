@@ -8,7 +8,8 @@ extracted from git history (the previous release), so it uses only the API both 
 starts once). The child answers with ``SKEW {json}`` lines on stdout: ``ready`` per rank (which kvbridge it
 imported, its protocol version), then ``done`` per rank (the room's final status; a decode adds its own
 comparison of every destination page with the reference and the pages' SHA-256, which the test recomputes
-independently). Once stdin closes, each rank says ``final`` (the peers it still counts alive) and closes (a
+independently). Once stdin closes, each rank says ``final`` (the peers it still counts alive, the frames it
+rejected) and closes (a
 decode may read a prefill's last notice until then).
 
 The bytes are :func:`reference` pages: NumPy's seeded generator, no kvbridge code involved.
@@ -124,7 +125,7 @@ def main(job: dict[str, Any]) -> None:
         for agent in agents:                    # whom it still counts alive (heartbeats understood both ways)
             with agent.context.lock:
                 alive = sorted(p.agent for p in agent.peers.peers.values() if p.alive)
-            _say("final", name=agent.name, alive=alive)
+            _say("final", name=agent.name, alive=alive, rejected=agent.rejected_frames)
     finally:
         for agent in agents:
             agent.close()
