@@ -232,8 +232,8 @@ class PeerTable:
                         "(%s)", self._ctx.name, new.agent, new.incarnation, new.version, new.version,
                         _DOWNGRADE_NOTE[self._ctx.role])
         else:
-            log.info("%s: peer %s (incarnation %#x) speaks protocol %d", self._ctx.name, new.agent, new.incarnation,
-                     new.version)
+            log.debug("%s: peer %s (incarnation %#x) speaks protocol %d", self._ctx.name, new.agent, new.incarnation,
+                      new.version)
 
     def _drop(self, peer: Peer, *, keep_watch: bool = False) -> None:
         """Release everything held for a peer record (backend peer, caches, link socket); ``keep_watch``: a
