@@ -5,12 +5,11 @@ extracted from git history (the previous release), so it uses only the API both 
 ``AgentConfig``, ``ZmqLink``, ``sender``/``receiver``). JOB is one JSON object: ``{"bootstrap", "backend",
 "timeout_s", "secret"? (hex), "config"? (AgentConfig fields), "ranks": [{"role", "name", "instance", "room",
 "seed", "src_pages", "dst_pages", "model"?}, ...]}`` (a prefill and a decode may share the process: NIXL
-starts once). The child answers with ``SKEW {json}`` lines on stdout: ``ready`` per rank (which kvbridge it
-imported, its protocol version), then ``done`` per rank (the room's final status; a decode adds its own
-comparison of every destination page with the reference and the pages' SHA-256, which the test recomputes
-independently). Once stdin closes, each rank says ``final`` (the peers it still counts alive, the frames it
-rejected) and closes (a
-decode may read a prefill's last notice until then).
+starts once). The child answers with ``SKEW {json}`` lines on stdout: ``ready`` per rank (which kvbridge and
+plugin packages it imported, its protocol version), then ``done`` per rank (the room's final status; a decode
+adds its own comparison of every destination page with the reference and the pages' SHA-256, which the test
+recomputes independently). Once stdin closes, each rank says ``final`` (the peers it still counts alive, the
+frames it rejected) and closes (a decode may read a prefill's last notice until then).
 
 The bytes are :func:`reference` pages: NumPy's seeded generator, no kvbridge code involved.
 """
@@ -113,7 +112,9 @@ def main(job: dict[str, Any]) -> None:
                                   config=config)
             agents.append(agent)
             agent.start(0.001)
-            _say("ready", kvbridge=kvbridge.__file__, version=wire.PROTOCOL_VERSION, name=agent.name)
+            plugins = sorted(getattr(m, "__file__", "") or "" for n, m in list(sys.modules.items())
+                             if n.startswith("kvbridge_") and "." not in n)
+            _say("ready", kvbridge=kvbridge.__file__, plugins=plugins, version=wire.PROTOCOL_VERSION, name=agent.name)
             run = _serve if role is Role.PREFILL else _receive
             threads.append(threading.Thread(target=_reporting, args=(run, agent, rank, buffers, job["timeout_s"]),
                                             daemon=True))

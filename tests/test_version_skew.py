@@ -135,7 +135,8 @@ class OldRelease:
         """The rank's ``ready``, checked: it runs the previous release, not this tree."""
         ready = self.wait("ready", name, timeout_s=60)
         assert ready["version"] == PREVIOUS_VERSION, ready
-        assert Path(ready["kvbridge"]).resolve().is_relative_to(self.tree.resolve()), ready
+        for path in [ready["kvbridge"], *ready["plugins"]]:
+            assert Path(path).resolve().is_relative_to(self.tree.resolve()), ready
         return ready
 
     def stderr(self) -> str:
@@ -242,7 +243,9 @@ def test_requests_both_ways_with_the_previous_release(previous_release: Path, bo
     sender = prefill.sender(78)
     decode, dst = _new_agent(Role.DECODE, backend, bootstrap, a, cleanup, secret)
     old.ready(old_prefill)
-    old.ready(old_decode)
+    ready = old.ready(old_decode)
+    if backend == "nixl":
+        assert any("kvbridge_nixl" in path for path in ready["plugins"]), ready
 
     # old prefill -> new decode: the old prefill refused our Hello in 6 naming its 5, we said it again in 5
     decode.connect(a, timeout_s=TIMEOUT_S)
