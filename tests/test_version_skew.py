@@ -159,6 +159,8 @@ class OldRelease:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.log.close()
+        for leftover in Path("/dev/shm").glob(f"kvbridge-skew-{self.proc.pid}-*"):   # a killed child's pools
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture
