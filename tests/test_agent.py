@@ -345,7 +345,7 @@ def test_status_order_supports_min_reduction() -> None:
     assert min(KVPoll.Success, KVPoll.Failed) is KVPoll.Failed
 
 
-@pytest.mark.parametrize("delta", [1, -1])     # a newer decode; an older one (4: before 64-bit digests)
+@pytest.mark.parametrize("delta", [1, -2])     # a newer decode; an older one than the previous release (4)
 def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pair: Callable[..., Pair],
                                                                         delta: int) -> None:
     import msgspec
@@ -368,7 +368,8 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     assert target.state is HandshakeState.REFUSED
     assert target.reason == (
         f"prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
-        f"prefill speaks {wire.PROTOCOL_VERSION}, decode {wire.PROTOCOL_VERSION + delta}")
+        f"prefill speaks {wire.PROTOCOL_VERSION} (and the previous release's {wire.MIN_PROTOCOL_VERSION}), "
+        f"decode {wire.PROTOCOL_VERSION + delta}")
 
 
 @pytest.mark.parametrize("staging_bytes", [0, 1 << 20])

@@ -27,7 +27,8 @@ What is measured (every name starts with ``kvbridge_``):
 * ``peer_silence_seconds`` {agent, peer}: time since the last frame of each peer (heartbeats every
   ``heartbeat_interval_s``; a live peer stays below it plus the link's round trip),
   ``peer_heartbeat_rtt_seconds`` {agent, peer}: the heartbeat round trip (each heartbeat echoes the last one
-  the peer sent), ``agent_rooms`` {agent, role, state}: the agent's open rooms by state, and
+  the peer sent), ``peer_protocol_version`` {agent, peer}: the version negotiated at its handshake (5: a
+  peer of the previous release), ``agent_rooms`` {agent, role, state}: the agent's open rooms by state, and
   ``peer_deaths_total`` {agent, reason}, and ``rooms_unsafe_overdue`` {agent}: failed decode rooms still not
   safe to reuse longer than the peer timeout after they failed (an unproven writer: the orchestrator's
   ``declare_gone`` is due), and ``rejected_frames_total`` {agent}: control frames the agent refused (bad MAC,
@@ -103,6 +104,8 @@ class _Metrics:
         self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
         self.rtt = pc.Gauge("kvbridge_peer_heartbeat_rtt_seconds", "Heartbeat round trip to a peer",
                             ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
+        self.version = pc.Gauge("kvbridge_peer_protocol_version", "The protocol version negotiated with a peer",
+                                ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
         self.agent_rooms = pc.Gauge("kvbridge_agent_rooms", "An agent's rooms, by state", ["agent", "role", "state"],
                                     **gauge)
         self.rejected = pc.Counter("kvbridge_rejected_frames", "Control frames an agent refused (bad MAC, malformed, "
@@ -247,6 +250,7 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             for peer in list(current.peers.peers.values()):
                 if peer.alive:
                     m.silence.labels(name, peer.agent).set(max(0.0, now - peer.last_seen))
+                    m.version.labels(name, peer.agent).set(peer.version)
                     if peer.rtt_s is not None:
                         m.rtt.labels(name, peer.agent).set(peer.rtt_s)
                     seen.add(peer.agent)
@@ -265,7 +269,7 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             del current
             time.sleep(interval_s)
         for peer_name in seen:
-            for gauge in (m.silence, m.rtt):
+            for gauge in (m.silence, m.rtt, m.version):
                 try:
                     gauge.remove(name, peer_name)
                 except KeyError:

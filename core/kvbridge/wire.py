@@ -21,6 +21,9 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 # 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
 # 3: layers, offsets
 PROTOCOL_VERSION = 6
+#: the oldest version this release still speaks (the previous release's): an agent negotiates the lower of the
+#: two at the handshake and refuses anything older, naming both versions (docs/integrity.md, "Version skew")
+MIN_PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_HANDSHAKE_BYTES = 4 << 20       # a Hello or Welcome larger than this is refused before decoding
 MAX_ROOM = 2**63 - 1
@@ -84,6 +87,35 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_u
     endpoint: bytes = b""
     buffers: tuple[RemoteBuffers, ...] = ()
     liveness: str = ""          # host:port a decode connects to and holds: EOF there proves the writer exited
+
+
+class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
+    """A Welcome as protocol 5 spells it (no ``liveness``): what a peer of the previous release can read."""
+
+    version: int
+    agent: str
+    address: str
+    accepted: bool
+    reason: str
+    layout: PoolLayout | None = None
+    backend: str = ""
+    endpoint: bytes = b""
+    buffers: tuple[RemoteBuffers, ...] = ()
+
+
+def spoken_as(message: Message, version: int) -> msgspec.Struct:
+    """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
+    Version 5 differs only in the Welcome, which has no ``liveness`` (a 5 decoder refuses unknown fields);
+    every other message is the same at 5 and 6."""
+    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
+                            f"to {PROTOCOL_VERSION})")
+    if version < 6 and isinstance(message, Welcome):
+        fields = {f: getattr(message, f) for f in _WelcomeV5.__struct_fields__}
+        return _WelcomeV5(**{**fields, "version": version})
+    if isinstance(message, (Hello, Welcome)) and message.version != version:
+        return msgspec.structs.replace(message, version=version)
+    return message
 
 
 class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", forbid_unknown_fields=True):
@@ -193,6 +225,18 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     to_incarnation: int
     seq: int
     body: Message
+
+
+class _OutEnvelope(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
+    """:class:`Envelope` as encoded: the body as the negotiated version spells it."""
+
+    version: int
+    sender: str
+    address: str
+    incarnation: int
+    to_incarnation: int
+    seq: int
+    body: msgspec.Struct
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -336,18 +380,38 @@ class Codec:
         self.sender, self.address, self.incarnation = sender, address, incarnation
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()
+        # (address, incarnation) -> the protocol version negotiated with that peer, where below ours
+        self._versions: dict[tuple[str, int], int] = {}
 
     @property
     def authenticated(self) -> bool:
         return self._secret is not None
 
-    def encode(self, message: Message, *, to: str = "", to_incarnation: int = 0) -> bytes:
-        """One frame for the agent listening at ``to`` (its incarnation if known)."""
+    def speak(self, address: str, incarnation: int, version: int) -> None:
+        """Frames for that peer incarnation use protocol ``version`` (negotiated at its handshake)."""
+        spoken_as(Goodbye(agent=""), version)       # refuses a version this side cannot speak
+        if version == PROTOCOL_VERSION:
+            self._versions.pop((address, incarnation), None)
+        else:
+            self._versions[(address, incarnation)] = version
+
+    def forget(self, address: str, incarnation: int) -> None:
+        self._versions.pop((address, incarnation), None)
+
+    def version_for(self, address: str, incarnation: int) -> int:
+        return self._versions.get((address, incarnation), PROTOCOL_VERSION)
+
+    def encode(self, message: Message, *, to: str = "", to_incarnation: int = 0, version: int | None = None) -> bytes:
+        """One frame for the agent listening at ``to`` (its incarnation if known), in ``version`` (default: the
+        version negotiated with that peer incarnation, else ours)."""
+        if version is None:
+            version = self._versions.get((to, to_incarnation), PROTOCOL_VERSION)
+        spoken = spoken_as(message, version)
         with self._seq_lock:
             seq = self._seq[to] = self._seq.get(to, 0) + 1
-        body = _ENCODER.encode(Envelope(version=PROTOCOL_VERSION, sender=self.sender, address=self.address,
-                                        incarnation=self.incarnation, to_incarnation=to_incarnation, seq=seq,
-                                        body=message))
+        body = _ENCODER.encode(_OutEnvelope(version=version, sender=self.sender, address=self.address,
+                                            incarnation=self.incarnation, to_incarnation=to_incarnation, seq=seq,
+                                            body=spoken))
         if len(body) > self.max_bytes:
             raise ProtocolError(f"{type(message).__name__} of {len(body)} bytes exceeds the "
                                 f"{self.max_bytes}-byte limit")
@@ -377,7 +441,7 @@ class Codec:
                 raise ProtocolError("frame rejected: bad or missing HMAC (is the shared secret the same, and "
                                     "was the frame meant for this agent?)")
         version = _peek_version(frame)
-        if version is not None and version != PROTOCOL_VERSION:
+        if version is not None and not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
             raw = msgspec.msgpack.decode(frame) if len(frame) <= MAX_HANDSHAKE_BYTES else None
             raise VersionMismatch(version, raw)
         try:
@@ -410,6 +474,12 @@ class Codec:
             raise ProtocolError(why) from None
         try:
             _check_ranges(envelope.body)
+            if envelope.version < 6 and isinstance(envelope.body, Welcome) and envelope.body.liveness:
+                raise ProtocolError(f"Welcome of protocol {envelope.version} names a liveness listener (a field "
+                                    "of 6)")
+            if isinstance(envelope.body, (Hello, Welcome)) and envelope.body.version != envelope.version:
+                raise ProtocolError(f"{type(envelope.body).__name__} says version {envelope.body.version} in a "
+                                    f"frame of version {envelope.version}")
         except ProtocolError as exc:
             if sealed.kind in HANDSHAKES:
                 raise RefusedHandshake(sealed.head, sealed.kind, str(exc)) from None
@@ -441,7 +511,8 @@ class VersionMismatch(ProtocolError):
 
     def __init__(self, peer_version: int, raw: object) -> None:
         self.peer_version, self.raw = peer_version, raw
-        super().__init__(f"unknown protocol version {peer_version} (this side speaks {PROTOCOL_VERSION})")
+        super().__init__(f"unknown protocol version {peer_version} (this side speaks {MIN_PROTOCOL_VERSION} to "
+                         f"{PROTOCOL_VERSION})")
 
     def field(self, name: str) -> object:
         body = self.raw[-1] if isinstance(self.raw, list) and len(self.raw) > 1 else None

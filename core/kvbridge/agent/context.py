@@ -51,10 +51,11 @@ class AgentContext:
     def rank(self) -> Rank:
         return Rank(self.layout.tp_rank, self.layout.tp_size)
 
-    def post(self, address: str, message: Message, *, incarnation: int = 0) -> None:
-        """Encode and queue one control frame for the agent at ``address`` (its ``incarnation`` when known);
-        the link never blocks, and a dead peer is logged, never raised (liveness handles it)."""
-        self.send_frame(address, self.codec.encode(message, to=address, to_incarnation=incarnation),
+    def post(self, address: str, message: Message, *, incarnation: int = 0, version: int | None = None) -> None:
+        """Encode and queue one control frame for the agent at ``address`` (its ``incarnation`` when known; in
+        protocol ``version``, default: the one negotiated with it); the link never blocks, and a dead peer is
+        logged, never raised (liveness handles it)."""
+        self.send_frame(address, self.codec.encode(message, to=address, to_incarnation=incarnation, version=version),
                         type(message).__name__)
 
     def send_frame(self, address: str, frame: bytes, what: str = "frame") -> None:

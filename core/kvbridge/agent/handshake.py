@@ -15,7 +15,7 @@ from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
 from kvbridge.slicing import target_ranks
-from kvbridge.wire import Hello
+from kvbridge.wire import PROTOCOL_VERSION, Hello
 
 
 class HandshakeState(enum.Enum):
@@ -33,6 +33,7 @@ class HandshakeTarget:
     state: HandshakeState = HandshakeState.WAITING
     agent: str = ""          # the prefill agent's name once accepted
     reason: str = ""         # why it refused
+    version: int = PROTOCOL_VERSION   # our Hello's protocol version: lowered once if the peer speaks an older one
 
 
 @dataclass(slots=True, kw_only=True)

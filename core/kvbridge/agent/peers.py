@@ -37,6 +37,7 @@ from kvbridge.protocol.states import (
     PeerState,
 )
 from kvbridge.wire import (
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Envelope,
     Goodbye,
@@ -58,6 +59,13 @@ _NEW_PEERS_PER_S = 50.0      # Hellos that would admit a new peer (or incarnatio
 _NEW_PEERS_BURST = 200.0     # ... with this burst
 _REFUSED_GRACE_S = 2.0       # a refusal sent where we hold no peer gets this long to leave, then the link forgets
 _REFUSED_KEPT = 256          # ... the address (its queue and socket); at most this many wait at once
+_DOWNGRADE_NOTE = {      # what protocol 5 lacks, as each side sees it
+    Role.DECODE: ("it names no liveness listener: if that prefill process dies, the rooms it wrote to fail at the "
+                  "peer timeout but become safe to reuse only by its acknowledgement, declare_gone, or a backend that "
+                  "proves its exit (loopback does)"),
+    Role.PREFILL: ("it holds no liveness connection: if this process dies, that decode's rooms fail at its peer "
+                   "timeout but become safe to reuse there only by declare_gone or a backend that proves our exit"),
+}
 
 
 class Dropped(ProtocolError):
@@ -85,6 +93,7 @@ class Peer:
     beat_sent_at: float = 0.0              # its last heartbeat's sent_at (its clock), echoed back to it
     beat_received_at: float = 0.0          # when we got that heartbeat (our clock)
     rtt_s: float | None = None             # heartbeat round trip, from the echo of our own sent_at
+    version: int = PROTOCOL_VERSION        # the protocol version negotiated at its handshake (every frame's)
 
     @property
     def alive(self) -> bool:
@@ -185,6 +194,9 @@ class PeerTable:
                 return None            # a new incarnation introduces itself: the handlers replace the peer
             raise Dropped(f"{type(body).__name__} from incarnation {env.incarnation:#x} of {env.sender!r}, "
                           f"which is known as {peer.incarnation:#x}")
+        if env.version != peer.version and not isinstance(body, (Hello, Welcome)):
+            raise Dropped(f"{type(body).__name__} of protocol {env.version} from {env.sender!r}, which negotiated "
+                          f"{peer.version}")
         peer.last_seen = self._ctx.clock()
         if isinstance(body, Goodbye):
             return peer
@@ -218,6 +230,14 @@ class PeerTable:
         self.peers[new.agent] = new
         self.beat_targets[new.agent] = (new.address, new.incarnation)
         self._link_up(new.address)
+        self._ctx.codec.speak(new.address, new.incarnation, new.version)
+        if new.version < PROTOCOL_VERSION:
+            log.warning("%s: peer %s (incarnation %#x) speaks protocol %d, the previous release's; talking %d to it "
+                        "(%s)", self._ctx.name, new.agent, new.incarnation, new.version, new.version,
+                        _DOWNGRADE_NOTE[self._ctx.role])
+        else:
+            log.debug("%s: peer %s (incarnation %#x) speaks protocol %d", self._ctx.name, new.agent, new.incarnation,
+                      new.version)
 
     def _link_up(self, address: str) -> None:
         link = self._ctx.link
@@ -250,6 +270,7 @@ class PeerTable:
             peer.step(PeerEvent.RETIRE)
         if self.liveness is not None and not keep_watch:
             self.liveness.forget((peer.agent, peer.incarnation))
+        ctx.codec.forget(peer.address, peer.incarnation)
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
             self.beat_targets.pop(peer.agent, None)
@@ -264,10 +285,10 @@ class PeerTable:
             if forget is not None:
                 forget(address)
 
-    def _refuse(self, address: str, welcome: Welcome, incarnation: int = 0) -> None:
+    def _refuse(self, address: str, welcome: Welcome, incarnation: int = 0, version: int | None = None) -> None:
         """Send a refusal; the link forgets the address a little later unless a peer listens there (a Hello
         may name any reply address: unanswered ones must not keep a queue and a socket each for good)."""
-        self._ctx.post(address, welcome, incarnation=incarnation)
+        self._ctx.post(address, welcome, incarnation=incarnation, version=version)
         if any(p.address == address for p in self.peers.values()):
             return
         self._refused[address] = self._ctx.clock()
@@ -320,7 +341,7 @@ class PeerTable:
         for shake in due:
             shake.next_hello = now + resend_s
             for address in shake.silent:
-                self._ctx.post(address, hello)
+                self._ctx.post(address, hello, version=shake.targets[address].version)
 
     def _targets_at(self, address: object) -> list[HandshakeTarget]:
         return [s.targets[address] for s in self.handshakes if isinstance(address, str) and address in s.targets]
@@ -332,6 +353,8 @@ class PeerTable:
             return       # the answer to a Hello repeated while the first answer was on its way
         if not targets:
             raise Dropped(f"unexpected Welcome from {welcome.agent} at {env.address}")
+        if not welcome.accepted and self._speak_older(targets, welcome, env):
+            return
         reason = ""
         if not welcome.accepted or welcome.layout is None:
             reason = f"prefill {welcome.agent} refused the handshake: {welcome.reason}"
@@ -353,11 +376,29 @@ class PeerTable:
                 if known is not None:
                     self._retire(known, f"restarted as incarnation {env.incarnation:#x}")
                 fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
-                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock())
+                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock(),
+                             version=env.version)
                 self._insert(fresh)
                 self.watch_exit(fresh, welcome.liveness)
         for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
             self.finish(shake)
+
+    def _speak_older(self, targets: list[HandshakeTarget], welcome: Welcome, env: Envelope) -> bool:
+        """A refusal in an older version we still speak, of a Hello we sent in a newer one: the prefill is of the
+        previous release, which cannot read our Hello and refuses every other version (it names only its own:
+        the frame's). Say Hello again in its version, once per target; True when that is what happens."""
+        lower = [t for t in targets if env.version < t.version]
+        if not lower:
+            return False
+        for target in lower:
+            target.version = env.version
+        log.warning("%s: prefill %s at %s speaks protocol %d (refused our %d: %s); saying Hello again in %d",
+                    self._ctx.name, welcome.agent, env.address, env.version, PROTOCOL_VERSION, welcome.reason,
+                    env.version)
+        for shake in self.handshakes:
+            if any(t in lower for t in shake.targets.values()):
+                shake.next_hello = 0.0
+        return True
 
     # ---------------------------------------------------------------- prefill side: Hellos
     def on_hello(self, hello: Hello, env: Envelope) -> None:
@@ -369,7 +410,7 @@ class PeerTable:
         old = self.peers.get(hello.agent)
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
         same = (old is not None and old.incarnation == env.incarnation and old.info == info
-                and old.layout == hello.layout)
+                and old.layout == hello.layout and old.version == env.version)
         if not same and not self._hellos.take():
             raise Dropped(f"Hello from {hello.agent}: more than {_NEW_PEERS_PER_S:.0f} new peers per second")
         reason = refusal(self._ctx, hello)
@@ -381,7 +422,7 @@ class PeerTable:
         if reason:
             log.error("%s: refused %s: %s", ctx.name, hello.agent, reason)
             self._refuse(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
-                                              accepted=False, reason=reason), env.incarnation)
+                                              accepted=False, reason=reason), env.incarnation, env.version)
             return
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
                           reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint,
@@ -391,12 +432,13 @@ class PeerTable:
                 self._revive(old)
             ctx.post(env.address, welcome, incarnation=env.incarnation)   # a repeated Hello: answer again
             return
+        # the decode chose the version (the highest both speak): we answer in it, and speak it from now on
         if old is not None:
             self._retire(old, "handshook again with other buffers" if old.incarnation == env.incarnation
                          else f"restarted as incarnation {env.incarnation:#x}")
         ctx.backend.add_peer(info)
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
-                           endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock()))
+                           endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock(), version=env.version))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
 
     def refuse_handshake(self, exc: RefusedHandshake) -> None:
@@ -423,12 +465,14 @@ class PeerTable:
         if tag == "hello" and isinstance(address, str) and ctx.role is Role.PREFILL:
             if not self._hellos.take():
                 return
-            reason = f"protocol version differs: prefill speaks {PROTOCOL_VERSION}, decode {exc.peer_version}"
+            reason = (f"protocol version differs: prefill speaks {PROTOCOL_VERSION} (and the previous release's "
+                      f"{MIN_PROTOCOL_VERSION}), decode {exc.peer_version}")
+            # in our newest version: a newer decode that still speaks it may say Hello again in it
             self._refuse(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
-                                          accepted=False, reason=reason))
+                                          accepted=False, reason=reason), version=PROTOCOL_VERSION)
         elif tag == "welcome":
             theirs = exc.field("reason") or (f"peer speaks protocol version {exc.peer_version}, we speak "
-                                             f"{PROTOCOL_VERSION}")
+                                             f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}")
             for target in self._targets_at(address):
                 target.state, target.reason = HandshakeState.REFUSED, str(theirs)
 

@@ -245,6 +245,12 @@ class TransferAgent:
         with self.context.lock:
             self.peers.declare_gone(agent)
 
+    def peer_versions(self) -> dict[str, int]:
+        """The protocol version negotiated with each live peer, by agent name (5: the previous release, spoken
+        to it with 6's features off; see docs/integrity.md, "Version skew")."""
+        with self.context.lock:
+            return {peer.agent: peer.version for peer in self.peers.peers.values() if peer.alive}
+
     def link_wait(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for control frames and handle them (each decoded outside the lock)."""
         for frame in self.context.link.recv(timeout_s):
