@@ -33,6 +33,9 @@ SLOW = (
     "tests/test_bench_transfer.py",
     "tests/test_cli_demo.py",
     "tests/test_demo_hybrid.py",
+    "tests/test_sim.py",
+    "tests/test_version_skew.py",
+    "tests/test_adversary_wave3.py",
 )
 
 
