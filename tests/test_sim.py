@@ -3,6 +3,7 @@ planted bugs it must catch (so it is not a toothless checker)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -142,3 +143,13 @@ def test_a_fixed_bug_stays_fixed(bug: KnownBug) -> None:
     """The seeds that found the bugs fixed in wave 3 replay clean (each failed before its fix)."""
     result = run_seed(bug.seed, faults=bug.faults)
     assert result.failure is None, result.failure
+
+
+def test_a_run_leaves_the_kvbridge_loggers_as_it_found_them() -> None:
+    """The simulator silences the agents' logs while it runs, and only then: a serial CI run of the adapters'
+    tests after it saw no kvbridge record at all (their caplog checks failed)."""
+    logger = logging.getLogger("kvbridge")
+    before = logger.level
+    run_seed(3)
+    assert logger.level == before
+    assert logging.getLogger("kvbridge.vllm").isEnabledFor(logging.WARNING)

@@ -81,7 +81,17 @@ class Simulation:
 
     # ------------------------------------------------------------------ running
     def run(self) -> Result:
-        logging.getLogger("kvbridge").setLevel(logging.CRITICAL + 1)
+        # the agents' logs are the trace's noise: silenced for this run only (never left silenced for the
+        # process: a test run in the same process after the simulator saw no kvbridge log at all)
+        quiet = logging.getLogger("kvbridge")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL + 1)
+        try:
+            return self._run()
+        finally:
+            quiet.setLevel(level)
+
+    def _run(self) -> Result:
         world, s = self.world, self.scenario
         world.log(f"seed {self.seed}: prefill TP {s.pt} -> decode TP {s.dt}, faults {sorted(s.faults)}, staging "
                   f"{s.staging}/{s.staging_bytes}, knobs {world.knobs}")
