@@ -16,6 +16,7 @@ Events of a room that the engine cleared are dropped with it, so an engine that 
 from __future__ import annotations
 
 import enum
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,24 +41,30 @@ class RoomEvents:
     def __init__(self) -> None:
         self._queued: OrderedDict[int, list[RoomEvent]] = OrderedDict()
         self._safe: set[int] = set()          # rooms that reported SAFE_TO_REUSE (once per room)
+        # its own lock: an emit racing a take (a callback thread without the agent lock) must not be lost
+        self._lock = threading.Lock()
 
     def emit(self, room: int, kind: RoomEventKind, reason: str = "") -> None:
-        if kind is RoomEventKind.SAFE_TO_REUSE:
-            if room in self._safe:
-                return
-            self._safe.add(room)
-        self._queued.setdefault(room, []).append(RoomEvent(room=room, kind=kind, reason=reason))
+        with self._lock:
+            if kind is RoomEventKind.SAFE_TO_REUSE:
+                if room in self._safe:
+                    return
+                self._safe.add(room)
+            self._queued.setdefault(room, []).append(RoomEvent(room=room, kind=kind, reason=reason))
 
     def take(self) -> list[RoomEvent]:
         """Every queued event, oldest room first, and forget them."""
-        taken = [event for events in self._queued.values() for event in events]
-        self._queued.clear()
-        return taken
+        with self._lock:
+            taken = [event for events in self._queued.values() for event in events]
+            self._queued.clear()
+            return taken
 
     def forget(self, room: int) -> None:
         """The room was cleared: its events go too (a room number may be used again)."""
-        self._queued.pop(room, None)
-        self._safe.discard(room)
+        with self._lock:
+            self._queued.pop(room, None)
+            self._safe.discard(room)
 
     def __len__(self) -> int:
-        return sum(len(events) for events in self._queued.values())
+        with self._lock:
+            return sum(len(events) for events in self._queued.values())
