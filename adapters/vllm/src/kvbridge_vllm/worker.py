@@ -37,7 +37,6 @@ from kvbridge_vllm.settings import Settings
 
 log = logging.getLogger("kvbridge.vllm")
 _FINISHED_EARLY = 4096      # finished request ids remembered in case their save comes after (odd order)
-_SWEEP_S = 1.0              # every request's room is looked at this often anyway (events say what changed)
 
 __all__ = ["LoadSpec", "SaveSpec", "WorkerSide"]
 
@@ -102,14 +101,8 @@ class WorkerSide:
         self._finished_early: OrderedDict[str, None] = OrderedDict()   # named finished before any save of theirs
         self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
         self._load_errors: set[int] = set()
-        # A request's KV goes to the core as soon as it is computed (send(from_start=True)): the core holds it
-        # until the decode's request arrives and drops the decode's cached prefix. Only the test hook that
-        # delays a send after that request starts a thread (it must post while the engine may be idle).
-        self._send_rooms: dict[int, str] = {}        # room -> request id, for the prefill agent's events
-        self._recv_rooms: dict[int, str] = {}        # room -> request id, for the decode agent's events
-        self._recv_now: set[str] = set()             # loads that failed before a receiver existed
-        self._shake_failures_seen: dict[str, Handshake] = {}   # instance -> the failed handshake already handled
-        self._next_sweep = {"send": 0.0, "load": 0.0}
+        # Sends wait for the decode's request, which arrives after vLLM finished the prefill request (maybe
+        # while the engine is idle): a thread posts them, get_finished() reports them.
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,17 +116,14 @@ class WorkerSide:
         except BaseException:
             self.close()
             raise
-
-    def _start_delay_thread(self) -> None:
-        """Test hook ``kvbridge_delay_send_s`` only (lock held): posts delayed sends while the engine idles."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._send_loop, name="kvbridge-vllm-delayed-send", daemon=True)
+        if self.prefill is not None:
+            self._thread = threading.Thread(target=self._send_loop, name="kvbridge-vllm-send", daemon=True)
             self._thread.start()
 
     def _send_loop(self) -> None:
         while not self._stop.wait(0.005):
             with self._lock:
-                pending = [(r, s) for r, s in self._sending.items() if not s.sent and s.delay_s]
+                pending = [(r, s) for r, s in self._sending.items() if not s.sent]
                 for req_id, state in pending:
                     try:
                         self._advance_send(req_id, state)
@@ -165,9 +155,6 @@ class WorkerSide:
                     self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s, computed=False,
                                                      blocks=np.asarray(spec.block_ids, dtype=np.int64),
                                                      finished=self._was_finished(req_id))
-                    self._send_rooms[sender.room] = req_id
-                    if spec.delay_s:
-                        self._start_delay_thread()
 
     def _was_finished(self, req_id: str) -> bool:
         """vLLM already named this request finished (before its first save: not vLLM's order, but then it will
@@ -231,9 +218,6 @@ class WorkerSide:
                 state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
                                                          blocks=np.asarray(spec.block_ids, dtype=np.int64),
                                                          finished=self._was_finished(req_id))
-                self._send_rooms[sender.room] = req_id
-                if spec.delay_s:
-                    self._start_delay_thread()
             elif state.computed:
                 return
             state.computed = True
@@ -252,16 +236,6 @@ class WorkerSide:
                         state.sender.failure_reason)
             return
         if status < KVPoll.WaitingForInput:
-            if not state.delay_s and not state.layers_posted:
-                # the decode has not asked yet: the core holds the whole request until it does, then drops the
-                # decode's cached prefix itself (no thread of ours waits for the request)
-                state.sent = True
-                log.debug("kvbridge: request %s (room %d): %d blocks handed over before the decode asked", req_id,
-                          state.sender.room, len(state.blocks))
-                try:
-                    state.sender.send(state.blocks, last=True, from_start=True)
-                except KVBridgeError as exc:
-                    log.warning("kvbridge: request %s (room %d): send failed: %s", req_id, state.sender.room, exc)
             return
         if state.delay_s:
             state.ready_at = state.ready_at or time.monotonic() + state.delay_s
@@ -294,11 +268,9 @@ class WorkerSide:
             log.warning("kvbridge: request %s (room %d) from %r cannot load: %s", req_id, spec.room,
                         spec.instance, exc)
             self._receiving[req_id] = _Receiving(receiver=None, blocks=blocks, failed=str(exc))
-            self._recv_now.add(req_id)
             return
         self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks, instance=spec.instance,
                                              flip_layer=spec.flip_layer)
-        self._recv_rooms[receiver.room] = req_id
 
     def _handshake(self, instance: str) -> None:
         """Start a handshake with ``instance`` unless one is under way or done. It never blocks vLLM's step:
@@ -345,23 +317,11 @@ class WorkerSide:
                     recv.receiver.abort("vLLM finished the request before its KV arrived")
         return done_sending, self._finished_loads()
 
-    def _sweep_due(self, side: str) -> bool:
-        """Once a second every room of ``side`` is looked at anyway (a safety net; events say what changed)."""
-        now = time.monotonic()
-        if now < self._next_sweep[side]:
-            return False
-        self._next_sweep[side] = now + _SWEEP_S
-        return True
-
     def _finished_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """The prefill requests done with their blocks: only those vLLM just finished and those whose room had an
-        event (the prefill agent's ``events()``) are looked at, never every request every step."""
         done_sending: set[str] = set()
-        touched: set[str] = set()
         for req_id in finished_req_ids:
             if req_id in self._sending:      # saves are posted in the step that completes the prompt,
                 self._sending[req_id].finished = True    # always before vLLM finishes the request
-                touched.add(req_id)
             elif req_id in self._unsendable:
                 self._unsendable.discard(req_id)
                 done_sending.add(req_id)
@@ -369,15 +329,7 @@ class WorkerSide:
                 self._finished_early[req_id] = None
                 while len(self._finished_early) > _FINISHED_EARLY:
                     self._finished_early.popitem(last=False)
-        if self.prefill is None:
-            return done_sending
-        touched.update(req for event in self.prefill.events() if (req := self._send_rooms.get(event.room)))
-        if self._sweep_due("send"):
-            touched.update(self._sending)
-        for req_id in touched:
-            state = self._sending.get(req_id)
-            if state is None:
-                continue
+        for req_id, state in list(self._sending.items()):
             self._advance_send(req_id, state)
             status = state.sender.poll()
             if state.finished and status in (KVPoll.Success, KVPoll.Failed) and state.sender.safe_to_reuse:
@@ -386,29 +338,12 @@ class WorkerSide:
                                 state.sender.failure_reason)
                 state.sender.clear()
                 del self._sending[req_id]
-                self._send_rooms.pop(state.sender.room, None)
                 done_sending.add(req_id)
         return done_sending
 
     def _finished_loads(self) -> set[str]:
-        """The decode requests whose load ended: those whose room had an event (the decode agent's ``events()``),
-        those that failed before a receiver existed, and the rooms of a handshake that just failed."""
         done_recving: set[str] = set()
-        if self.decode is None:
-            return done_recving
-        touched = self._recv_now
-        self._recv_now = set()
-        touched.update(req for event in self.decode.events() if (req := self._recv_rooms.get(event.room)))
-        failed_shakes = {instance: reason for instance, (shake, _) in self._shakes.items()
-                         if self._shake_failures_seen.get(instance) is not shake
-                         and (reason := self._handshake_failure(instance))}
-        if failed_shakes or self._sweep_due("load"):
-            touched.update(self._receiving)
-            self._shake_failures_seen.update({instance: self._shakes[instance][0] for instance in failed_shakes})
-        for req_id in touched:
-            recv = self._receiving.get(req_id)
-            if recv is None:
-                continue
+        for req_id, recv in list(self._receiving.items()):
             if recv.receiver is None:
                 self._load_errors.update(int(b) for b in recv.blocks)
                 done_recving.add(req_id)
@@ -416,7 +351,7 @@ class WorkerSide:
                 continue
             status = recv.receiver.poll()
             if status == KVPoll.Bootstrapping:
-                reason = failed_shakes.get(recv.instance) or self._handshake_failure(recv.instance)
+                reason = self._handshake_failure(recv.instance)
                 if reason:
                     recv.receiver.abort(reason)
                     status = recv.receiver.poll()
@@ -426,7 +361,7 @@ class WorkerSide:
                 self.flip(recv.blocks, recv.flip_layer)
             elif status == KVPoll.Failed:
                 if not recv.receiver.safe_to_reuse:
-                    continue                 # its SAFE_TO_REUSE event brings it back
+                    continue
                 if recv.abandoned:           # nothing will read these blocks: no load error to report
                     log.debug("kvbridge: request %s (room %d): load abandoned: %s", req_id, recv.receiver.room,
                               recv.receiver.failure_reason)
@@ -438,7 +373,6 @@ class WorkerSide:
                 continue
             recv.receiver.clear()
             del self._receiving[req_id]
-            self._recv_rooms.pop(recv.receiver.room, None)
             done_recving.add(req_id)
         return done_recving
 
