@@ -447,7 +447,7 @@ class Codec:
         try:
             head = msgspec.msgpack.decode(frame, type=Head)
             kind = msgspec.msgpack.decode(head.body, type=_Kind).type
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed frame: {exc}") from None
         if kind in HANDSHAKES:
             if len(frame) > MAX_HANDSHAKE_BYTES:
@@ -497,7 +497,7 @@ class Codec:
         try:
             head = msgspec.msgpack.decode(body, type=Head)
             return msgspec.msgpack.decode(head.body, type=_Kind).type
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):   # garbage: bytes that are not UTF-8
             return ""
 
     def decode(self, frame: bytes) -> Message:
