@@ -14,15 +14,13 @@ byte against the reference.
 from __future__ import annotations
 
 import ctypes
-import enum
-import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,6 @@ from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
 from kvbridge.logs import configure_logging
-from kvbridge.protocol.events import RoomEvent
 from kvbridge.registry import Registry
 from kvbridge.settings import load_settings
 from kvbridge.wire import KVPoll, Role
@@ -47,7 +44,6 @@ __all__ = ["INSTANCE", "SEGMENT_PREFIX", "WorkerConfig", "allocate_items", "make
            "reap_segments", "request_items", "run_worker", "state_indices"]
 
 INSTANCE = "prefill"
-log = logging.getLogger("kvbridge.demo")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,7 +152,7 @@ def run_worker(cfg: WorkerConfig, results: Any, go: Any = None) -> None:
         requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
         step = _prefill_request if cfg.role is Role.PREFILL else _decode_request
         _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results),
-                    idle=lambda: agent.link_wait(0.001), events=agent.events)
+                    idle=lambda: agent.link_wait(0.001))
         if cfg.dump and cfg.role is Role.DECODE:
             _dump(cfg, pool, requests)
         results.put(("finished", cfg.role.value, cfg.rank))
@@ -191,77 +187,34 @@ def _die_with_parent() -> None:
             pass
 
 
-class Await(enum.Enum):
-    """What a request's step waits for: its room's next event (``TransferAgent.events()``), never a poll of
-    every room. A step yields one of these, or a ``time.monotonic()`` deadline (pacing between chunks)."""
-
-    READY = "ready"      # prefill: the decode's request (READY) or a failure
-    DONE = "done"        # Success or Failed (FINISHED / FAILED)
-    SAFE = "safe"        # SAFE_TO_REUSE
-
-
-SWEEP_S = 0.25   # a step waiting on an event is also resumed this often: a state change without its event is
-#                  logged (seen under load in CI, not yet explained: the sweep keeps the run going meanwhile)
-
-
-def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any,
-                events: Callable[[], list[RoomEvent]]) -> None:
-    """Drive up to ``window`` requests at once. A step waiting on its room runs again only when the room has an
-    event (or a pacing deadline passed): the driver takes the agent's events once per round instead of polling
-    every room. Between rounds, wait for the next control frame (up to 1 ms) instead of spinning: several rank
-    processes share few cores. Every ``SWEEP_S`` the waiting steps run once anyway; one that finds its room moved
-    on without an event is logged."""
-    active: dict[int, Iterator[Await | float]] = {}
-    waits: dict[int, Await | float | None] = {}
-    woken: set[int] = set()                 # rooms with an event since their step last looked
+def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any) -> None:
+    """Drive up to ``window`` requests at once; between rounds, wait for the next control frame (up to 1 ms)
+    instead of spinning: several rank processes share few cores."""
+    active: dict[int, Iterator[None]] = {}
     done: set[int] = set()
     nxt = 0
     deadline = time.monotonic() + cfg.timeout_s
-    next_sweep = time.monotonic() + SWEEP_S
     while nxt < len(requests) or active:
         while nxt < len(requests) and len(active) < cfg.window and (nxt < cfg.window or nxt - cfg.window in done):
-            active[nxt], waits[nxt] = start(requests[nxt]), None
+            active[nxt] = start(requests[nxt])
             nxt += 1
-        woken.update(event.room for event in events())
-        now = time.monotonic()
-        sweep = now >= next_sweep
-        if sweep:
-            next_sweep = now + SWEEP_S
         for index, gen in list(active.items()):
-            room, wait = requests[index].room, waits[index]
-            evented = room in woken
-            if isinstance(wait, Await):
-                if not (evented or sweep):
-                    continue
-                woken.discard(room)
-            elif wait is not None and now < wait:
-                continue
             try:
-                waits[index] = next(gen)
+                next(gen)
             except StopIteration:
-                del active[index], waits[index]
+                del active[index]
                 done.add(index)
-                waits_next = None
-            else:
-                waits_next = waits[index]
-            if isinstance(wait, Await) and not evented and waits_next is not wait:
-                # the step saw a change made after this round's events were taken: its event is queued by now
-                woken.update(event.room for event in events())
-                if room in woken:
-                    woken.discard(room)
-                    continue
-                log.warning("demo: room %d moved on from %s without an event (the sweep caught it)", room, wait.name)
         if time.monotonic() > deadline:
             raise TimeoutError(f"run did not finish in {cfg.timeout_s} s ({len(done)} of {len(requests)} done)")
         idle()
 
 
 def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
-                     request: RequestShape, results: Any) -> Generator[Await | float, None, None]:
+                     request: RequestShape, results: Any) -> Generator[None, None, None]:
     sender = agent.sender(request.room)
     metrics.room_state("prefill", None, "bootstrapping")
     while (status := sender.poll()) == KVPoll.Bootstrapping:
-        yield Await.READY
+        yield
     metrics.room_state("prefill", "bootstrapping", "transferring")
     every = request_items(cfg, preset, request)
     items = every[preset.chunked.name]
@@ -280,15 +233,16 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
                 sender.send(chunk, last=last, state=state if last else None)
             except TransferError:       # the room failed meanwhile (peer died, abort): stop sending
                 break
-            if cfg.pace_s:
-                yield time.monotonic() + cfg.pace_s
+            resume = time.monotonic() + cfg.pace_s
+            while time.monotonic() < resume:
+                yield
         while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
-            yield Await.DONE
+            yield
         transfer_s = time.perf_counter() - started
     else:
         transfer_s = 0.0
     while not sender.safe_to_reuse:
-        yield Await.SAFE
+        yield
     metrics.room_state("prefill", "transferring", None)
     metrics.observe_room("prefill", status == KVPoll.Success, transfer_s, sender.failure_reason or "")
     nbytes, descriptors = sender.stats
@@ -298,7 +252,7 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
 
 
 def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
-                    request: RequestShape, results: Any) -> Generator[Await | float, None, None]:
+                    request: RequestShape, results: Any) -> Generator[None, None, None]:
     every = request_items(cfg, preset, request)
     for model in preset.components:
         for buf in pool.buffers[model.name]:
@@ -309,7 +263,7 @@ def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, poo
     receiver.send_metadata(indices, prefix_len=request.prefix_pages * preset.page_size)
     metrics.room_state("decode", None, "waiting")
     while (status := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
-        yield Await.DONE
+        yield
     latency = time.perf_counter() - started
     metrics.room_state("decode", "waiting", None)
     metrics.observe_room("decode", status == KVPoll.Success, latency, receiver.failure_reason or "")
@@ -318,7 +272,7 @@ def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, poo
         bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, every[m.name])
                   for m in preset.components)
     while not receiver.safe_to_reuse:
-        yield Await.SAFE
+        yield
     results.put(("received", cfg.rank, request.index, status == KVPoll.Success, bad, latency, receiver.nbytes,
                  receiver.failure_reason))
     if cfg.dump:
