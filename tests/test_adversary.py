@@ -543,8 +543,9 @@ def test_replayed_hellos_do_not_slow_a_healthy_decode(world: Callable[..., World
     w.finish(50, sender, receiver, w.da, w.p1, np.array([1, 2, 3, 4]))
     loaded = time.monotonic() - started
     w.expect_rejected(before, p1=200)
-    assert loaded < max(10 * base, base + 0.5), (f"room took {loaded:.3f} s under 200 replayed Hellos, "
-                                                 f"{base:.3f} s without")
+    # every replay is rejected before any handshake work (counted above); the bound only says the room was not
+    # held up by them (a blocked room waits for a timeout: seconds), loose enough for a loaded 2-core CI host
+    assert loaded < base + 2.0, f"room took {loaded:.3f} s under 200 replayed Hellos, {base:.3f} s without"
 
 
 # ------------------------------------------------------------------------------------------ recipient binding
@@ -845,7 +846,7 @@ def test_zmq_replayed_hellos_do_not_slow_a_healthy_decode(zworld: Callable[..., 
     w.finish(10, sender, receiver, w.da, w.p1, np.array([1, 2, 3, 4]))
     loaded = time.monotonic() - started
     w.expect_rejected(before, p1=200)
-    assert loaded < max(5 * base, base + 0.5), f"{loaded:.3f} s under 200 replayed Hellos, {base:.3f} s without"
+    assert loaded < base + 2.0, f"{loaded:.3f} s under 200 replayed Hellos, {base:.3f} s without"
 
 
 def _closed_port() -> int:
