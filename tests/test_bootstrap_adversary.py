@@ -15,13 +15,13 @@ import zmq
 
 from kvbridge.discovery import DiscoveryError
 from kvbridge.links import InstanceInfo
+from kvbridge.sealing import seal
 from kvbridge.zmq_link import (
     BootstrapServer,
     ZmqBootstrap,
     _Answer,
     _Lookup,
     _Publish,
-    _seal,
     _Watch,
 )
 
@@ -166,7 +166,7 @@ def test_with_a_secret_an_unauthenticated_publish_registers_nothing(secured: Boo
     # forged tag, and the right body under a tag of another secret
     _raw_ask(secured.address, b"\x00" * 32 + msgspec.msgpack.encode(plain))
     stamped = msgspec.structs.replace(plain, nonce=os.urandom(16), time=time.time())
-    _raw_ask(secured.address, _seal(b"another-secret-xxxxxxxxxxxxxxxxx", b"bootstrap-request",
+    _raw_ask(secured.address, seal(b"another-secret-xxxxxxxxxxxxxxxxx", b"bootstrap-request",
                                     msgspec.msgpack.encode(stamped)))
     del reply
     reader = ZmqBootstrap(secured.address, secret=SECRET, republish_s=0)
@@ -183,7 +183,7 @@ def test_a_replayed_registration_does_not_override_a_newer_one(secured: Bootstra
     old = msgspec.structs.replace(
         _Publish(instance="inst", tp_size=1, rank=0, address="tcp://127.0.0.1:7001", lease_s=0),
         nonce=os.urandom(16), time=time.time())
-    captured = _seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(old))
+    captured = seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(old))
     assert _raw_ask(secured.address, captured) is not None
     new = ZmqBootstrap(secured.address, secret=SECRET, republish_s=0)
     try:
@@ -200,7 +200,7 @@ def test_an_authenticated_client_with_a_stale_clock_is_refused_not_hung(secured:
         _Publish(instance="stale", tp_size=1, rank=0, address="tcp://127.0.0.1:7003"),
         nonce=os.urandom(16), time=time.time() - 3600)
     started = time.monotonic()
-    reply = _raw_ask(secured.address, _seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(stale)))
+    reply = _raw_ask(secured.address, seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(stale)))
     assert reply is not None and time.monotonic() - started < 2
     reader = ZmqBootstrap(secured.address, secret=SECRET, republish_s=0)
     try:

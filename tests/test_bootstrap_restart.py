@@ -11,7 +11,8 @@ import pytest
 
 from kvbridge.discovery import DiscoveryError
 from kvbridge.links import InstanceInfo
-from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap, _Publish, _seal
+from kvbridge.sealing import seal
+from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap, _Publish
 
 SECRET = b"adv-fix-bootstrap-secret-0123456"
 
@@ -87,7 +88,7 @@ def test_a_replayed_old_life_publication_to_a_restarted_server_does_not_evict() 
     address = first.bound
     old = _Publish(instance="rep", tp_size=2, rank=0, address="tcp://127.0.0.10:20000", lease_s=5.0,
                    nonce=b"n" * 16, time=time.time())
-    frame = _seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(old))
+    frame = seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(old))
     import zmq
 
     def send(frame: bytes) -> None:

@@ -24,9 +24,10 @@ from kvbridge.clockskew import (
     skew_log_budget,
 )
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout
+from kvbridge.sealing import seal, unseal
 from kvbridge.settings import Settings, SettingsError, load_settings
 from kvbridge.wire import KVPoll, Role
-from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap, ZmqLink, _Answer, _Lookup, _seal, _unseal
+from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap, ZmqLink, _Answer, _Lookup
 
 SECRET = b"clock-skew-suite-shared-secret-0"
 PAGES, ITEM = 16, 64
@@ -222,8 +223,8 @@ def test_a_request_with_a_nan_or_infinite_time_is_refused() -> None:
             sock.setsockopt(zmq.RCVTIMEO, 2000)
             sock.connect(server.address)
             try:
-                sock.send(_seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(request)))
-                answer = msgspec.msgpack.decode(_unseal(SECRET, b"bootstrap-answer", sock.recv()), type=_Answer)
+                sock.send(seal(SECRET, b"bootstrap-request", msgspec.msgpack.encode(request)))
+                answer = msgspec.msgpack.decode(unseal(SECRET, b"bootstrap-answer", sock.recv()), type=_Answer)
             finally:
                 sock.close(0)
             assert "clock skew" in answer.error, answer

@@ -29,8 +29,6 @@ the rank). Without a secret, records are plain and anyone who can write to the s
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -42,6 +40,7 @@ from kvbridge._markers import hookimpl
 from kvbridge.addresses import is_ipv6_literal, is_unspecified
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import InstanceInfo
+from kvbridge.sealing import BadTag, seal, unseal
 from kvbridge.specs import DiscoverySpec, resolve
 
 if TYPE_CHECKING:
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["Change", "Discovery", "DiscoveryError", "RankRecord", "Watch", "check_address", "instances_from",
            "open_discovery", "open_record", "seal_record"]
 
-_MAC = 32
 _RECORD_PURPOSE = b"kvbridge-discovery-record"
 _ADDRESS = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}|ipc://[A-Za-z0-9_./-]{1,200}|"
                       r"inproc://[A-Za-z0-9_.-]{1,200})$")
@@ -151,10 +149,6 @@ def check_rank(instance: str, tp_size: int, rank: int) -> None:
         raise DiscoveryError(f"instance {instance!r}: rank {rank} outside TP {tp_size}")
 
 
-def _tag(secret: bytes, key: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, _RECORD_PURPOSE + b"\0" + key + b"\0" + body, hashlib.sha256).digest()
-
-
 def seal_record(secret: bytes | None, key: str | bytes, record: RankRecord) -> bytes:
     """The bytes a store keeps for ``record`` at ``key``: msgpack, after a tag bound to the key when a
     secret is set."""
@@ -162,7 +156,7 @@ def seal_record(secret: bytes | None, key: str | bytes, record: RankRecord) -> b
     if secret is None:
         return body
     key_bytes = key.encode() if isinstance(key, str) else key
-    return _tag(secret, key_bytes, body) + body
+    return seal(secret, _RECORD_PURPOSE, body, key_bytes)
 
 
 _RECORD = msgspec.msgpack.Decoder(RankRecord)
@@ -176,10 +170,11 @@ def open_record(secret: bytes | None, key: str | bytes, blob: bytes, *, lease: s
     :class:`DiscoveryError` naming what failed."""
     key_bytes = key.encode() if isinstance(key, str) else key
     if secret is not None:
-        tag, body = blob[:_MAC], blob[_MAC:]
-        if len(tag) != _MAC or not hmac.compare_digest(tag, _tag(secret, key_bytes, body)):
+        try:
+            body = unseal(secret, _RECORD_PURPOSE, blob, key_bytes)
+        except BadTag:
             raise DiscoveryError(f"record at {key_bytes!r:.120}: bad or missing HMAC (forged, moved from "
-                                 "another key, or written with another secret)")
+                                 "another key, or written with another secret)") from None
     else:
         body = blob
     try:

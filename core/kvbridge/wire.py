@@ -7,7 +7,6 @@ message is validated here (version, size, field ranges) before anything acts on 
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import threading
 
@@ -17,6 +16,7 @@ import numpy as np
 from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS, MAX_SHARD_GROUPS, PoolLayout
+from kvbridge.sealing import TAG_BYTES, tag
 
 # 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
 # 3: layers, offsets
@@ -27,7 +27,7 @@ MIN_PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_HANDSHAKE_BYTES = 4 << 20       # a Hello or Welcome larger than this is refused before decoding
 MAX_ROOM = 2**63 - 1
-_MAC_BYTES = 32
+_MAC_BYTES = TAG_BYTES
 
 
 class Role(str, enum.Enum):
@@ -421,9 +421,7 @@ class Codec:
 
     def _tag(self, recipient: str, body: bytes) -> bytes:
         assert self._secret is not None
-        mac = hmac.new(self._secret, recipient.encode() + b"\0", hashlib.sha256)
-        mac.update(body)
-        return mac.digest()
+        return tag(self._secret, recipient.encode(), body)      # kvbridge.sealing: purpose = the recipient
 
     def open(self, frame: bytes) -> Envelope:
         """Check size, MAC (bound to our address), version and field ranges; the whole envelope."""
@@ -436,8 +434,8 @@ class Codec:
         if len(frame) > self.max_bytes + (_MAC_BYTES if self._secret else 0):
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {self.max_bytes}-byte limit")
         if self._secret is not None:
-            tag, frame = frame[:_MAC_BYTES], frame[_MAC_BYTES:]
-            if not hmac.compare_digest(tag, self._tag(self.address, frame)):
+            got, frame = frame[:_MAC_BYTES], frame[_MAC_BYTES:]
+            if not hmac.compare_digest(got, self._tag(self.address, frame)):
                 raise ProtocolError("frame rejected: bad or missing HMAC (is the shared secret the same, and "
                                     "was the frame meant for this agent?)")
         version = _peek_version(frame)

@@ -25,15 +25,12 @@ process vanishes) or at once when its link closes.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
-import os
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,6 +64,7 @@ from kvbridge.discovery import (
     scheme_of,
 )
 from kvbridge.links import InstanceInfo
+from kvbridge.sealing import FreshnessGuard, Stale, new_nonce, seal, unseal
 from kvbridge.wire import MAX_MESSAGE_BYTES
 
 _POLLIN = int(zmq.POLLIN)      # a plain int: enum flag arithmetic costs microseconds per poll
@@ -74,7 +72,6 @@ log = logging.getLogger(__name__)
 
 _MAX_FRAME = MAX_MESSAGE_BYTES + 64          # a frame above this is refused by ZMQ before it is read
 _MAX_REQUEST = 1 << 20
-_MAC = 32
 _NONCES = 1 << 16
 _WATCH_LOG = 4096                             # changes the server remembers for watchers
 _MAX_WATCH_WAIT_S = 5.0                       # longest a watch request is parked on the server
@@ -133,23 +130,6 @@ _REQ_DECODER = msgspec.msgpack.Decoder(_Request)
 _ANS_DECODER = msgspec.msgpack.Decoder(_Answer)
 
 
-def _tag(secret: bytes, purpose: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, purpose + b"\0" + body, hashlib.sha256).digest()
-
-
-def _seal(secret: bytes | None, purpose: bytes, body: bytes) -> bytes:
-    return body if secret is None else _tag(secret, purpose, body) + body
-
-
-def _unseal(secret: bytes | None, purpose: bytes, frame: bytes) -> bytes:
-    if secret is None:
-        return frame
-    tag, body = frame[:_MAC], frame[_MAC:]
-    if not hmac.compare_digest(tag, _tag(secret, purpose, body)):
-        raise ValueError("bad or missing HMAC (is the shared secret the same?)")
-    return body
-
-
 def _ipv6(address: str) -> bool:
     return address.startswith("tcp://[") or address.startswith("tcp://::")
 
@@ -168,15 +148,6 @@ class _Parked:
     ident: bytes
     request: _Watch
     deadline: float
-
-
-class _Skewed(ValueError):
-    """An authentic request whose time lies outside the server's window."""
-
-    def __init__(self, offset_s: float, window_s: float) -> None:
-        self.offset_s, self.window_s = offset_s, window_s
-        super().__init__(f"clock skew: the request's time is {offset_s:+.1f} s off the bootstrap server's clock, "
-                         f"outside its {CLOCK_WINDOW_SETTING}={window_s:g} ({CLOCK_WINDOW_ENV})")
 
 
 def _peer_address(frame: zmq.Frame) -> str:
@@ -219,7 +190,7 @@ class BootstrapServer:
             self.address = format_tcp(advertise, hp[1])
         self._secret = secret
         self._ranks: dict[str, dict[int, _Entry]] = {}
-        self._nonces: OrderedDict[bytes, float] = OrderedDict()
+        self._fresh = FreshnessGuard(window_s=self._window, capacity=_NONCES)
         self._epoch = secrets.randbits(62) | 1
         self._revision = 0
         self._log: deque[tuple[int, str]] = deque()
@@ -268,7 +239,7 @@ class BootstrapServer:
         ident, frame = parts[0].bytes, parts[2].bytes
         nonce = b""
         try:
-            request = _REQ_DECODER.decode(_unseal(self._secret, b"bootstrap-request", frame))
+            request = _REQ_DECODER.decode(unseal(self._secret, b"bootstrap-request", frame))
             nonce = request.nonce
             self._check_fresh(request, parts[2])
             if isinstance(request, _Publish):
@@ -282,10 +253,13 @@ class BootstrapServer:
                 answer = parked
             else:
                 answer = _Answer(info=self._info(request.instance))
-        except _Skewed as exc:
+        except Stale as exc:
             self.rejected += 1
             self.rejected_skew += 1
-            answer = _Answer(info=None, error=str(exc), skew_s=exc.offset_s, window_s=exc.window_s)
+            answer = _Answer(info=None, error=(f"clock skew: the request's time is {exc.offset_s:+.1f} s off the "
+                                               f"bootstrap server's clock, outside its {CLOCK_WINDOW_SETTING}="
+                                               f"{exc.window_s:g} ({CLOCK_WINDOW_ENV})"),
+                             skew_s=exc.offset_s, window_s=exc.window_s)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.rejected += 1
             log.error("bootstrap: rejected request: %s", exc)
@@ -295,33 +269,25 @@ class BootstrapServer:
     def _reply(self, ident: bytes, answer: _Answer, nonce: bytes) -> None:
         body = msgspec.msgpack.encode(msgspec.structs.replace(answer, nonce=nonce))
         try:
-            self._sock.send_multipart([ident, b"", _seal(self._secret, b"bootstrap-answer", body)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, b"", seal(self._secret, b"bootstrap-answer", body)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("bootstrap: an answer was dropped: %s", exc)
 
     def _check_fresh(self, request: _Request, frame: zmq.Frame) -> None:
         """With a secret, a request is accepted once and only while fresh (no replay). An authentic request
-        outside the clock window raises :class:`_Skewed` (logged once a minute per client address)."""
+        outside the clock window raises :class:`~kvbridge.sealing.Stale` (logged once a minute per client address)."""
         if self._secret is None:
             return
-        if len(request.nonce) < 16:
-            raise ValueError("unnumbered request")
-        now = self._clock()
-        offset = request.time - now
-        if not abs(offset) <= self._window:           # NaN too
+        try:
+            self._fresh.admit(request.nonce, sent_at=request.time, now=self._clock())
+        except Stale as exc:
             peer = _peer_address(frame)
             if self._skew_log.take(peer):
                 log.warning("bootstrap: requests from %s are %+.1f s off this server's clock, outside %s=%g s (%s)"
                             ": refused until the clocks agree (NTP) or the window is raised; logged once a minute "
-                            "per address%s", peer, offset, CLOCK_WINDOW_SETTING, self._window, CLOCK_WINDOW_ENV,
-                            self._skew_log.suppressed_note(peer))
-            raise _Skewed(offset, self._window)
-        if request.nonce in self._nonces:
-            raise ValueError("replayed request")
-        self._nonces[request.nonce] = now
-        while self._nonces and (len(self._nonces) > _NONCES
-                                or now - next(iter(self._nonces.values())) > 2 * self._window):
-            self._nonces.popitem(last=False)
+                            "per address%s", peer, exc.offset_s, CLOCK_WINDOW_SETTING, self._window,
+                            CLOCK_WINDOW_ENV, self._skew_log.suppressed_note(peer))
+            raise
 
     # ---------------------------------------------------------------- the table
     def _info(self, instance: str) -> InstanceInfo | None:
@@ -485,7 +451,7 @@ class ZmqBootstrap:
     def _stamp(self, request: _Request) -> _Request:
         if self._secret is None:
             return request
-        return msgspec.structs.replace(request, nonce=os.urandom(16), time=self._clock())
+        return msgspec.structs.replace(request, nonce=new_nonce(), time=self._clock())
 
     def _ask(self, request: _Request, timeout_ms: int | None = None) -> _Answer:
         request = self._stamp(request)
@@ -496,8 +462,8 @@ class ZmqBootstrap:
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
         try:
             sock.connect(self.url)
-            sock.send(_seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(request)))
-            answer = _ANS_DECODER.decode(_unseal(self._secret, b"bootstrap-answer", sock.recv()))
+            sock.send(seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(request)))
+            answer = _ANS_DECODER.decode(unseal(self._secret, b"bootstrap-answer", sock.recv()))
         except zmq.Again:
             return _Answer(info=None, error=f"bootstrap server {self.url} did not answer in {timeout_ms} ms")
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -529,7 +495,7 @@ class ZmqBootstrap:
         sock.setsockopt(zmq.LINGER, _TELL_LINGER_MS)
         try:
             sock.connect(self.url)
-            sock.send_multipart([b"", _seal(self._secret, b"bootstrap-request",
+            sock.send_multipart([b"", seal(self._secret, b"bootstrap-request",
                                              msgspec.msgpack.encode(self._stamp(request)))], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("bootstrap: a withdrawal was not sent: %s", exc)
