@@ -142,8 +142,8 @@ def test_the_cycle_finder_reports_a_cycle() -> None:
 # ------------------------------------------------------------------ the allowed-dependency matrix
 # Layers (DESIGN.md §12), lowest first; a module may import its own layer and the ones below, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "model": ("kvbridge._markers", "kvbridge.errors", "kvbridge.geometry", "kvbridge.pages", "kvbridge.logs",
-              "kvbridge.shmnames", "kvbridge.addresses", "kvbridge.pattern", "kvbridge.specs"),
+    "model": ("kvbridge._markers", "kvbridge.errors", "kvbridge.sealing", "kvbridge.geometry", "kvbridge.pages",
+              "kvbridge.logs", "kvbridge.shmnames", "kvbridge.addresses", "kvbridge.pattern", "kvbridge.specs"),
     "plan": ("kvbridge.slicing", "kvbridge.planner", "kvbridge.staging", "kvbridge.spans", "kvbridge.digests",
              "kvbridge.handshake", "kvbridge.state", "kvbridge.hookspecs", "kvbridge.backends.base"),
     "protocol": ("kvbridge.wire", "kvbridge.protocol"),

@@ -197,9 +197,10 @@ def test_tp2_to_tp1_with_mamba_over_a_transfer_engine(tmp_path: Path, backend: s
 def test_dp_routing_by_registered_rank(tmp_path: Path) -> None:
     """Prefill with 2 attention-DP ranks that do not follow the bootstrap room: each prefill sender registers
     its DP rank at the bootstrap server, decode resolves it with SGLang's own query_prefill_dp_ranks, and
-    each request is read from the DP rank that computed it."""
+    each request is read from the DP rank that computed it. With a secret: the rank and DP-rank registrations
+    and the topology fetch are sealed requests, SGLang's untagged query stays served."""
     sc = scenario(prefill={"tp": 1, "dp": 2}, decode={"tp": 1}, requests=6, lbm="round_robin")
-    r, results = run(sc, tmp_path)
+    r, results = run(sc, tmp_path, env={"KVBRIDGE_SECRET": "dp-routing-secret-0123456789abcd"})
     check_clean(r, results)
     dec = decode_results(results)[0]
     assert len(dec["verified"]) == 6

@@ -13,26 +13,33 @@ bootstrap address:
 Next to it runs kvbridge's ZMQ ``BootstrapServer`` (an ephemeral port on the same host) where the rank
 agents publish their control addresses, one kvbridge instance per (DP rank, PP stage).
 
-With a secret, ``/kvbridge`` answers and rank registrations carry an HMAC-SHA256 tag (``X-KVBridge-MAC``)
-over the body; without one, anybody who reaches the port can register a rank (the kvbridge handshake
-still refuses a peer whose layout differs).
+With a secret (kvbridge's one sealing scheme, :mod:`kvbridge.sealing`), every route that reads the topology or
+changes anything — ``GET /kvbridge``, ``PUT /kvbridge/rank``, ``POST /register_dp_rank`` — takes only a request
+carrying ``X-KVBridge-Nonce`` and ``X-KVBridge-Time`` and an ``X-KVBridge-MAC`` over the method, the path, both
+and the body; a request is accepted once and only inside the clock window (``KVBRIDGE_CLOCK_WINDOW_S``), and every
+JSON answer is tagged over the request's nonce and the body, so an answer cannot be replayed to another request.
+Two routes stay open because SGLang's own code calls them without a tag: ``POST /query_dp_ranks`` (SGLang's
+decode scheduler; it reads which DP rank serves a room and changes nothing) and ``GET /health``. Without a
+secret, anybody who reaches the port can register a rank (the kvbridge handshake still refuses a peer whose
+layout differs).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvbridge.clockskew import Clock, clock_window_from_env
+from kvbridge.sealing import NONCE_BYTES, FreshnessGuard, Replayed, Stale, matches, new_nonce, tag
 from kvbridge.zmq_link import BootstrapServer
 
 log = logging.getLogger("kvbridge.sglang")
@@ -46,15 +53,27 @@ def instance_name(dp_rank: int, pp_rank: int) -> str:
     return f"sglang-dp{dp_rank}-pp{pp_rank}"
 
 
-def _mac(secret: bytes | None, body: bytes) -> str:
-    return "" if secret is None else hmac.new(secret, b"kvbridge-sglang\0" + body, hashlib.sha256).hexdigest()
+_REQUEST_PURPOSE = b"kvbridge-sglang-request"
+_ANSWER_PURPOSE = b"kvbridge-sglang-answer"
+_SEALED_ROUTES = frozenset({("GET", "/kvbridge"), ("PUT", "/kvbridge/rank"), ("POST", "/register_dp_rank")})
+
+
+def _request_tag(secret: bytes, method: str, path: str, nonce: bytes, sent_at: str, body: bytes) -> bytes:
+    return tag(secret, _REQUEST_PURPOSE, method.encode(), path.encode(), nonce, sent_at.encode(), body)
+
+
+def _answer_tag(secret: bytes, nonce: bytes, body: bytes) -> bytes:
+    return tag(secret, _ANSWER_PURPOSE, nonce, body)
 
 
 class TopologyServer:
     """The HTTP listener and the kvbridge ZMQ bootstrap server of one prefill instance."""
 
-    def __init__(self, host: str, port: int, *, secret: bytes | None = None) -> None:
+    def __init__(self, host: str, port: int, *, secret: bytes | None = None, clock: Clock = time.time) -> None:
         self.secret = secret
+        self.clock = clock            # the wall clock requests' times are judged by (injectable for tests)
+        self.fresh = FreshnessGuard(window_s=clock_window_from_env())
+        self.refused = 0              # requests refused for their tag, nonce or time
         zhost = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         self.zmq = BootstrapServer(f"tcp://{zhost}:0", secret=secret).start()
         self.ranks: dict[tuple[int, int, int], dict[str, Any]] = {}
@@ -79,19 +98,60 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("bootstrap http: " + format, *args)
 
+        nonce = b""
+
         def _send(self, code: int, body: bytes, content: str = "application/json") -> None:
             self.send_response(code)
             self.send_header("Content-Type", content)
             self.send_header("Content-Length", str(len(body)))
-            if content == "application/json":
-                self.send_header("X-KVBridge-MAC", _mac(server.secret, body))
+            if content == "application/json" and server.secret is not None:
+                self.send_header("X-KVBridge-MAC", _answer_tag(server.secret, self.nonce, body).hex())
             self.end_headers()
             self.wfile.write(body)
 
         def _body(self) -> bytes:
-            return self.rfile.read(min(int(self.headers.get("Content-Length") or 0), 1 << 20))
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = 0
+            return self.rfile.read(max(0, min(length, 1 << 20)))
+
+        def _admitted(self, method: str, body: bytes) -> bool:
+            """With a secret, whether a request to a sealed route is authentic and fresh (else answered 403)."""
+            self.nonce = b""
+            if server.secret is None or (method, self.path) not in _SEALED_ROUTES:
+                return True
+            why = ""
+            try:
+                nonce = bytes.fromhex(self.headers.get("X-KVBridge-Nonce", ""))
+                sent_at = self.headers.get("X-KVBridge-Time", "")
+                got = bytes.fromhex(self.headers.get("X-KVBridge-MAC", ""))
+            except ValueError:
+                nonce, sent_at, got = b"", "", b""
+            if len(nonce) != NONCE_BYTES or not matches(server.secret, _REQUEST_PURPOSE, got, method.encode(),
+                                                        self.path.encode(), nonce, sent_at.encode(), body):
+                why = "bad or missing X-KVBridge-MAC/-Nonce/-Time (is the secret the same?)"
+            else:
+                try:
+                    with server.lock:
+                        server.fresh.admit(nonce, sent_at=float(sent_at), now=server.clock())
+                except (Stale, Replayed) as exc:
+                    why = str(exc)
+                except ValueError:
+                    why = f"X-KVBridge-Time {sent_at[:40]!r} is not a number"
+            if why:
+                with server.lock:
+                    server.refused += 1
+                log.warning("bootstrap http: refused %s %s from %s: %s", method, self.path[:80],
+                            self.client_address[0], why)
+                self._send(403, json.dumps({"error": why}).encode())
+                return False
+            self.nonce = nonce
+            return True
 
         def do_GET(self) -> None:
+            if not self._admitted("GET", b""):
+                return
             if self.path == "/health":
                 self._send(200, b"OK", "text/plain")
             elif self.path == "/kvbridge":
@@ -107,9 +167,7 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
                 self._send(404, b'{"error": "unknown route"}')
                 return
             body = self._body()
-            if server.secret is not None and not hmac.compare_digest(self.headers.get("X-KVBridge-MAC", ""),
-                                                                     _mac(server.secret, body)):
-                self._send(403, b'{"error": "bad or missing X-KVBridge-MAC"}')
+            if not self._admitted("PUT", body):
                 return
             try:
                 row = json.loads(body)
@@ -124,8 +182,11 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
             self._send(200, b"{}")
 
         def do_POST(self) -> None:
+            body = self._body()
+            if not self._admitted("POST", body):
+                return
             try:
-                payload = json.loads(self._body() or b"{}")
+                payload = json.loads(body or b"{}")
             except ValueError:
                 self._send(400, b'{"error": "bad json"}')
                 return
@@ -159,15 +220,25 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
 
 def _request(url: str, *, method: str = "GET", body: bytes | None = None, secret: bytes | None = None,
              timeout_s: float = 5.0) -> bytes:
+    """One request; with a secret, sealed (nonce, time, tag) and its answer checked against that nonce."""
     headers = {"Content-Type": "application/json"}
-    if body is not None and secret is not None:
-        headers["X-KVBridge-MAC"] = _mac(secret, body)
+    nonce = new_nonce()
+    if secret is not None:
+        sent_at = repr(time.time())
+        path = urllib.parse.urlsplit(url).path
+        headers |= {"X-KVBridge-Nonce": nonce.hex(), "X-KVBridge-Time": sent_at,
+                    "X-KVBridge-MAC": _request_tag(secret, method, path, nonce, sent_at, body or b"").hex()}
     req = urllib.request.Request(url, data=body, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         data: bytes = resp.read()
-        if secret is not None and method == "GET" and not hmac.compare_digest(
-                resp.headers.get("X-KVBridge-MAC", ""), _mac(secret, data)):
-            raise PermissionError(f"{url}: answer without a valid X-KVBridge-MAC (is the secret the same?)")
+        if secret is not None:
+            try:
+                got = bytes.fromhex(resp.headers.get("X-KVBridge-MAC", ""))
+            except ValueError:
+                got = b""
+            if not matches(secret, _ANSWER_PURPOSE, got, nonce, data):
+                raise PermissionError(f"{url}: answer without a valid X-KVBridge-MAC for this request (is the "
+                                      "secret the same?)")
         return data
 
 
@@ -182,9 +253,10 @@ def register(addr: str, row: dict[str, Any], *, secret: bytes | None = None, tim
              timeout_s=timeout_s)
 
 
-def register_dp_rank(addr: str, room: int, dp_rank: int, *, timeout_s: float = 5.0) -> None:
+def register_dp_rank(addr: str, room: int, dp_rank: int, *, secret: bytes | None = None,
+                     timeout_s: float = 5.0) -> None:
     body = json.dumps({"bootstrap_room": int(room), "dp_rank": int(dp_rank)}).encode()
-    _request(f"http://{addr}/register_dp_rank", method="POST", body=body, timeout_s=timeout_s)
+    _request(f"http://{addr}/register_dp_rank", method="POST", body=body, secret=secret, timeout_s=timeout_s)
 
 
 def wait_for(addr: str, *, secret: bytes | None, timeout_s: float) -> dict[str, Any]:

@@ -456,7 +456,8 @@ class KVBridgeKVSender(BaseKVSender):
         self.conclude_state: int | None = None
         if mgr.attn_dp_size > 1 and not req_has_disagg_prefill_dp_rank:
             try:
-                bootstrap.register_dp_rank(mgr.bootstrap_addr, self.bootstrap_room, mgr.attn_dp_rank)
+                bootstrap.register_dp_rank(mgr.bootstrap_addr, self.bootstrap_room, mgr.attn_dp_rank,
+                                           secret=mgr.settings.secret)
             except Exception as exc:   # noqa: BLE001 - decode then routes by room % dp_size
                 log.warning("kvbridge-sglang: room %d: registering prefill DP rank failed: %s", self.bootstrap_room,
                             exc)
