@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import secrets
 import shutil
 import signal
 import sys
@@ -109,12 +110,16 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     model = get_preset(preset, registry)
     model.check_tp(prefill_tp, decode_tp)
     metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
-    server = BootstrapServer(clock_window_s=settings.clock_window_s).start()
+    # secure by default: one secret for the bootstrap server, every rank's link and agent — the configured one,
+    # else a fresh one that only this run's processes hold (handed to them over the spawn pipe, never in argv or
+    # the environment), so another local user's forged frames have no effect on the demo
+    secret = settings.secret.encode() if settings.secret else secrets.token_bytes(32)
+    server = BootstrapServer(secret=secret, clock_window_s=settings.clock_window_s).start()
     exporter = None
     base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
                         window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump,
-                        metrics_dir=metrics_dir, settings_file=settings_file)
+                        metrics_dir=metrics_dir, settings_file=settings_file, secret=secret)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     go = ctx.Event()          # set once every rank is up: no prefill room's bootstrap clock runs before that
