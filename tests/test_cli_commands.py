@@ -92,6 +92,15 @@ def test_an_entry_point_cannot_replace_a_built_in_command(
     assert parser.parse_args(["demo", "--requests", "3"]).func is cli._demo
 
 
+def test_the_same_entry_point_twice_is_not_a_conflict(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _install(monkeypatch, _EP("hello", lambda: _hello), _EP("hello", lambda: _hello))
+    assert cli.main(["hello"]) == 41 and capsys.readouterr().err == ""
+    _install(monkeypatch, _EP("hello", lambda: _hello), _EP("hello", lambda: _hello, value="other.module:add"))
+    assert cli.main(["hello"]) == 41
+    assert "ignoring the 'hello' command of entry point 'other.module:add'" in capsys.readouterr().err
+
+
 def test_a_command_without_func_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     def bare(sub: Any) -> argparse.ArgumentParser:

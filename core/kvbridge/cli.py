@@ -110,7 +110,11 @@ def _add_commands(sub: Any, builtin: set[str]) -> None:
     :data:`ELSEWHERE` that nothing added answers with what to install."""
     import importlib.metadata as md
 
+    seen: set[tuple[str, str]] = set()
     for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if (ep.name, ep.value) in seen:           # the same distribution seen twice on the path: not a conflict
+            continue
+        seen.add((ep.name, ep.value))
         if ep.name in builtin or ep.name in sub.choices:
             print(f"kvbridge: ignoring the {ep.name!r} command of entry point {ep.value!r}: a command of that name "
                   "exists already", file=sys.stderr)
