@@ -141,16 +141,16 @@ def test_plots_without_matplotlib_say_so(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_transfer_flags_are_refused_by_the_other_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "planner", "--sizes", "1GiB", "--quick"]) == 2
+    assert cli_main(["planner", "--sizes", "1GiB", "--quick"]) == 2
     assert "--sizes, --quick apply to `kvbridge bench transfer` only" in capsys.readouterr().err
 
 
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "transfer", "--tp-pairs", "3-1"]) == 2
+    assert cli_main(["transfer", "--tp-pairs", "3-1"]) == 2
     assert "8 KV heads must split evenly" in capsys.readouterr().err
-    assert cli_main(["bench", "transfer", "--layouts", "diagonal"]) == 2
+    assert cli_main(["transfer", "--layouts", "diagonal"]) == 2
     assert "choose from token-major, head-major" in capsys.readouterr().err
-    assert cli_main(["bench", "transfer", "--piece-mib", "0"]) == 2
+    assert cli_main(["transfer", "--piece-mib", "0"]) == 2
     assert "--piece-mib 0: a staged piece holds at least 1 MiB" in capsys.readouterr().err
 
 
