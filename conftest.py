@@ -30,7 +30,7 @@ SLOW = (
     "tests/test_seed_scenarios.py",
     "tests/test_netns.py",
     "tests/test_adversary.py",
-    "tests/test_bench_transfer.py",
+    "tools/bench/tests/test_bench_transfer.py",
     "tests/test_cli_demo.py",
     "tests/test_demo_hybrid.py",
     "tests/test_sim.py",

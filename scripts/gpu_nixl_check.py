@@ -9,7 +9,7 @@ own stream in pieces, written, scattered on the decode GPU) and with the descrip
 pages posted once per group of layers). Every transferred byte is verified on the decode GPU against data
 regenerated from the same seeds; the bytes' throughput is compared with a torch GPU0 -> GPU1 copy.
 
-    PYTHONPATH=core:plugins/nixl/src python3 scripts/gpu_nixl_check.py --out result.json
+    PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/gpu_nixl_check.py --out result.json
     ... --only "tp2->1"                    (configs whose label contains the text)
     KVBRIDGE_GPU_CHECK_ON_CPU=1 ... (a small dry run of the same logic on host memory)
 """
@@ -112,9 +112,9 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.bench import send_request
     from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
+    from kvbridge_bench.micro import send_request
 
     if not CPU:
         torch.cuda.set_device(0)

@@ -1,6 +1,6 @@
 """Issue 14's GPU measurements in one command, for a host with two NVIDIA GPUs (H100/H200, NVLink):
 
-    KVBRIDGE_REV=<commit> PYTHONPATH=core:plugins/nixl/src python3 scripts/gpu_transfer_bench.py --out DIR
+    KVBRIDGE_REV=<rev> PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/gpu_transfer_bench.py --out DIR
 
 needs torch with CUDA, ``nixl`` + ``nixl-cu13`` (or ``nixl-cu12``, matching torch's CUDA), ``msgspec``, ``pyzmq``,
 ``pluggy``, ``numpy`` and, for the plots, ``matplotlib``; kvbridge itself comes from this source tree (no install).
@@ -13,9 +13,10 @@ says so, and no step may take more than ``--timeout`` (90 s), so the whole run s
    when not given, as measured before; a smaller area stages through rings), the sweep (1 GiB requests,
    16- and 64-token pages, TP 1-1, 2-1, 1-2, 4-2, token- and head-major, scattered, + contiguous for 1-1),
    128-token latency, layer-wise streaming, and last TP 2 -> 1 with staging off (4.2M per-token descriptors).
-2. ``kvbridge_nixl.bench`` two-process GPU 0 -> GPU 1, 64 layers x 255 pages of 32 KiB: 1 GiB as one
-   descriptor and as 32,640 scattered ones (the issue's first two rows).
-3. ``gpu-before-after.md``: the issue's table, today's numbers next to the new ones, and the goals.
+2. ``kvbridge_bench.nixl_backend`` (``kvbridge bench --backend nixl``) two-process GPU 0 -> GPU 1, 64 layers x
+   255 pages of 32 KiB: 1 GiB as one descriptor and as 32,640 scattered ones (the issue's first two rows).
+3. ``gpu-before-after.md``: the issue's table, today's numbers next to the new ones (ratios to the same run's
+   raw NIXL and copy; no fixed targets).
 
 Writes into DIR (at most 8 files): gpu-transfer.json, gpu-throughput-vs-page.png, gpu-throughput-vs-tp.png,
 gpu-layerwise-timeline.png, gpu-nixl-plugin-1GiB.json, gpu-before-after.md. ``--device cpu`` is a small dry run
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbridge import bench_transfer as bt
+from kvbridge_bench import transfer as bt
 
 GIB = 1 << 30
 #: the issue's table as measured on main, 2026-11-26, 2x H200 (NV18), two processes, torch 2.11 cu130, nixl-cu13 1.5.1
@@ -66,7 +67,7 @@ def issue_cases(dry: bool, staging_bytes: int | None,
 
 
 def plugin_bench(dry: bool) -> dict[str, Any]:
-    from kvbridge_nixl.bench import run_bench
+    from kvbridge_bench.nixl_backend import run_bench
 
     if dry:
         return run_bench(layers=4, pages=15, page_kib=32, pool_pages=20, repeats=2, device="cpu", two_process=True)
@@ -113,9 +114,6 @@ def before_after(result: dict[str, Any], plugin: dict[str, Any] | None) -> str:
              "| case | before | after (same run's raw NIXL, 1 descriptor, as the reference) |", "|---|---|---|"]
     for key, (name, before) in BEFORE.items():
         lines.append(f"| {name} | {before} | {after.get(key, 'not measured')} |")
-    lines += ["", "## Goals", "", "| goal | target | measured | met |", "|---|---|---|---|"]
-    for g in result.get("goals", []):
-        lines.append(f"| {g['goal']} | {g['target']} | {g['measured']} | {'yes' if g['met'] else 'NO'} |")
     lines += ["", "## Every case", "", "```", bt.format_report(result), "```", ""]
     return "\n".join(lines)
 
@@ -146,7 +144,7 @@ def main() -> int:
                       plots=str(out), plugins=("kvbridge_nixl",), extra_cases=first, last_cases=last,
                       budget_s=args.budget, timeout_s=args.timeout, quick=dry, latency_requests=10 if dry else None,
                       staging_mib=staging_mib, piece_mib=args.piece_mib,
-                      command="PYTHONPATH=core:plugins/nixl/src python3 " + " ".join(sys.argv))
+                      command="PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 " + " ".join(sys.argv))
     result = bt.run(opts)
     print(bt.format_report(result), flush=True)
     bt.write_outputs(result, opts)
@@ -155,7 +153,7 @@ def main() -> int:
         if time.perf_counter() - started > args.budget + 100:
             plugin = {"error": "skipped: the sweep used the time budget"}
         else:
-            print("kvbridge_nixl.bench, two processes, 1 GiB as 1 and as 32,640 descriptors", flush=True)
+            print("kvbridge_bench.nixl_backend, two processes, 1 GiB as 1 and as 32,640 descriptors", flush=True)
             try:
                 plugin = plugin_bench(dry)
             except Exception as exc:  # noqa: BLE001 - report it in the table, keep the sweep's files

@@ -1,8 +1,8 @@
 """Profiling probe for issue 14 (not a benchmark): 128-token request latency per staging mode, or a 1 GiB
 same-TP sweep; run under py-spy to see where a request's fixed cost goes.
 
-    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
-    PYTHONPATH=core:plugins/nixl/src python3 scripts/probe_latency.py cuda sweep 10 scattered
+    PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
+    PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/probe_latency.py cuda sweep 10 scattered
     (sweep: PROBE_SIZE_MIB, default 1024, and PROBE_PIECE_MIB, staged pieces, default the agent's)
 """
 
@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from kvbridge import bench_transfer as bt
 from kvbridge.zmq_link import BootstrapServer
+from kvbridge_bench import transfer as bt
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         finally:
             ranks.close()
             server.close()
-        keys = ("p50_ms", "p99_ms", "bound_ms", "raw_transfer_ms", "control_rtt_ms", "error", "failed")
+        keys = ("p50_ms", "p99_ms", "baseline_ms", "raw_transfer_ms", "control_rtt_ms", "error", "failed")
         print(mode, json.dumps({k: res.get(k) for k in keys}), flush=True)
 
 

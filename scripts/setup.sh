@@ -107,7 +107,8 @@ rm -rf "$logs"
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 plugins=()
 for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
-"${PIP[@]}" -e ".[test,lint,bench,metrics,cli]" "${plugins[@]}" -e adapters/vllm
+# kvbridge-bench (tools/bench: `kvbridge bench`, found through its entry point) with its plot and raw NIXL extras
+"${PIP[@]}" -e ".[test,lint,metrics,cli]" "${plugins[@]}" -e adapters/vllm -e "tools/bench[plots,nixl]"
 .venv-vllm/bin/python -m pip install -q --disable-pip-version-check -e . -e plugins/nixl -e adapters/vllm
 .venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . -e plugins/mamba -e plugins/swa \
   -e plugins/nsa -e plugins/row -e plugins/nixl -e plugins/mooncake -e adapters/sglang

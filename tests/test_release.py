@@ -16,12 +16,17 @@ tomllib = pytest.importorskip("tomllib")
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECTS = [REPO / "pyproject.toml", *sorted(REPO.glob("plugins/*/pyproject.toml")),
-            *sorted(REPO.glob("adapters/*/pyproject.toml"))]
+            *sorted(REPO.glob("adapters/*/pyproject.toml")), *sorted(REPO.glob("tools/*/pyproject.toml"))]
 
 
 def _project(path: Path) -> dict[str, Any]:
     project: dict[str, Any] = tomllib.loads(path.read_text())["project"]
     return project
+
+
+def test_every_distribution_is_checked() -> None:
+    names = {_project(path)["name"] for path in PROJECTS}
+    assert {"kvbridge", "kvbridge-nixl", "kvbridge-vllm", "kvbridge-bench"} <= names, names
 
 
 def test_every_distribution_has_the_same_version_and_depends_on_this_minor() -> None:

@@ -1,4 +1,5 @@
-"""The ``kvbridge`` command: ``plugins``, ``demo``, ``bench``.
+"""The ``kvbridge`` command: ``plugins``, ``demo``, and the commands other distributions add through the
+``kvbridge.cli`` entry point group (``bench``, from ``kvbridge-bench``).
 
 Exit codes: 0 success; 1 verification failure (a byte differs); 2 a backend or state type is not installed or
 cannot run here (with the reason and what to install); 3 transfer failure (a request failed, a rank died,
@@ -17,6 +18,12 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNAVAILABLE, EXIT_TRANSFER, EXIT_USAGE = 0, 1, 2, 3, 64
+
+#: Entry point group of subcommands other distributions add: each entry point names a callable that takes the
+#: ``kvbridge`` parser's subparsers and adds one subparser of the entry point's name (with ``func`` set).
+COMMAND_GROUP = "kvbridge.cli"
+#: Commands that live in another distribution, and what to install for them.
+ELSEWHERE = {"bench": "kvbridge-bench"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,27 +96,45 @@ def _demo(args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from kvbridge import bench, bench_flood, bench_transfer
-    from kvbridge.bench_transfer import TRANSFER_ARGS
+def _not_installed(name: str, dist: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvbridge {name}: the {name!r} command comes with the {dist} distribution, which is not installed "
+              f"here: pip install {dist}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return run
 
-    if args.what == "transfer":
-        return bench_transfer.main(args)
-    given = [name for name in TRANSFER_ARGS if getattr(args, name) is not None]
-    if given:
-        flags = ", ".join("--" + {"json_path": "json"}.get(n, n).replace("_", "-") for n in given)
-        print(f"kvbridge bench: {flags} apply to `kvbridge bench transfer` only", file=sys.stderr)
-        return 2
-    if args.backend:
-        return bench.main_backend(args.backend)
-    if args.what == "flood":
-        return bench_flood.main()
-    return {"planner": bench.main_planner, "control": bench.main_control}[args.what]()
+
+def _add_commands(sub: Any, builtin: set[str]) -> None:
+    """Add the subcommands of the ``kvbridge.cli`` entry points; one that fails to load or names a built-in
+    command is reported on stderr and left out (the other commands keep working). A command of
+    :data:`ELSEWHERE` that nothing added answers with what to install."""
+    import importlib.metadata as md
+
+    seen: set[tuple[str, str]] = set()
+    for ep in sorted(md.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if (ep.name, ep.value) in seen:           # the same distribution seen twice on the path: not a conflict
+            continue
+        seen.add((ep.name, ep.value))
+        if ep.name in builtin or ep.name in sub.choices:
+            print(f"kvbridge: ignoring the {ep.name!r} command of entry point {ep.value!r}: a command of that name "
+                  "exists already", file=sys.stderr)
+            continue
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # noqa: BLE001 - a broken extension must not take the core commands down
+            sub.choices.pop(ep.name, None)
+            print(f"kvbridge: the {ep.name!r} command ({ep.value}) could not be loaded: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            continue
+        if ep.name not in sub.choices:
+            print(f"kvbridge: entry point {ep.value!r} added no {ep.name!r} command", file=sys.stderr)
+    for name, dist in ELSEWHERE.items():
+        if name not in sub.choices:
+            p = sub.add_parser(name, help=f"not installed here: pip install {dist}", add_help=False)
+            p.set_defaults(func=_not_installed(name, dist), any_arguments=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvbridge.bench_transfer import add_arguments as add_transfer_arguments
-
     parser = _Parser(prog="kvbridge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvbridge {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,15 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the ranks' Prometheus metrics on 127.0.0.1:N while the demo runs "
                         "(needs kvbridge[metrics])")
     d.set_defaults(func=_demo)
-    b = sub.add_parser("bench", help="benchmarks, printed as ratios against a baseline of the same run")
-    b.add_argument("what", nargs="?", choices=("planner", "control", "transfer", "flood"), default="planner",
-                   help="planner, control, transfer (kvbridge end to end vs raw NIXL and a copy; JSON, plots), or "
-                        "flood (healthy requests' latency under 10 s of bad-MAC frames at 10k/s, vs a baseline)")
-    b.add_argument("--backend", default=None,
-                   help="run this backend plugin's benchmark instead; with `transfer`: the backend kvbridge uses "
-                        "(default nixl when usable, else loopback)")
-    add_transfer_arguments(b)
-    b.set_defaults(func=_bench)
+    _add_commands(sub, {"plugins", "demo"})
     return parser
 
 
@@ -154,8 +171,14 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "any_arguments", False):    # only a not-installed command takes any
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    func = getattr(args, "func", None)
+    if func is None:                                            # an extension's parser that set no func
+        parser.error(f"the {args.command!r} command has nothing to run (its distribution set no func)")
+    return int(func(args))
 
 
 if __name__ == "__main__":

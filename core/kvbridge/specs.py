@@ -102,9 +102,9 @@ def resolve(factory: str | Callable[..., Any]) -> Callable[..., Any]:
 class BackendSpec:
     """A transfer backend: its name, how to build it, what it can do, and whether it runs here.
 
-    ``bench`` (optional) is the backend's own benchmark, run by ``kvbridge bench --backend NAME``: a
-    :data:`BenchEntry` or its ``"module:attr"`` (imported only when the benchmark runs), called without
-    arguments; an int it returns is the exit status::
+    ``bench`` (optional) is the backend's own benchmark, run by ``kvbridge bench --backend NAME`` (the
+    kvbridge-bench distribution): a :data:`BenchEntry` or its ``"module:attr"`` (imported only when the benchmark
+    runs), called without arguments; an int it returns is the exit status::
 
         BackendSpec(name="mybackend", factory="my_pkg.engine:MyBackend", bench="my_pkg.bench:main")
 

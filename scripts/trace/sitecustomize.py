@@ -6,7 +6,7 @@ Active only when this directory is on ``PYTHONPATH`` and ``PROBE_TRACE`` names a
 each notice and each count on the decode, and the benchmark's request. ``perf_counter`` is the host's
 monotonic clock, so the files of one host merge into one timeline (``analyze.py``)::
 
-    PROBE_TRACE=/tmp/tr PYTHONPATH=scripts/trace:core:plugins/nixl/src PROBE_PLUGINS=kvbridge_nixl \\
+    PROBE_TRACE=/tmp/tr PYTHONPATH=scripts/trace:core:plugins/nixl/src:tools/bench/src PROBE_PLUGINS=kvbridge_nixl \\
         python3 scripts/probe_latency.py cuda sweep 6 scattered
     python3 scripts/trace/analyze.py /tmp/tr "1 GiB scattered"
 """
@@ -63,11 +63,11 @@ def _patch(bench: ModuleType) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches ``kvbridge.bench_transfer`` (and the agent it drives) as it is first imported."""
+    """Patches ``kvbridge_bench.transfer`` (and the agent it drives) as it is first imported."""
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if name != "kvbridge.bench_transfer":
+        if name != "kvbridge_bench.transfer":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

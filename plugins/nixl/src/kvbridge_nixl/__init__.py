@@ -45,7 +45,6 @@ SPEC = BackendSpec(
                             Capability.NOTIFICATIONS, Capability.ASYNC}),
     probe=probe,
     description="NIXL over UCX: one-sided WRITE from prepped descriptor lists, notices ride on the data",
-    bench="kvbridge_nixl.bench:main",
 )
 
 

@@ -284,9 +284,10 @@ class NixlBackend:
         remote_idx = indices(remote.starts, pattern.groups, dst_items)
         # Prepped (prep once, index per request), never initialize_xfer here: initialize_xfer builds, checks
         # and resolves every descriptor against the registrations on each call, a per-request CPU cost that
-        # grows with the descriptor count (bench.py prints both calls' cost), and it does not merge adjacent
-        # descriptors (engines.md §2.4: 8x slower on contiguous 4 KiB blocks). Bandwidth is the same once
-        # the planner has merged runs: NIXL's ~6-10 us per descriptor dominates scattered pages either way.
+        # grows with the descriptor count (`kvbridge bench --backend nixl` prints both calls' cost), and it does
+        # not merge adjacent descriptors (engines.md §2.4: 8x slower on contiguous 4 KiB blocks). Bandwidth is
+        # the same once the planner has merged runs: NIXL's ~6-10 us per descriptor dominates scattered pages
+        # either way.
         try:
             xfer = self._agent.make_prepped_xfer("WRITE", local.handle, local_idx, remote.handle, remote_idx,
                                                  transfer.notice)

@@ -4,7 +4,7 @@ healthy request succeeded, and the agents rejected the frames they received (non
 
 from __future__ import annotations
 
-from kvbridge.bench_flood import bench_flood
+from kvbridge_bench.flood import bench_flood
 
 
 def test_a_short_flood_is_survived_and_its_latency_ratio_printed() -> None:

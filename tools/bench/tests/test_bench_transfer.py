@@ -1,4 +1,4 @@
-"""``kvbridge bench transfer`` on the CPU: the smoke run CI can afford (small sizes, seconds), its JSON
+"""``kvbridge bench transfer`` (kvbridge-bench) on the CPU: the smoke run CI can afford (small sizes, seconds), its JSON
 fields and its plots. No timing is asserted: only that every number exists and every byte was verified."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,18 @@ from typing import Any
 
 import pytest
 
-from kvbridge import bench_transfer as bt
-from kvbridge.bench_plots import MISSING, write_plots
-from kvbridge.cli import main as cli_main
+from kvbridge_bench import transfer as bt
+from kvbridge_bench.cli import main as cli_main
+from kvbridge_bench.plots import MISSING, write_plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _kvbridge(*args: str, timeout: float = 240, shm_run: str | None = None,
-              extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).with_name("kvbridge")
-    cmd = [str(script)] if script.exists() else [shutil.which("kvbridge") or "kvbridge"]
+def _bench(*args: str, timeout: float = 240, shm_run: str | None = None,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kvbridge bench ARGS`` as ``python -m kvbridge_bench ARGS`` (the same parser and code; it runs from a
+    source tree too, where no entry point is installed; tests/test_bench_cli.py covers the entry point)."""
+    cmd = [sys.executable, "-m", "kvbridge_bench"]
     env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_PLUGINS", "KVBRIDGE_DISABLE_PLUGINS")}
     if shm_run:
         env["KVBRIDGE_SHM_RUN"] = shm_run       # the run tag in the names of its /dev/shm segments
@@ -55,7 +55,7 @@ def _torch_pools() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
-    done = _kvbridge("bench", "transfer", "--quick", "--device", "cpu", "--layerwise", "--json", str(out / "r.json"),
+    done = _bench("transfer", "--quick", "--device", "cpu", "--layerwise", "--json", str(out / "r.json"),
                      "--plots", str(out / "plots"), extra_env=_torch_pools())
     assert done.returncode == 0, done.stdout + done.stderr
     return done, json.loads((out / "r.json").read_text()), out
@@ -87,7 +87,9 @@ def test_quick_run_writes_every_field(quick: tuple[subprocess.CompletedProcess[s
     lat = result["latency"]
     assert lat["error"] is None and lat["tokens"] == 128 and not lat["failed"]
     assert lat["p50_ms"] > 0 and lat["control_rtt_ms"] > 0 and lat["raw_transfer_ms"] > 0
-    assert lat["bound_ms"] > lat["control_rtt_ms"] + lat["raw_transfer_ms"]
+    assert lat["baseline_ms"] == pytest.approx(lat["control_rtt_ms"] + lat["raw_transfer_ms"])
+    assert lat["p50_over_baseline"] == pytest.approx(lat["p50_ms"] / lat["baseline_ms"])
+    assert "goals" not in result and "goal" not in done.stdout       # ratios against this run, no fixed targets
     assert "p50" in done.stdout and "kvb/raw" in done.stdout
 
 
@@ -122,7 +124,7 @@ def test_quick_run_plots(quick: tuple[subprocess.CompletedProcess[str], dict[str
 def test_loopback_head_major_one_to_two(tmp_path: Path) -> None:
     """The /dev/shm path of the loopback backend, one prefill rank feeding two decode ranks, head-major."""
     tag = f"bt{secrets.token_hex(4)}"
-    done = _kvbridge("bench", "transfer", "--quick", "--device", "cpu", "--backend", "loopback", "--tp-pairs", "1-2",
+    done = _bench("transfer", "--quick", "--device", "cpu", "--backend", "loopback", "--tp-pairs", "1-2",
                      "--layouts", "head-major", "--placements", "scattered", "--latency-requests", "5",
                      "--json", str(tmp_path / "r.json"), shm_run=tag)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -139,16 +141,16 @@ def test_plots_without_matplotlib_say_so(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_transfer_flags_are_refused_by_the_other_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "planner", "--sizes", "1GiB", "--quick"]) == 2
+    assert cli_main(["planner", "--sizes", "1GiB", "--quick"]) == 2
     assert "--sizes, --quick apply to `kvbridge bench transfer` only" in capsys.readouterr().err
 
 
 def test_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "transfer", "--tp-pairs", "3-1"]) == 2
+    assert cli_main(["transfer", "--tp-pairs", "3-1"]) == 2
     assert "8 KV heads must split evenly" in capsys.readouterr().err
-    assert cli_main(["bench", "transfer", "--layouts", "diagonal"]) == 2
+    assert cli_main(["transfer", "--layouts", "diagonal"]) == 2
     assert "choose from token-major, head-major" in capsys.readouterr().err
-    assert cli_main(["bench", "transfer", "--piece-mib", "0"]) == 2
+    assert cli_main(["transfer", "--piece-mib", "0"]) == 2
     assert "--piece-mib 0: a staged piece holds at least 1 MiB" in capsys.readouterr().err
 
 
@@ -175,7 +177,7 @@ def test_gpu_link_reads_the_topology_matrix() -> None:
             "GPU1\tNV18\t X \t0-31\t0\n")
     assert bt.gpu_link(topo) == "NV18" and bt.gpu_link(topo, 1, 0) == "NV18"
     assert bt.gpu_link(None) is None and bt.gpu_link("GPU0\n") is None
-    run = Path(__file__).resolve().parents[1] / "docs/results/gpu-transfer-5fdff66.json"
+    run = Path(__file__).resolve().parents[3] / "docs/results/gpu-transfer-5fdff66.json"
     recorded = json.loads(run.read_text())["machine"]["topology"]
     assert recorded.startswith("\x1b[4mGPU0")          # what nvidia-smi printed on the H100 host: underlined
     assert bt.gpu_link(recorded) == "NV18" and bt.gpu_link(recorded, 1, 0) == "NV18"

@@ -5,7 +5,7 @@ A prefill (another process) and a decode (this process) share a secret and talk 
 another for ``baseline_s``. Then a flooder process sends frames whose MAC is wrong to both agents' control
 sockets, at most ``rate`` per second for at most ``seconds`` (bounded in count and time), while the decode keeps
 issuing requests. Printed: p50/p99 of each phase and their ratio (flood / baseline), frames sent and rejected.
-Nothing is asserted here (``tests/test_bench_flood.py`` runs a short one).
+Nothing is asserted here (``tools/bench/tests/test_bench_flood.py`` runs a short one).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench import _control_layout
+from kvbridge_bench.micro import control_layout
 
 _SECRET = b"kvbridge bench flood: the cluster's secret"
 _PAGES = 8                          # 128 tokens of 16-token pages
@@ -25,11 +25,9 @@ _PAGES = 8                          # 128 tokens of 16-token pages
 
 def _serve(bootstrap: str, stop: Any, report: Any) -> None:
     """The prefill engine: answer rooms 1, 2, ... as the decode asks for them, until ``stop`` is set."""
-    from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.wire import KVPoll, Role
-    from kvbridge.zmq_link import ZmqLink
+    from kvbridge.agent import AgentConfig, KVPoll, Role, TransferAgent, ZmqLink
 
-    layout = _control_layout()
+    layout = control_layout()
     arrays = [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in layout.components[0].buffers]
     pages = np.arange(1, 1 + _PAGES)
     pre = TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL, instance="flood",
@@ -58,7 +56,7 @@ def _flood(addresses: list[str], rate: int, seconds: float, report: Any) -> None
     ``rate`` per second and ``rate * seconds`` in all, for at most ``seconds``."""
     import zmq
 
-    from kvbridge.wire import Codec, Heartbeat
+    from kvbridge_bench._internals import Codec, Heartbeat
 
     ctx = zmq.Context()
     socks = []
@@ -93,7 +91,7 @@ def _flood(addresses: list[str], rate: int, seconds: float, report: Any) -> None
 
 
 def _request(dec: Any, room: int, pages: np.ndarray) -> float:
-    from kvbridge.wire import KVPoll
+    from kvbridge.agent import KVPoll
 
     started = time.perf_counter()
     receiver = dec.receiver(room, "flood")
@@ -109,17 +107,15 @@ def _request(dec: Any, room: int, pages: np.ndarray) -> float:
 
 def bench_flood(seconds: float = 10.0, rate: int = 10_000, baseline_s: float = 3.0) -> dict[str, float]:
     """Latency of healthy requests before and during a bounded flood of bad-MAC frames (see the module doc)."""
-    from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.hostpool import HostPool
-    from kvbridge.wire import Role
-    from kvbridge.zmq_link import BootstrapServer, ZmqLink
+    from kvbridge.agent import AgentConfig, BootstrapServer, Role, TransferAgent, ZmqLink
+    from kvbridge_bench._internals import HostPool
 
     spawn = mp.get_context("spawn")
     server = BootstrapServer(secret=_SECRET).start()
     stop, report = spawn.Event(), spawn.Queue()
     child = spawn.Process(target=_serve, args=(server.address, stop, report), daemon=True)
     child.start()
-    layout = _control_layout()
+    layout = control_layout()
     pool = HostPool(layout, shared=True)
     dec = TransferAgent(layout=layout, buffers=pool.buffers, staging=pool.staging, role=Role.DECODE,
                         link=ZmqLink(bootstrap=server.address, secret=_SECRET), config=AgentConfig(secret=_SECRET))

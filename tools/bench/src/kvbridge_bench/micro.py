@@ -1,4 +1,5 @@
-"""``kvbridge bench``: measurements printed as ratios against a baseline measured in the same run.
+"""``kvbridge bench planner|control`` and ``--backend NAME``: measurements printed as ratios against a baseline
+measured in the same run.
 
 * ``planner``: the DESIGN anchor request (32k tokens, 64 layers, 8 KV heads, 16-token pages scattered
   over the pool) planned at equal TP and from prefill TP 4 to decode TP 2, token-major and head-major:
@@ -8,9 +9,10 @@
   sockets, loopback backend), p50/p99, against a ZMQ PUSH/PULL round trip and a memcpy of the bytes.
 * ``transfer``: kvbridge end to end through the agent (GPU when CUDA is present, host otherwise) against
   raw NIXL and a plain copy of the same bytes, per page size, TP pair, page layout and placement; 128-token
-  latency; layer-wise streaming with simulated compute; JSON and PNG plots (``kvbridge.bench_transfer``).
+  latency; layer-wise streaming with simulated compute; JSON and PNG plots (``kvbridge_bench.transfer``).
 * ``--backend NAME``: the backend plugin's own benchmark, the entry its spec names (``BackendSpec.bench``),
-  e.g. kvbridge over NIXL against raw NIXL and memcpy.
+  else the one this package ships for it (``nixl``: :mod:`kvbridge_bench.nixl_backend`, kvbridge over NIXL
+  against raw NIXL and memcpy).
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, Rank, ShardAxis
-from kvbridge.planner import BufferPair, plan_transfer
-from kvbridge.registry import Registry
-from kvbridge.slicing import buffer_segments, target_ranks
-from kvbridge.specs import BackendSpec, PluginKind, resolve
+from kvbridge import BackendSpec, BufferGeometry, Component, DType, PoolLayout, Rank, ShardAxis
+from kvbridge.plugin import BufferPair, buffer_segments, plan_transfer, target_ranks
+from kvbridge_bench._internals import PluginKind, Registry, gather, regular_rows, resolve, scatter
 
 _T = TypeVar("_T")
 SGLANG_ANCHOR = {"equal": (107.0, 262_016), "4->2": (143.0, 4_194_304)}
@@ -71,15 +71,13 @@ def bench_planner(tokens: int = 32768, layers: int = 64, heads: int = 8, head_di
             sg_ms, sg_desc = SGLANG_ANCHOR[label]
             rows.append({"layout": layout, "tp": label, "plan_ms": ms, "descriptors": len(plan),
                          "sglang_ms": sg_ms, "sglang_descriptors": sg_desc, "speedup": sg_ms / ms})
-    rows.append(_staged_row(heads, head_dim, page, rng))
+    rows.append(staged_row(heads, head_dim, page, rng))
     return rows
 
 
-def _staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) -> dict[str, object]:
+def staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) -> dict[str, object]:
     """Token-major 4->2 through the staging path: one descriptor per chunk; the cost moves to a host gather
     (and a scatter on arrival), measured here on a sample against a memcpy of the same bytes."""
-    from kvbridge.staging import gather, regular_rows, scatter
-
     src_g = BufferGeometry(name="k", num_items=1024, item_shape=(page, heads // 4, head_dim),
                            dtype=DType.BFLOAT16, shard=ShardAxis(1, heads))
     dst_g = BufferGeometry(name="k", num_items=1024, item_shape=(page, heads // 2, head_dim),
@@ -105,7 +103,7 @@ def _staged_row(heads: int, head_dim: int, page: int, rng: np.random.Generator) 
 _PAGE, _LAYERS, _HEADS, _HEAD_DIM = 16, 4, 8, 128
 
 
-def _control_layout() -> PoolLayout:
+def control_layout() -> PoolLayout:
     bufs = tuple(BufferGeometry(name=f"{t}.{i}", num_items=64, item_shape=(_PAGE, _HEADS, _HEAD_DIM),
                                 dtype=DType.BFLOAT16, shard=ShardAxis(1, _HEADS))
                  for t in "kv" for i in range(_LAYERS))
@@ -116,7 +114,7 @@ def _control_layout() -> PoolLayout:
 def send_request(agent: Any, room: int, pages: np.ndarray, poll_s: float = 0.001) -> Any:
     """Send ``pages`` as the one chunk of ``room`` through the prefill ``agent`` once the decode side asked
     for it; returns the room's sender when its buffers are safe to reuse (not yet cleared)."""
-    from kvbridge.wire import KVPoll
+    from kvbridge.agent import KVPoll
 
     sender = agent.sender(room)
     while sender.poll() < KVPoll.WaitingForInput:
@@ -129,11 +127,9 @@ def send_request(agent: Any, room: int, pages: np.ndarray, poll_s: float = 0.001
 
 def _serve_prefill(bootstrap: str, requests: int, n_pages: int) -> None:
     """The prefill engine of the control benchmark (a separate process): answer each room when ready."""
-    from kvbridge.agent import TransferAgent
-    from kvbridge.wire import Role
-    from kvbridge.zmq_link import ZmqLink
+    from kvbridge.agent import Role, TransferAgent, ZmqLink
 
-    layout = _control_layout()
+    layout = control_layout()
     geoms = layout.components[0].buffers
     arrays = [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in geoms]
     pages = np.arange(1, 1 + n_pages)
@@ -150,13 +146,11 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
 
     import zmq
 
-    from kvbridge.agent import TransferAgent
-    from kvbridge.hostpool import HostPool
-    from kvbridge.wire import KVPoll, Role
-    from kvbridge.zmq_link import BootstrapServer, ZmqLink
+    from kvbridge.agent import BootstrapServer, KVPoll, Role, TransferAgent, ZmqLink
+    from kvbridge_bench._internals import HostPool
 
     n_pages = tokens // _PAGE
-    layout = _control_layout()
+    layout = control_layout()
     geoms = layout.components[0].buffers
     server = BootstrapServer().start()
     child = mp.get_context("spawn").Process(target=_serve_prefill, args=(server.address, requests, n_pages),
@@ -189,7 +183,7 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
     nbytes = sum(g.item_nbytes for g in geoms) * n_pages
     src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
     copy_ms, _ = _best_ms(lambda: np.copyto(dst, src), repeat=20)
-    rtt_ms = _zmq_rtt_ms(zmq)
+    rtt_ms = zmq_rtt_ms(zmq)
     lat = np.array(latencies[10:]) * 1000           # the first rooms pay connection set-up
     return {"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
             "zmq_rtt_ms": rtt_ms, "memcpy_ms": copy_ms, "bytes": float(nbytes)}
@@ -198,11 +192,9 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
 def bench_poll(rooms: int = 1600, rounds: int = 5) -> dict[str, float]:
     """Cost of polling ``rooms`` in-flight decode rooms once each, as an engine's scheduler step does:
     with the progress thread running (poll reads kept state) and without it (poll runs one progress step)."""
-    from kvbridge.agent import TransferAgent
-    from kvbridge.links import LocalHub
-    from kvbridge.wire import Role
+    from kvbridge.agent import LocalHub, Role, TransferAgent
 
-    layout = _control_layout()
+    layout = control_layout()
     geoms = layout.components[0].buffers
     arrays = [[np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in geoms] for _ in range(2)]
     hub = LocalHub()
@@ -233,7 +225,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def _zmq_rtt_ms(zmq: object, rounds: int = 200) -> float:
+def zmq_rtt_ms(zmq: object, rounds: int = 200) -> float:
     """Median PUSH/PULL ping-pong between two threads of this process (64-byte frames)."""
     ctx = zmq.Context.instance()  # type: ignore[attr-defined]
     a, b = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)  # type: ignore[attr-defined]
@@ -290,22 +282,27 @@ def main_control() -> int:
     return 0
 
 
+#: Benchmarks this package ships for backends whose spec names none (``BackendSpec.bench`` wins when set).
+BACKEND_BENCHMARKS = {"nixl": "kvbridge_bench.nixl_backend:main"}
+
+
 def main_backend(name: str, registry: Registry | None = None) -> int:
-    """Run the benchmark the backend's spec names (``BackendSpec.bench``), also when the backend cannot
-    run here (its benchmark then says why)."""
+    """Run the benchmark the backend's spec names (``BackendSpec.bench``), else the one this package ships for
+    it (:data:`BACKEND_BENCHMARKS`), also when the backend cannot run here (its benchmark then says why)."""
     registry = Registry.build() if registry is None else registry
     specs = {r.name: r.spec for r in registry.records() if r.kind is PluginKind.BACKEND}
     spec = specs.get(name)
     if not isinstance(spec, BackendSpec):
         print(f"no backend named {name!r} is installed (known: {', '.join(sorted(specs)) or 'none'})")
         return 2
-    if spec.bench is None:
+    target = spec.bench if spec.bench is not None else BACKEND_BENCHMARKS.get(name)
+    if target is None:
         print(f"backend {name!r} ships no benchmark (its BackendSpec names no bench)")
         return 2
     try:
-        entry = resolve(spec.bench)
+        entry = resolve(target)
     except (ImportError, AttributeError) as exc:
-        print(f"backend {name!r}: cannot load its benchmark ({spec.bench}): {exc}")
+        print(f"backend {name!r}: cannot load its benchmark ({target}): {exc}")
         return 2
     result = entry()
     return int(result) if isinstance(result, int) else 0

@@ -1,5 +1,5 @@
 """PNG plots of a ``kvbridge bench transfer`` result (matplotlib, Agg backend; the optional extra
-``kvbridge[bench]``).
+``kvbridge-bench[plots]``).
 
 * ``<prefix>throughput-vs-page.png``: GB/s per page size (one request size, the first equal-TP pair):
   kvbridge per page layout and placement, raw NIXL writing the same bytes as one descriptor, a plain copy;
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-MISSING = ("matplotlib is not installed: no plots (pip install 'kvbridge[bench]' or matplotlib>=3.8); "
+MISSING = ("matplotlib is not installed: no plots (pip install 'kvbridge-bench[plots]' or matplotlib>=3.8); "
            "the JSON is written anyway")
 
 

@@ -1,4 +1,5 @@
-"""``kvbridge bench --backend nixl`` calls ``main()`` with no argv: the defaults, never the caller's sys.argv."""
+"""``kvbridge bench --backend nixl`` calls ``kvbridge_bench.nixl_backend.main()`` with no argv: the defaults, never
+the caller's sys.argv."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge_nixl import bench
+from kvbridge_bench import nixl_backend as bench
 
 
 def test_main_without_argv_runs_the_defaults_whatever_sys_argv_holds(monkeypatch: pytest.MonkeyPatch) -> None:

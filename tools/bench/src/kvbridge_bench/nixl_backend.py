@@ -1,11 +1,17 @@
-"""``python -m kvbridge_nixl.bench``: what kvbridge adds on top of NIXL, and what NIXL costs against memcpy.
+"""``kvbridge bench --backend nixl`` (``python -m kvbridge_bench.nixl_backend``): what kvbridge's NIXL backend
+adds on top of NIXL, and what NIXL costs against memcpy.
 
-One run, two agents in this process, the same bytes and descriptors for every method:
+One run, the same bytes and descriptors for every method; the prefill side and the decode side (in this process
+or, with ``--two-process``, another) each hold a kvbridge ``nixl`` backend and a raw NIXL agent
+(:mod:`kvbridge_bench.raw_nixl`, NIXL's own API) over the same memory:
 
-* ``kvbridge``: ``NixlBackend.send_component`` with a real ``plan_transfer`` plan, polled to DONE;
+* ``kvbridge``: the backend's ``send_component`` with a real ``plan_transfer`` plan, polled to DONE;
 * ``raw_prepped``: NIXL alone, per-page dlists prepped once (outside the timing), ``make_prepped_xfer``;
 * ``raw_initialize``: NIXL alone, ``initialize_xfer`` from the plan's descriptor rows on every request;
 * ``memcpy``: one plain copy of the same number of bytes (numpy on the host, ``Tensor.copy_`` on a GPU).
+
+kvbridge's own cost per ``send_component`` is estimated as the whole call minus the raw post of the same
+descriptors (``make_prepped_xfer`` + ``transfer``).
 
 Cases: ``paged`` (same-TP KV: ``layers`` x 2 buffers, ``pages`` scattered pages of ``page_kib`` each) and
 ``contiguous`` (one region of the same total size, one descriptor). Each method runs ``repeats`` times,
@@ -35,35 +41,27 @@ from kvbridge.plugin import (
     MemoryRegion,
     PeerInfo,
     Segments,
+    TransferBackend,
     plan_transfer,
 )
-from kvbridge_nixl.backend import NixlBackend
+from kvbridge_bench._internals import Registry
+from kvbridge_bench.raw_nixl import RawNixl, rows
 
 _PEER_S = 120.0   # how long the decode process may take to answer
 
 
-def _wait(agent: Any, xfer: Any) -> None:
-    state = agent.transfer(xfer)
-    while state == "PROC":
-        state = agent.check_xfer_state(xfer)
-    if state != "DONE":
-        raise RuntimeError(f"raw NIXL transfer ended in {state}")
-    agent.release_xfer_handle(xfer)
+def _backend(name: str, options: dict[str, str] | None) -> TransferBackend:
+    """kvbridge's ``nixl`` backend, built by name through the registry (this package imports no plugin)."""
+    return Registry.build().create_backend("nixl", name=name, options=options)
+
+
+def _raw(name: str, options: dict[str, str] | None) -> RawNixl:
+    return RawNixl(name, ucx_tls=(options or {}).get("ucx_tls", ""))
 
 
 def _say(*parts: object) -> None:
     """Progress on stderr, so a run cut short still tells where it was."""
     print("[bench]", *parts, file=sys.stderr, flush=True)
-
-
-def _clocked(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - start
-    return call
 
 
 def _timed(fn: Callable[[], object], runs: list[float]) -> None:
@@ -115,21 +113,25 @@ class _Pool:
 
 
 class _LocalDecode:
-    """The decode side in this process: its own backend and pool."""
+    """The decode side in this process: its own backend, raw agent and pool."""
 
-    def __init__(self, db: NixlBackend, nbuf: int, pool: int, item: int, device: str) -> None:
-        self.db, self.pool = db, _Pool(nbuf, pool, item, 0, device, stamp=False)
+    def __init__(self, db: TransferBackend, raw: RawNixl, nbuf: int, pool: int, item: int, device: str) -> None:
+        self.db, self.raw, self.pool = db, raw, _Pool(nbuf, pool, item, 0, device, stamp=False)
         self.reg = db.register_buffers("bench", self.pool.regions)
         self.info = PeerInfo("bench-decode", db.endpoint, (self.reg.remote(),))
+        raw.register(self.pool.regions)
+        self.raw_metadata = raw.metadata()
 
     def stamps(self, pages: np.ndarray) -> np.ndarray:
         return self.pool.stamps(pages)
 
     def drain(self) -> None:
         self.db.drain_notifications()
+        self.raw.notices()
 
     def close(self) -> None:
         self.db.deregister_buffers(self.reg)
+        self.raw.close()
 
 
 class _RemoteDecode:
@@ -147,6 +149,7 @@ class _RemoteDecode:
             self.close()
             raise TimeoutError("the decode process did not start")
         self.info = msgspec.msgpack.decode(self.conn.recv_bytes(), type=PeerInfo)
+        self.raw_metadata = self.conn.recv_bytes()
 
     def _ask(self, *msg: Any) -> Any:
         self.conn.send(msg)
@@ -175,9 +178,11 @@ class _RemoteDecode:
 def decode_process(conn: Any, nbuf: int, pool: int, item: int, device: str, options: dict[str, str] | None) -> None:
     """Body of the decode process: register a pool, publish PeerInfo, answer stamp queries, drain notices."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    with NixlBackend(name="bench-decode", options=options) as db:
-        side = _LocalDecode(db, nbuf, pool, item, device)
+    db, raw = _backend("bench-decode", options), _raw("bench-decode", options)
+    try:
+        side = _LocalDecode(db, raw, nbuf, pool, item, device)
         conn.send_bytes(msgspec.msgpack.encode(side.info))
+        conn.send_bytes(side.raw_metadata)
         while True:
             if not conn.poll(0.001):
                 side.drain()
@@ -188,14 +193,16 @@ def decode_process(conn: Any, nbuf: int, pool: int, item: int, device: str, opti
             else:
                 break
         side.close()
+    finally:
+        db.close()
 
 
 class _Case:
     """One layout: a source pool registered here, a destination pool registered by the decode side."""
 
-    def __init__(self, pb: NixlBackend, decode: _LocalDecode | _RemoteDecode, nbuf: int, pool: int, item: int,
-                 fill: int, device: str, dst_device: str) -> None:
-        self.pb, self.decode, self.nbuf, self.pool, self.item = pb, decode, nbuf, pool, item
+    def __init__(self, pb: TransferBackend, raw: RawNixl, decode: _LocalDecode | _RemoteDecode, nbuf: int,
+                 pool: int, item: int, fill: int, device: str, dst_device: str) -> None:
+        self.pb, self.raw, self.decode, self.nbuf, self.pool, self.item = pb, raw, decode, nbuf, pool, item
         self.src = _Pool(nbuf, pool, item, fill, device, stamp=True)
         self.scratch = _Pool(nbuf, pool, item, 0, dst_device, stamp=False)   # the memcpy baseline's target
         self.src_reg = pb.register_buffers("bench", self.src.regions)
@@ -204,10 +211,13 @@ class _Case:
         first = self.dst_reg.regions[0]
         self.dst_mem, self.dst_devid = ("DRAM", 0) if first.device is DeviceKind.CPU else ("VRAM", first.device_id)
         pb.add_peer(self.info)
+        raw.register(self.src.regions)
+        self.peer_agent = raw.add_peer(decode.raw_metadata)
 
     def close(self) -> None:
         self.pb.remove_peer("bench-decode")
         self.pb.deregister_buffers(self.src_reg)
+        self.raw.close()
 
     def measure(self, src_idx: np.ndarray, dst_idx: np.ndarray, repeats: int) -> dict[str, Any]:
         seg = Segments.whole(self.item)
@@ -225,45 +235,32 @@ class _Case:
                                      plan=plan, notice=b"bench", src_items=s_sorted, dst_items=d_sorted,
                                      segments=(seg,) * self.nbuf)
         nbytes = plan.total_nbytes
-        agent, peer_agent = self.pb.agent, self.pb.peer_agent("bench-decode")
+        raw, peer_agent = self.raw, self.peer_agent
 
         # raw NIXL, prepped: one descriptor per (buffer, page), prepped once, indexed per request
         base_s = np.array([r.addr for r in self.src_reg.regions], dtype=np.uint64)
         base_d = np.array([r.addr for r in self.dst_reg.regions], dtype=np.uint64)
         pages = np.arange(self.pool, dtype=np.uint64) * np.uint64(self.item)
 
-        def rows(bases: np.ndarray, devid: int) -> np.ndarray:
-            out = np.zeros((bases.size * self.pool, 3), dtype=np.uint64)
-            out[:, 0] = (bases[:, None] + pages[None, :]).ravel()
-            out[:, 1] = self.item
-            out[:, 2] = devid
-            return out
+        def page_rows(bases: np.ndarray, devid: int) -> np.ndarray:
+            return rows((bases[:, None] + pages[None, :]).ravel(), self.item, devid)
 
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(base_s, self.src.devid), self.src.mem)
-        remote = agent.prep_xfer_dlist(peer_agent, rows(base_d, self.dst_devid), self.dst_mem)
+        local = raw.prep(page_rows(base_s, self.src.devid), self.src.mem)
+        remote = raw.prep(page_rows(base_d, self.dst_devid), self.dst_mem, peer_agent)
         buf_off = (np.arange(self.nbuf, dtype=np.int64) * self.pool)[:, None]
         l_idx = (buf_off + s_sorted[None, :]).ravel().astype(np.int32)
         r_idx = (buf_off + d_sorted[None, :]).ravel().astype(np.int32)
-        plan_rows_s = np.stack([plan.src_addr, plan.nbytes, np.full_like(plan.nbytes, self.src.devid)], axis=1)
-        plan_rows_d = np.stack([plan.dst_addr, plan.nbytes, np.full_like(plan.nbytes, self.dst_devid)], axis=1)
+        plan_rows_s = rows(plan.src_addr, plan.nbytes, self.src.devid)
+        plan_rows_d = rows(plan.dst_addr, plan.nbytes, self.dst_devid)
         send_us: list[float] = []   # send_component: kvbridge's checks and indexing + NIXL's post
         post_us: list[float] = []   # make_prepped_xfer + transfer alone, same descriptors
-        overhead_us: list[float] = []   # send_component minus the NIXL calls inside it
         make_us: list[float] = []       # make_prepped_xfer alone (prepped: the per-request CPU cost)
         init_us: list[float] = []       # get_xfer_descs x2 + initialize_xfer (its per-request CPU cost)
 
         def kvbridge() -> None:
-            engine = [0.0]
-            for attr in ("make_prepped_xfer", "transfer"):   # time NIXL's own share of send_component
-                setattr(agent, attr, _clocked(getattr(agent, attr), engine))
-            try:
-                t0 = time.perf_counter()
-                handle = self.pb.send_component(transfer)
-                elapsed = time.perf_counter() - t0
-            finally:
-                del agent.make_prepped_xfer, agent.transfer
-            send_us.append(elapsed * 1e6)
-            overhead_us.append((elapsed - engine[0]) * 1e6)
+            t0 = time.perf_counter()
+            handle = self.pb.send_component(transfer)
+            send_us.append((time.perf_counter() - t0) * 1e6)
             while (poll := self.pb.poll(handle)).state is HandleState.PENDING:
                 pass
             self.pb.release(handle)
@@ -273,24 +270,18 @@ class _Case:
 
         def raw_prepped() -> None:
             t0 = time.perf_counter()
-            xfer = agent.make_prepped_xfer("WRITE", local, l_idx, remote, r_idx, b"bench")
+            xfer = raw.prepped(local, l_idx, remote, r_idx, b"bench")
             make_us.append((time.perf_counter() - t0) * 1e6)
-            state = agent.transfer(xfer)
+            state = raw.post(xfer)
             post_us.append((time.perf_counter() - t0) * 1e6)
-            while state == "PROC":
-                state = agent.check_xfer_state(xfer)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL transfer ended in {state}")
-            agent.release_xfer_handle(xfer)
+            raw.finish(xfer, state)
             self.decode.drain()
 
         def raw_initialize() -> None:
             t0 = time.perf_counter()
-            src = agent.get_xfer_descs(plan_rows_s, self.src.mem)
-            dst = agent.get_xfer_descs(plan_rows_d, self.dst_mem)
-            xfer = agent.initialize_xfer("WRITE", src, dst, peer_agent, b"bench")
+            xfer = raw.initialize(plan_rows_s, self.src.mem, plan_rows_d, self.dst_mem, peer_agent, b"bench")
             init_us.append((time.perf_counter() - t0) * 1e6)
-            _wait(agent, xfer)
+            raw.finish(xfer, raw.post(xfer))
             self.decode.drain()
 
         memcpy = self.src.copier(self.scratch, nbytes)
@@ -309,15 +300,13 @@ class _Case:
         memcpy()
         for _ in range(repeats):
             _timed(memcpy, runs["memcpy"])
-        agent.release_dlist_handle(local)
-        agent.release_dlist_handle(remote)
         secs = {name: statistics.median(r) for name, r in runs.items()}
         gbps = {name: nbytes / t / 1e9 for name, t in secs.items()}
         return {
             "bytes": nbytes, "descriptors": len(plan), "verified": verified,
             "plan_ms": statistics.median(plan_runs) * 1e3,
             "send_component_us": statistics.median(send_us), "raw_post_us": statistics.median(post_us),
-            "kvbridge_overhead_us": statistics.median(overhead_us),
+            "kvbridge_overhead_us": statistics.median(send_us) - statistics.median(post_us),
             "make_prepped_xfer_us": statistics.median(make_us), "initialize_xfer_us": statistics.median(init_us),
             "ms": {k: v * 1e3 for k, v in secs.items()}, "gbps": gbps,
             "kvbridge_over_raw": gbps["kvbridge"] / gbps["raw_prepped"],
@@ -338,8 +327,8 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
     in a spawned process (the deployment shape; UCX then uses CMA or CUDA IPC between the two)."""
     dst_device = dst_device or device
     rng = np.random.default_rng(seed)
-    pb = NixlBackend(name="bench-prefill", options=options)
-    db = None if two_process else NixlBackend(name="bench-decode", options=options)
+    pb = _backend("bench-prefill", options)
+    db = None if two_process else _backend("bench-decode", options)
     out: dict[str, Any] = {"host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                                     "python": platform.python_version()},
                            "params": {"layers": layers, "pages": pages, "page_kib": page_kib,
@@ -350,7 +339,7 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
 
     def decode_side(nbuf: int, pool: int, item: int) -> _LocalDecode | _RemoteDecode:
         if db is not None:
-            return _LocalDecode(db, nbuf, pool, item, dst_device)
+            return _LocalDecode(db, _raw("bench-decode", options), nbuf, pool, item, dst_device)
         return _RemoteDecode(nbuf, pool, item, dst_device, options)
 
     total = 2 * layers * pages * page_kib * 1024
@@ -360,7 +349,8 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
             _say(f"{name} case: {2 * nbuf * pool * item / 2**30:.2f} GiB on {device} -> {dst_device}")
             decode = decode_side(nbuf, pool, item)
             try:
-                case = _Case(pb, decode, nbuf, pool, item, fill, device, dst_device)
+                case = _Case(pb, _raw("bench-prefill", options), decode, nbuf, pool, item, fill, device,
+                             dst_device)
                 try:
                     if name == "paged":
                         src = rng.choice(pool_pages, size=pages, replace=False).astype(np.int64)
@@ -380,13 +370,14 @@ def run_bench(*, layers: int = 64, pages: int = 256, page_kib: int = 32, pool_pa
 
 
 def format_report(result: dict[str, Any]) -> str:
-    lines = [f"kvbridge-nixl bench  {result['params']}  host {result['host']}"]
+    lines = [f"kvbridge bench --backend nixl  {result['params']}  host {result['host']}"]
     for name, c in result["cases"].items():
         g = c["gbps"]
         lines.append(
             f"{name:>10}: {c['bytes'] / 2**20:.0f} MiB in {c['descriptors']} descriptors (verified={c['verified']}); "
             f"plan {c['plan_ms']:.2f} ms; kvbridge's own cost per send_component {c['kvbridge_overhead_us']:.0f} us "
-            f"(whole call {c['send_component_us']:.0f} us; UCX may copy inside the post)\n"
+            f"(whole call {c['send_component_us']:.0f} us minus raw post {c['raw_post_us']:.0f} us; UCX may copy "
+            f"inside the post)\n"
             f"{'':>12}per-request engine CPU: make_prepped_xfer {c['make_prepped_xfer_us']:.0f} us vs "
             f"get_xfer_descs+initialize_xfer {c['initialize_xfer_us']:.0f} us\n"
             f"{'':>12}GB/s  kvbridge {g['kvbridge']:.2f} | raw prepped {g['raw_prepped']:.2f} | "
@@ -398,7 +389,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line; with ``argv`` None (as ``kvbridge bench --backend nixl`` calls it) the defaults."""
-    parser = argparse.ArgumentParser(prog="python -m kvbridge_nixl.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbridge_bench.nixl_backend",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--pages", type=int, default=256)
     parser.add_argument("--page-kib", type=int, default=32)
