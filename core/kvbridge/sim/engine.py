@@ -14,14 +14,29 @@ import numpy as np
 
 from kvbridge.agent import Receiver, Sender
 from kvbridge.errors import KVBridgeError
-from kvbridge.pattern import logical_pages, shard_pages
+from kvbridge.pattern import TOKEN_MAJOR, pattern, shard_axis
 from kvbridge.protocol.events import RoomEventKind
-from kvbridge.sim.cluster import INSTANCE, LAYERS, PAGES, SPEC, UP, Cluster, Proc
+from kvbridge.sim.cluster import INSTANCE, LAYERS, SPEC, UP, Cluster, Proc
 from kvbridge.wire import KVPoll, Role
 
 TIMEOUTS = ("waiting timeout", "bootstrap timeout")     # the reasons of a decode room that gave up waiting
 
 NEW, OPEN, META, TERMINAL, CLEARED, LOST = "new", "open", "meta", "terminal", "cleared", "lost"
+
+assert SPEC.layout == TOKEN_MAJOR and SPEC.head_axis is not None     # reference_pages builds token-major pages
+HEAD_AXIS: int = SPEC.head_axis
+_BUFFERS = 2 * LAYERS                                   # K and V of every layer: buffer b is tensor b // LAYERS
+
+
+def reference_pages(seed: int, pages: int) -> np.ndarray:
+    """:func:`kvbridge.pattern.logical_pages` of request positions ``0..pages-1`` for every KV buffer at once,
+    ``[buffer, page, token, head, byte]`` (buffer ``b``: layer ``b % LAYERS``, tensor ``b // LAYERS``); the
+    pattern is elementwise in its coordinates, so broadcasting over the buffers gives the same bytes."""
+    buffers = np.arange(_BUFFERS).reshape(-1, 1, 1, 1, 1)
+    return pattern(seed, buffers % LAYERS, buffers // LAYERS, np.arange(pages).reshape(1, -1, 1, 1, 1),
+                   np.arange(SPEC.page_size).reshape(1, 1, -1, 1, 1),
+                   np.arange(SPEC.total_heads).reshape(1, 1, 1, -1, 1),
+                   np.arange(SPEC.head_bytes).reshape(1, 1, 1, 1, -1))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -45,16 +60,23 @@ class Request:
     cuts: list[int]               # chunk boundaries, ending with the page count
     created: float
     sides: dict[str, Side] = field(default_factory=dict)
-    _logical: dict[int, np.ndarray] = field(default_factory=dict)
+    _logical: np.ndarray | None = None
+    _shares: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def shares(self, tp: int, rank: int) -> np.ndarray:
+        """The reference bytes rank ``rank`` of TP ``tp`` holds of every request page, every KV buffer:
+        ``[buffer, page, *local_page_shape]`` (the un-sharded pattern, cut by :mod:`kvbridge.pattern`, never
+        by kvbridge's planner; computed once per request and rank)."""
+        found = self._shares.get((tp, rank))
+        if found is None:
+            if self._logical is None:
+                self._logical = reference_pages(self.pattern, self.pages)
+            found = self._shares[(tp, rank)] = shard_axis(self._logical, 2 + HEAD_AXIS, tp, rank)
+        return found
 
     def share(self, buffer: int, tp: int, rank: int) -> np.ndarray:
-        """The reference bytes rank ``rank`` of TP ``tp`` holds of every request page in KV buffer ``buffer``
-        (the un-sharded pattern, cut by :mod:`kvbridge.pattern`, never by kvbridge's planner)."""
-        logical = self._logical.get(buffer)
-        if logical is None:
-            logical = self._logical[buffer] = logical_pages(SPEC, self.pattern, buffer % LAYERS, buffer // LAYERS,
-                                                            np.arange(self.pages))
-        return shard_pages(SPEC, logical, tp, rank)
+        """The reference bytes of every request page in KV buffer ``buffer`` (see :meth:`shares`)."""
+        return self.shares(tp, rank)[buffer]
 
     @property
     def pages(self) -> int:
@@ -143,8 +165,7 @@ class Engine:
             pages = self._grant(proc, req)
             if pages is None:
                 return None
-            for b, buf in enumerate(proc.buffers):
-                buf.reshape(PAGES, *SPEC.local_page_shape(proc.tp))[pages] = req.share(b, proc.tp, proc.rank)
+            proc.mem[:, pages] = req.shares(proc.tp, proc.rank).reshape(len(proc.buffers), req.pages, -1)
             side.pages, side.gen = pages, proc.gen
             side.handle = proc.agent.sender(req.room)
             side.state = OPEN
@@ -260,11 +281,13 @@ class Engine:
     def verify(self, req: Request, side: Side, proc: Proc) -> None:
         """A decode room that reports Success holds exactly the reference bytes in every destination page."""
         assert side.pages is not None
-        for b, buf in enumerate(proc.buffers):
-            want = req.share(b, proc.tp, proc.rank)
-            got = buf.reshape(PAGES, *SPEC.local_page_shape(proc.tp))[side.pages]
-            if not np.array_equal(got, want):
-                bad = np.flatnonzero((got != want).reshape(req.pages, -1).any(axis=1)).tolist()
+        want = req.shares(proc.tp, proc.rank).reshape(len(proc.buffers), req.pages, -1)
+        got = proc.mem[:, side.pages]
+        if np.array_equal(got, want):
+            return
+        for b in range(len(proc.buffers)):
+            if not np.array_equal(got[b], want[b]):
+                bad = np.flatnonzero((got[b] != want[b]).any(axis=1)).tolist()
                 self.world.violate(f"room {req.room} reports Success on {proc.name} but buffer {b} differs from the "
                                    f"reference at request positions {bad}")
                 return

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import numpy as np
 
 from kvbridge.sim.backend import SimWrite
-from kvbridge.sim.cluster import UP, Cluster, Proc
+from kvbridge.sim.cluster import PAGES, UP, Cluster, Proc
 from kvbridge.sim.world import World
+from kvbridge.wire import Role
 
 MAX_INBOX = 2000          # frames waiting in one link (a paused process accumulates heartbeats)
 MAX_PENDING = 5000        # deliveries in flight in the whole world
@@ -49,30 +50,40 @@ class Fences:
 
     @staticmethod
     def _check(world: World, proc: Proc, addrs: np.ndarray, room: int, verb: str) -> None:
-        for addr in addrs.tolist():
-            where = proc.span(int(addr))
-            if where is None:
-                world.violate(f"a write of room {room} {verb} {proc.name} outside its KV buffers ({addr:#x})")
-                return
-            b, page = where
-            owner = int(proc.owner[page])
-            if owner != room:
-                what = "a free page" if owner < 0 else f"a page of room {owner}"
-                world.violate(f"a write of room {room} {verb} {proc.name} buffer {b} page {page}, {what} "
-                              f"(room {room} was already safe to reuse there)")
-                return
+        """Every descriptor address lies in a page of ``proc`` that ``room`` owns (the first one that does
+        not is reported, in descriptor order)."""
+        if not addrs.size:
+            return
+        item = proc.mem.shape[2]
+        offset = addrs.astype(np.int64) - proc.mem.ctypes.data
+        inside = (offset >= 0) & (offset < proc.mem.nbytes)
+        page = np.where(inside, offset % (PAGES * item) // item, 0)
+        bad = ~inside | (proc.owner[page] != room)
+        if not bad.any():
+            return
+        i = int(np.flatnonzero(bad)[0])
+        addr = int(addrs[i])
+        where = proc.span(addr)
+        if where is None:
+            world.violate(f"a write of room {room} {verb} {proc.name} outside its KV buffers ({addr:#x})")
+            return
+        b, p = where
+        owner = int(proc.owner[p])
+        what = "a free page" if owner < 0 else f"a page of room {owner}"
+        world.violate(f"a write of room {room} {verb} {proc.name} buffer {b} page {p}, {what} "
+                      f"(room {room} was already safe to reuse there)")
 
 
 def check_frozen(cluster: Cluster) -> None:
     """Free destination pages keep the content they had when freed."""
     for proc in cluster.procs:
-        if not proc.dirty or proc.status != UP or proc.role.value != "decode":
+        if not proc.dirty or proc.status != UP or proc.role is not Role.DECODE:
             continue
         proc.dirty = False
         free = proc.owner < 0
         if not free.any():
             continue
-        if not np.array_equal(proc.mem[:, free], proc.frozen[:, free]):
+        if not (proc.mem[:, free] == proc.frozen[:, free]).all():
             changed = (proc.mem != proc.frozen).any(axis=(0, 2)) & free
             cluster.world.violate(f"free pages {np.flatnonzero(changed).tolist()} of {proc.name} changed after their "
                                   "room was safe to reuse")
