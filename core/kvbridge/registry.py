@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
 import pluggy
 
 from kvbridge import hookspecs
@@ -108,10 +109,14 @@ def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"], dist.version
 
 
+_SLICES_KEPT = 4096       # slice plans a registry keeps (see Registry.slice_state)
+_KEY = msgspec.msgpack.Encoder()
+
+
 class Registry:
     """Immutable set of loaded plugins with typed access to their backends and state types."""
 
-    __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_frozen")
+    __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_slices", "_frozen")
 
     def __init__(self, pm: pluggy.PluginManager, records: Sequence[PluginRecord]) -> None:
         self._pm = pm
@@ -120,6 +125,9 @@ class Registry:
         self._states = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.STATE})
         self._discovery = MappingProxyType({r.name: r for r in records if r.kind is PluginKind.DISCOVERY})
         self._state_cache: dict[str, StateType] = {}
+        # slice plans by (state type, src, dst, ranks): the hook is pure, and every agent of a process asks
+        # for the same few (a restart, a new peer of an already seen layout); bounded, cleared when full
+        self._slices: dict[tuple[object, ...], ComponentSlice] = {}
         self._frozen = True
 
     def __setattr__(self, key: str, value: object) -> None:
@@ -268,8 +276,21 @@ class Registry:
 
     def slice_state(self, state_type: StateType, src: Component, dst: Component, src_rank: Rank,
                     dst_rank: Rank) -> ComponentSlice:
-        return self._pm.hook.kvbridge_slice_state(state_type=state_type, src=src, dst=dst, src_rank=src_rank,
-                                                  dst_rank=dst_rank)
+        """The hook's slice plan, computed once per (state type, components, ranks) and shared (read-only).
+        A component is keyed by its wire encoding (its ``options`` dict makes it unhashable)."""
+        try:
+            key = (state_type, _KEY.encode(src), _KEY.encode(dst), src_rank, dst_rank)
+            found = self._slices.get(key)
+        except (TypeError, msgspec.EncodeError):     # a third-party field msgspec cannot encode: sliced every time
+            key, found = None, None
+        if found is None:
+            found = self._pm.hook.kvbridge_slice_state(state_type=state_type, src=src, dst=dst, src_rank=src_rank,
+                                                       dst_rank=dst_rank)
+            if key is not None:
+                if len(self._slices) >= _SLICES_KEPT:
+                    self._slices.clear()
+                self._slices[key] = found
+        return found
 
     def send_component(self, backend: TransferBackend, transfer: ComponentTransfer) -> Any:
         return self._pm.hook.kvbridge_send_component(backend=backend, transfer=transfer)

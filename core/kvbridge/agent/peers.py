@@ -334,6 +334,8 @@ class PeerTable:
     def _send_hellos(self, now: float, resend_s: float) -> None:
         """(Re)send our Hello to every handshake target that has not answered: a link may drop a frame
         while its connection is still being set up."""
+        if not self.handshakes:
+            return
         due = [s for s in self.handshakes if now >= s.next_hello and s.silent]
         if not due:
             return
@@ -509,12 +511,12 @@ class PeerTable:
                 if peer.alive and peer.goodbye_at is None:
                     self.post(peer, peer.beat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq, now=now))
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
-        for peer in list(self.peers.values()):
-            if not peer.alive:
-                continue
-            if peer.state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
+        timeout = ctx.config.peer_timeout_s
+        for peer in list(self.peers.values()):     # only a live peer (ALIVE or LEAVING: LIVE_PEER) can die here
+            state = peer.state
+            if state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
-            elif peer.state is PeerState.ALIVE and now - peer.last_seen > ctx.config.peer_timeout_s:
+            elif state is PeerState.ALIVE and now - peer.last_seen > timeout:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
         self._check_exits(now)
         self._reap(now)
@@ -524,7 +526,7 @@ class PeerTable:
         """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""
         linger = max(2 * self._ctx.config.peer_timeout_s, 1.0)
         for peer in list(self.peers.values()):
-            if (not peer.alive and peer.died_at is not None and now - peer.died_at > linger
+            if (peer.died_at is not None and now - peer.died_at > linger and not peer.alive
                     and not any(in_use(peer.agent) for in_use in self._in_use)):
                 self._drop(peer)
 

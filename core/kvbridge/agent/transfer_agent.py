@@ -355,6 +355,8 @@ class TransferAgent:
             return []
 
     def _take_deferred(self) -> list[bytes]:
+        if not self._deferred:
+            return []
         out = []
         while True:
             try:

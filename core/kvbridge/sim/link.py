@@ -69,6 +69,8 @@ class SimLink:
             self._hub.send(self.address, address, frame)
 
     def recv(self, timeout_s: float = 0.0) -> list[bytes]:
+        if not self.inbox:
+            return []
         out = list(self.inbox)
         self.inbox.clear()
         return out
