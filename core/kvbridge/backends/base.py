@@ -175,6 +175,27 @@ class TransferBackend(Protocol):
     def close(self) -> None: ...
 
 
+_BOUNDS: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, np.ndarray]] = {}
+_BOUNDS_KEPT = 1024
+
+
+def _bounds(spans: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """First and last byte of each ``(addr, nbytes)`` region, sorted by address (cached: a backend checks
+    every write against the same few registrations; the arrays are never written)."""
+    found = _BOUNDS.get(spans)
+    if found is None:
+        starts = np.array([addr for addr, _ in spans], dtype=np.uint64)
+        lasts = starts + (np.array([n for _, n in spans], dtype=np.uint64) - np.uint64(1))   # never wraps
+        order = np.argsort(starts)
+        found = (starts[order], lasts[order])
+        for array in found:
+            array.flags.writeable = False
+        if len(_BOUNDS) >= _BOUNDS_KEPT:
+            _BOUNDS.clear()
+        _BOUNDS[spans] = found
+    return found
+
+
 def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[MemoryRegion] |
                  Sequence[RegionWire], side: str) -> None:
     """Raise RegionError unless every ``[addr, addr+len)`` lies inside one of ``regions`` (vectorized)."""
@@ -182,10 +203,7 @@ def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[
         return
     if not regions:
         raise RegionError(f"{side}: {plan_addr.size} descriptors, but no region is registered")
-    starts = np.array([r.addr for r in regions], dtype=np.uint64)
-    lasts = starts + (np.array([r.nbytes for r in regions], dtype=np.uint64) - np.uint64(1))   # never wraps
-    order = np.argsort(starts)
-    starts, lasts = starts[order], lasts[order]
+    starts, lasts = _bounds(tuple((r.addr, r.nbytes) for r in regions))
     pos = np.searchsorted(starts, plan_addr, side="right").astype(np.int64) - 1
     safe = np.clip(pos, 0, None)
     ok = (pos >= 0) & (plan_len > 0) & (plan_addr <= lasts[safe])
