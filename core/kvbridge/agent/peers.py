@@ -518,9 +518,11 @@ class PeerTable:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
             elif state is PeerState.ALIVE and now - peer.last_seen > timeout:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
-        self._check_exits(now)
+        if self.liveness is not None:
+            self._check_exits(now)
         self._reap(now)
-        self._forget_refused(now)
+        if self._refused:
+            self._forget_refused(now)
 
     def _reap(self, now: float) -> None:
         """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""
