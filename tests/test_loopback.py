@@ -102,7 +102,7 @@ def test_device_memory_is_refused_at_registration() -> None:
         backend.close()
 
 
-@pytest.mark.parametrize("count, length", [(3, 17), (64, 24), (200, 1), (40, 512)])
+@pytest.mark.parametrize("count, length", [(3, 17), (64, 24), (200, 1), (40, 512), (400, 24)])
 def test_copy_descriptors_matches_a_plain_copy(count: int, length: int) -> None:
     """Both paths (a few memmoves, and the vectorized same-length gather/scatter) against slicing."""
     rng = np.random.default_rng(count * 1000 + length)
@@ -152,3 +152,19 @@ def test_descriptor_wrapping_past_2_64_is_refused(addr: int, length: int) -> Non
     with pytest.raises(RegionError):
         check_within(np.array([addr], np.uint64), np.array([length], np.uint64),
                      [MemoryRegion(0x1000, 0x1000)], "dst")
+
+
+def test_bounds_check_of_a_region_re_registered_smaller_at_the_same_address() -> None:
+    """check_within caches each registration's sorted bounds: a region of the same address but another size
+    (a buffer registered again, smaller) is checked against its own size, never the cached larger one."""
+    from kvbridge.backends.base import check_within
+
+    addr, length = np.array([0x1000 + 0x800], np.uint64), np.array([0x100], np.uint64)
+    big, small = [MemoryRegion(0x1000, 0x1000), MemoryRegion(0x4000, 0x10)], [MemoryRegion(0x1000, 0x800),
+                                                                             MemoryRegion(0x4000, 0x10)]
+    check_within(addr, length, big, "dst")
+    with pytest.raises(RegionError, match="outside every registered region"):
+        check_within(addr, length, small, "dst")
+    check_within(addr, length, big, "dst")                 # and the larger one still passes
+    with pytest.raises(RegionError):
+        check_within(addr, length, [MemoryRegion(0x4000, 0x10), MemoryRegion(0x1000, 0x800)], "dst")   # any order

@@ -22,8 +22,23 @@ import pytest
 
 from kvbridge.backends import loopback
 from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers
-from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, region_of
+from kvbridge.errors import (
+    PluginConflictError,
+    PluginError,
+    PluginUnavailableError,
+    UnknownPluginError,
+    UnsupportedTopology,
+)
+from kvbridge.geometry import (
+    BufferGeometry,
+    Component,
+    DType,
+    IndexKind,
+    PoolLayout,
+    Rank,
+    ShardAxis,
+    region_of,
+)
 from kvbridge.planner import TransferPlan
 from kvbridge.plugin import hookimpl
 from kvbridge.registry import Registry
@@ -420,3 +435,55 @@ def test_compose_refuses_an_unknown_state_type_and_a_bad_component() -> None:
     bad = PoolLayout(components=(slot_kv,), tp_size=1, tp_rank=0, page_size=4)
     with pytest.raises(Exception, match="indexed by page"):
         registry.compose(bad)
+
+
+# ------------------------------------------------------------------------------------------ slice plan memo
+class _CountingSlicer:
+    """A plugin wrapping the slice hook that counts how often the hook really runs."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @hookimpl(wrapper=True)
+    def kvbridge_slice_state(self, state_type: StateType, src: Component, dst: Component, src_rank: Rank,
+                             dst_rank: Rank) -> Iterator[None]:
+        self.calls += 1
+        return (yield)
+
+
+def _kv(heads: int, options: dict[str, int | str | float] | None = None) -> Component:
+    buffers = (BufferGeometry(name="k.0", num_items=8, item_shape=(2, heads, 4), dtype=DType.BFLOAT16,
+                              shard=ShardAxis(1, 4)),)
+    return Component(name="kv", state_type="kv", buffers=buffers, options=options or {})
+
+
+def test_slice_plans_are_memoised_per_components_and_ranks_never_shared_across_them() -> None:
+    """The hook is pure, so an equal (components, ranks) question is answered from the memo; anything that
+    differs (a rank, the TP size, a component's options) is sliced anew, never served another's plan."""
+    counter = _CountingSlicer()
+    registry = Registry.build(plugins=[counter], env={})
+    kv = registry.state_type("kv")
+    first = registry.slice_state(kv, _kv(4), _kv(2), Rank(0, 1), Rank(0, 2))
+    again = registry.slice_state(kv, _kv(4), _kv(2), Rank(0, 1), Rank(0, 2))   # equal, not the same objects
+    assert again is first and counter.calls == 1
+    other_rank = registry.slice_state(kv, _kv(4), _kv(2), Rank(0, 1), Rank(1, 2))
+    assert counter.calls == 2 and other_rank is not first
+    assert [s.src_off.tolist() for s in other_rank.buffers] != [s.src_off.tolist() for s in first.buffers]
+    registry.slice_state(kv, _kv(4, {"window": 8}), _kv(2), Rank(0, 1), Rank(0, 2))
+    assert counter.calls == 3
+    registry.slice_state(kv, _kv(4), _kv(2, {"window": 8}), Rank(0, 1), Rank(0, 2))
+    assert counter.calls == 4
+    assert registry.slice_state(kv, _kv(4), _kv(2), Rank(0, 1), Rank(0, 2)) is first and counter.calls == 4
+
+
+def test_a_refused_slice_is_refused_every_time() -> None:
+    """An error is never memoised as an answer: the same bad question raises again."""
+    counter = _CountingSlicer()
+    registry = Registry.build(plugins=[counter], env={})
+    kv = registry.state_type("kv")
+    odd = Component(name="kv", state_type="kv", buffers=(BufferGeometry(name="k.0", num_items=8, item_shape=(2, 3, 4),
+                                                                        dtype=DType.BFLOAT16, shard=ShardAxis(1, 3)),))
+    for calls in (1, 2):
+        with pytest.raises(UnsupportedTopology, match="3 (units|replicated)"):
+            registry.slice_state(kv, odd, odd, Rank(0, 2), Rank(0, 2))
+        assert counter.calls == calls
