@@ -81,10 +81,8 @@ def check_frozen(cluster: Cluster) -> None:
             continue
         proc.dirty = False
         free = proc.owner < 0
-        if not free.any():
-            continue
-        if not (proc.mem[:, free] == proc.frozen[:, free]).all():
-            changed = (proc.mem != proc.frozen).any(axis=(0, 2)) & free
+        changed = (proc.mem != proc.frozen).any(axis=(0, 2)) & free      # per page: a free one that changed
+        if changed.any():
             cluster.world.violate(f"free pages {np.flatnonzero(changed).tolist()} of {proc.name} changed after their "
                                   "room was safe to reuse")
             proc.frozen[:, free] = proc.mem[:, free]     # report once
