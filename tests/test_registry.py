@@ -487,3 +487,45 @@ def test_a_refused_slice_is_refused_every_time() -> None:
         with pytest.raises(UnsupportedTopology, match="3 (units|replicated)"):
             registry.slice_state(kv, odd, odd, Rank(0, 2), Rank(0, 2))
         assert counter.calls == calls
+
+
+# ------------------------------------------------------------------------------------------ backend check
+class _Flaky:
+    """A do-nothing backend whose instances lack their ``endpoint`` when asked to (a broken factory)."""
+
+    name = "flaky"
+
+    def __init__(self, *, name: str, options: dict[str, str] | None = None) -> None:
+        if not (options or {}).get("broken"):
+            self.endpoint = name.encode()
+
+    def register_buffers(self, component: str, regions: Any) -> Any: ...
+    def deregister_buffers(self, registered: Any) -> None: ...
+    def add_peer(self, peer: Any) -> str: return ""
+    def remove_peer(self, peer_id: str) -> None: ...
+    def send_component(self, transfer: Any) -> Any: ...
+    def poll(self, handle: Any) -> Any: ...
+    def release(self, handle: Any) -> None: ...
+    def notify_completion(self, peer_id: str, notice: bytes) -> bool: return False
+    def drain_notifications(self) -> list[tuple[str, bytes]]: return []
+    def close(self) -> None: ...
+
+
+class _FlakyPlugin:
+    @hookimpl
+    def kvbridge_transfer_backends(self) -> list[BackendSpec]:
+        return [BackendSpec(name="flaky", factory=_Flaky, description="test")]
+
+
+def test_a_backend_class_once_verified_still_has_each_instance_checked() -> None:
+    """The Protocol check is remembered per class, but every instance's data attributes are still checked: a
+    later instance without an ``endpoint`` is refused, and objects that are no backend never pass."""
+    registry = Registry.build(plugins=[_FlakyPlugin()], env={})
+    good = registry.create_backend("flaky", name="f-0")
+    again = registry.create_backend("flaky", name="f-1")
+    try:
+        with pytest.raises(PluginError, match="does not implement"):
+            registry.create_backend("flaky", name="f-2", options={"broken": "1"})
+    finally:
+        good.close()
+        again.close()

@@ -113,6 +113,23 @@ _SLICES_KEPT = 4096       # slice plans a registry keeps (see Registry.slice_sta
 _KEY = msgspec.msgpack.Encoder()
 
 
+#: classes whose instances passed the (slow, ~50 us) runtime Protocol check: their methods are the class's,
+#: so a later instance needs only its own data attributes checked (an agent restart builds a backend each time)
+_BACKEND_CLASSES: set[type] = set()
+_BACKEND_DATA = tuple(TransferBackend.__annotations__)     # name, endpoint
+
+
+def _is_backend(instance: object) -> bool:
+    cls = type(instance)
+    if cls in _BACKEND_CLASSES:
+        return all(hasattr(instance, attr) for attr in _BACKEND_DATA)
+    if not isinstance(instance, TransferBackend):
+        return False
+    if len(_BACKEND_CLASSES) < 256:
+        _BACKEND_CLASSES.add(cls)
+    return True
+
+
 class Registry:
     """Immutable set of loaded plugins with typed access to their backends and state types."""
 
@@ -236,7 +253,7 @@ class Registry:
         record = self._lookup(self._backends, backend, "backend")
         assert isinstance(record.spec, BackendSpec)
         instance = resolve(record.spec.factory)(**kwargs)
-        if not isinstance(instance, TransferBackend):
+        if not _is_backend(instance):
             raise PluginError(f"backend {backend!r} factory returned {type(instance).__name__}, which does not "
                               "implement kvbridge.backends.base.TransferBackend")
         return instance
