@@ -8,7 +8,8 @@ and again after the last restart, the test waits until departed peers are releas
 2 x peer timeout of linger) and compares: descriptors within +8, RSS within +32 MB, /dev/shm mappings and
 segments back to the warm-up baseline, at most 2 peers.
 
-The default run does 30 restarts per backend; ``KVBRIDGE_LONG_TESTS=1`` (set by ``.ci/run``) does 100.
+The default run (CI) does 16 restarts per backend (11 after the warm-up: a descriptor leaked per restart
+exceeds the +8 slack); ``KVBRIDGE_LONG_TESTS=1`` (set by ``.ci/long``) does 100.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvbridge.zmq_link import BootstrapServer
 pytestmark = pytest.mark.kvbridge_multiprocess
 
 LONG = os.environ.get("KVBRIDGE_LONG_TESTS") == "1"
-RESTARTS = int(os.environ.get("KVBRIDGE_CHURN_RESTARTS", "100" if LONG else "30"))
+RESTARTS = int(os.environ.get("KVBRIDGE_CHURN_RESTARTS", "100" if LONG else "16"))
 WARMUP = 5
 PEER_TIMEOUT_S = 1.0
 BOUND_S = 30.0

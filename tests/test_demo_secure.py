@@ -67,12 +67,21 @@ def test_a_forged_publish_during_the_demo_changes_nothing(monkeypatch: pytest.Mo
     assert server.rejected >= len(outcomes) // 2
 
 
-def test_a_configured_secret_reaches_the_server_and_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+class Stop(Exception):
+    pass
+
+
+def test_a_configured_secret_is_the_one_the_run_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked where the launcher hands it out (a full run with a configured secret is the first test's path)."""
     monkeypatch.setenv("KVBRIDGE_SECRET", "configured-demo-secret-0123456789")
-    monkeypatch.setattr(demo_run, "BootstrapServer", Recording)
-    Recording.servers = []
-    out = io.StringIO()
-    summary = demo_run.run_demo(backend="loopback", preset="dense-gqa", prefill_tp=2, decode_tp=1, requests=2,
-                                seed=6, window=2, region_pages=4, timeout_s=60, out=out)
-    assert summary.ok, out.getvalue()           # the ranks' links spoke to the server with the same secret
-    assert Recording.servers[0]._secret == b"configured-demo-secret-0123456789"
+    seen: dict[str, Any] = {}
+
+    def server(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(demo_run, "BootstrapServer", server)
+    with pytest.raises(Stop):
+        demo_run.run_demo(backend="loopback", preset="dense-gqa", prefill_tp=1, decode_tp=1, requests=1, seed=0,
+                          out=io.StringIO())
+    assert seen["secret"] == b"configured-demo-secret-0123456789"
