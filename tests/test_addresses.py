@@ -107,7 +107,7 @@ def test_the_advertised_host_is_given_bound_or_routed_never_unspecified() -> Non
 
 # ------------------------------------------------------------------------------------------ the link
 def test_a_link_bound_to_every_interface_advertises_the_one_towards_the_bootstrap(server: BootstrapServer) -> None:
-    wide = ZmqLink(bootstrap=server.address, host="0.0.0.0")
+    wide = ZmqLink(bootstrap=server.address, host="0.0.0.0", allow_insecure=True)
     other = ZmqLink(bootstrap=server.address)
     try:
         assert wide.bound.startswith("tcp://0.0.0.0:")
@@ -122,7 +122,7 @@ def test_a_link_bound_to_every_interface_advertises_the_one_towards_the_bootstra
 
 
 def test_an_advertised_address_is_what_peers_see_and_reach(server: BootstrapServer) -> None:
-    link = ZmqLink(bootstrap=server.address, host="0.0.0.0", advertise="127.0.0.2")
+    link = ZmqLink(bootstrap=server.address, host="0.0.0.0", advertise="127.0.0.2", allow_insecure=True)
     other = ZmqLink(bootstrap=server.address)
     try:
         port = endpoint_host_port(link.bound)[1]  # type: ignore[index]
@@ -137,9 +137,9 @@ def test_an_advertised_address_is_what_peers_see_and_reach(server: BootstrapServ
 
 def test_unspecified_advertised_addresses_are_refused(server: BootstrapServer) -> None:
     with pytest.raises(ValueError, match="peers cannot reach"):
-        ZmqLink(bootstrap=server.address, host="0.0.0.0", advertise="0.0.0.0")
+        ZmqLink(bootstrap=server.address, host="0.0.0.0", advertise="0.0.0.0", allow_insecure=True)
     with pytest.raises(ValueError, match="advertise"):
-        BootstrapServer("tcp://0.0.0.0:0", advertise="0.0.0.0")
+        BootstrapServer("tcp://0.0.0.0:0", advertise="0.0.0.0", allow_insecure=True)
     # the bootstrap server refuses to register one, whoever asks
     client = ZmqBootstrap(server.address)
     try:
@@ -151,11 +151,11 @@ def test_unspecified_advertised_addresses_are_refused(server: BootstrapServer) -
 
 
 def test_a_bootstrap_server_bound_everywhere_hands_out_its_advertised_address() -> None:
-    srv = BootstrapServer("tcp://0.0.0.0:0", advertise="127.0.0.1").start()
+    srv = BootstrapServer("tcp://0.0.0.0:0", advertise="127.0.0.1", allow_insecure=True).start()
     try:
         assert srv.bound.startswith("tcp://0.0.0.0:")
         assert srv.address == srv.bound.replace("0.0.0.0", "127.0.0.1")
-        link = ZmqLink(bootstrap=srv.address, host="0.0.0.0")
+        link = ZmqLink(bootstrap=srv.address, host="0.0.0.0", allow_insecure=True)
         try:
             link.publish("b", 1, 0)
             assert link.lookup("b").addresses == {0: link.address}  # type: ignore[union-attr]
@@ -198,7 +198,7 @@ def test_ipv6_links_bind_advertise_and_deliver(server: BootstrapServer) -> None:
     except OSError as exc:
         pytest.skip(f"no IPv6 loopback here: {exc}")
     six = ZmqLink(bootstrap=server.address, host="::1")
-    wide = ZmqLink(bootstrap=server.address, host="::", advertise="::1")
+    wide = ZmqLink(bootstrap=server.address, host="::", advertise="::1", allow_insecure=True)
     try:
         assert six.address.startswith("tcp://[::1]:") and wide.address.startswith("tcp://[::1]:")
         assert _delivers(six, wide) and _delivers(wide, six)
@@ -214,7 +214,8 @@ def test_exactly_one_of_bootstrap_and_discovery(server: BootstrapServer) -> None
     try:
         with pytest.raises(ValueError, match="exactly one"):
             ZmqLink(bootstrap=server.address, discovery=client)
-        link = ZmqLink(discovery=client, host="0.0.0.0")    # a given client is used, and not closed by the link
+        # a given client is used, and not closed by the link
+        link = ZmqLink(discovery=client, host="0.0.0.0", allow_insecure=True)
         link.publish("given", 1, 0)
         assert client.lookup("given").addresses == {0: link.address}  # type: ignore[union-attr]
         link.close()

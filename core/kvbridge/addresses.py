@@ -21,8 +21,8 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-__all__ = ["NoFreePort", "advertised_host", "endpoint_host_port", "format_tcp", "is_ipv6_literal", "is_unspecified",
-           "parse_port_range", "route_source"]
+__all__ = ["NoFreePort", "advertised_host", "endpoint_host_port", "format_tcp", "is_ipv6_literal", "is_loopback",
+           "is_unspecified", "parse_port_range", "route_source"]
 
 _UNSPECIFIED = {"", "*", "0.0.0.0", "::", "[::]"}
 
@@ -49,6 +49,18 @@ def is_unspecified(host: str) -> bool:
     try:
         return socket.inet_aton(host) == b"\0\0\0\0"
     except OSError:
+        return False
+
+
+def is_loopback(host: str) -> bool:
+    """``127.0.0.0/8``, ``::1`` or ``localhost``: reachable from this host only. A name other than localhost is
+    not (it may resolve anywhere), nor is an unspecified address (every interface)."""
+    host = _strip(host.strip()).split("%")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
 
 

@@ -16,7 +16,7 @@ Two implementations:
   the ``kvbridge_discovery_services`` hook (``etcd://host:port/prefix`` is ``kvbridge-etcd``).
 
     discovery = open_discovery("etcd://198.18.0.1:2379/kvbridge", secret=key)
-    link = ZmqLink(discovery=discovery, host="0.0.0.0")       # advertises the interface towards etcd
+    link = ZmqLink(discovery=discovery, host="0.0.0.0", secret=key)   # advertises the interface towards etcd
 
 **Authenticated records.** A service that stores records for others to read (etcd) keeps them as
 :func:`seal_record` bytes: with the shared secret, an HMAC-SHA256 tag over the record's key in the store and

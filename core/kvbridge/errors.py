@@ -58,3 +58,7 @@ class ProtocolError(KVBridgeError):
 
 class Draining(KVBridgeError):
     """The agent is draining (``TransferAgent.drain``): it takes no new rooms; route the request elsewhere."""
+
+
+class InsecureSetup(KVBridgeError, ValueError):
+    """A control endpoint that other hosts can reach, without a shared secret and without ``allow_insecure``."""

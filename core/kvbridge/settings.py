@@ -91,6 +91,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     waiting_timeout_s: Annotated[float, _doc("a decode room waiting for data after send_metadata (s)", gt=0,
                                              le=_MAX_S)] = 120.0
     secret: Annotated[str, _doc("shared secret: HMAC on every control frame (empty: none; see Security)")] = ""
+    allow_insecure: Annotated[bool, _doc(
+        "ZmqLink/BootstrapServer: bind a non-loopback address without a secret (refused otherwise; logged)")] = False
     staging_bytes: Annotated[int, _doc(
         "staging area (host, or on the GPU of CUDA buffers); 0: off", ge=0, le=_MAX_BYTES)] = 32 << 20
     staging: Annotated[Literal["auto", "always", "never"], _doc(

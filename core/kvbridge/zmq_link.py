@@ -20,7 +20,11 @@ process vanishes) or at once when its link closes.
 
     server = BootstrapServer("tcp://127.0.0.1:0", secret=key).start()   # once per prefill instance
     link = ZmqLink(bootstrap=server.address, secret=key)                 # in every rank process
-    link = ZmqLink(bootstrap="tcp://198.18.0.1:17600", host="0.0.0.0", port_range="17610-17629")
+    link = ZmqLink(bootstrap="tcp://198.18.0.1:17600", host="0.0.0.0", port_range="17610-17629", secret=key)
+
+Secure by default: a link or bootstrap server bound where other hosts can reach it (not loopback) is refused
+without a secret (:class:`~kvbridge.errors.InsecureSetup`) unless ``allow_insecure=True`` says so, which is
+logged at start.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kvbridge.addresses import (
     advertised_host,
     endpoint_host_port,
     format_tcp,
+    is_loopback,
     is_unspecified,
     parse_port_range,
 )
@@ -63,6 +68,7 @@ from kvbridge.discovery import (
     open_discovery,
     scheme_of,
 )
+from kvbridge.errors import InsecureSetup
 from kvbridge.links import InstanceInfo
 from kvbridge.sealing import FreshnessGuard, Stale, new_nonce, seal, unseal
 from kvbridge.wire import MAX_MESSAGE_BYTES
@@ -130,6 +136,23 @@ _REQ_DECODER = msgspec.msgpack.Decoder(_Request)
 _ANS_DECODER = msgspec.msgpack.Decoder(_Answer)
 
 
+ALLOW_INSECURE_ENV = "KVBRIDGE_ALLOW_INSECURE"
+
+
+def check_exposure(what: str, bound: str, *, secret: bytes | None, allow_insecure: bool) -> None:
+    """Secure by default: an endpoint bound where other hosts can reach it (not loopback) needs the shared
+    secret, or an explicit ``allow_insecure`` (then logged as such). Raises :class:`InsecureSetup`."""
+    hp = endpoint_host_port(bound)
+    if secret is not None or hp is None or is_loopback(hp[0]):
+        return
+    if not allow_insecure:
+        raise InsecureSetup(f"{what} bound at {bound} is reachable from other hosts and has no shared secret: "
+                            "anyone who reaches it could forge control frames. Set a secret (KVBRIDGE_SECRET, "
+                            f"secret=...) or opt in explicitly with allow_insecure=True ({ALLOW_INSECURE_ENV}=1)")
+    log.warning("%s bound at %s without a shared secret (allow_insecure): anyone who reaches it can forge "
+                "control frames", what, bound)
+
+
 def _ipv6(address: str) -> bool:
     return address.startswith("tcp://[") or address.startswith("tcp://::")
 
@@ -169,7 +192,8 @@ class BootstrapServer:
 
     def __init__(self, address: str = "tcp://127.0.0.1:0", *, secret: bytes | None = None,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, advertise: str | None = None,
-                 clock_window_s: float | None = None, clock: Clock = time.time) -> None:
+                 clock_window_s: float | None = None, clock: Clock = time.time,
+                 allow_insecure: bool = False) -> None:
         self._window = (clock_window_from_env() if clock_window_s is None
                         else check_window(clock_window_s, f"BootstrapServer.{CLOCK_WINDOW_SETTING}"))
         self._clock = clock
@@ -183,6 +207,11 @@ class BootstrapServer:
         self._sock.bind(address)
         self.bound: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address: str = self.bound
+        try:
+            check_exposure("bootstrap server", self.bound, secret=secret, allow_insecure=allow_insecure)
+        except InsecureSetup:
+            self._sock.close(0)
+            raise
         if advertise is not None:
             hp = endpoint_host_port(self.bound)
             if hp is None or is_unspecified(advertise):
@@ -620,7 +649,8 @@ class ZmqLink:
                  host: str = "127.0.0.1", advertise: str | None = None,
                  port_range: str | tuple[int, int] | None = None, timeout_s: float = 2.0,
                  secret: bytes | None = None, queue_frames: int = 4096, republish_s: float = 2.0,
-                 lease_s: float = 10.0, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 lease_s: float = 10.0, context: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 allow_insecure: bool = False) -> None:
         if (bootstrap is None) == (discovery is None):
             raise ValueError("give exactly one of bootstrap= (a URL) and discovery= (a client)")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
@@ -635,6 +665,11 @@ class ZmqLink:
         self.discovery: Discovery = discovery
         try:
             self._pull = self._bind(host, advertise, parse_port_range(port_range))
+            try:
+                check_exposure("control link", self.bound, secret=secret, allow_insecure=allow_insecure)
+            except InsecureSetup:
+                self._pull.close(0)
+                raise
         except BaseException:
             if self._owns_discovery:
                 discovery.close()

@@ -192,3 +192,15 @@ def test_without_a_secret_everything_is_open_as_before() -> None:
         assert srv.rooms[3][0] == 0
     finally:
         srv.close()
+
+
+def test_every_interface_without_a_secret_needs_the_opt_in() -> None:
+    from kvbridge.errors import InsecureSetup
+    from kvbridge_sglang.settings import Settings
+
+    with pytest.raises(InsecureSetup, match="SGLang HTTP bootstrap bound at tcp://0.0.0.0"):
+        TopologyServer("0.0.0.0", 0)
+    TopologyServer("0.0.0.0", 0, secret=SECRET).close()
+    TopologyServer("0.0.0.0", 0, allow_insecure=True).close()
+    assert Settings.from_env(env={"KVBRIDGE_ALLOW_INSECURE": "1"}).allow_insecure
+    assert not Settings.from_env(env={}).allow_insecure

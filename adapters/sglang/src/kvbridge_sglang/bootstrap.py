@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvbridge.addresses import format_tcp
 from kvbridge.clockskew import Clock, clock_window_from_env
 from kvbridge.sealing import NONCE_BYTES, FreshnessGuard, Replayed, Stale, matches, new_nonce, tag
-from kvbridge.zmq_link import BootstrapServer
+from kvbridge.zmq_link import BootstrapServer, check_exposure
 
 log = logging.getLogger("kvbridge.sglang")
 
@@ -69,13 +70,16 @@ def _answer_tag(secret: bytes, nonce: bytes, body: bytes) -> bytes:
 class TopologyServer:
     """The HTTP listener and the kvbridge ZMQ bootstrap server of one prefill instance."""
 
-    def __init__(self, host: str, port: int, *, secret: bytes | None = None, clock: Clock = time.time) -> None:
+    def __init__(self, host: str, port: int, *, secret: bytes | None = None, clock: Clock = time.time,
+                 allow_insecure: bool = False) -> None:
         self.secret = secret
         self.clock = clock            # the wall clock requests' times are judged by (injectable for tests)
         self.fresh = FreshnessGuard(window_s=clock_window_from_env())
         self.refused = 0              # requests refused for their tag, nonce or time
         zhost = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-        self.zmq = BootstrapServer(f"tcp://{zhost}:0", secret=secret).start()
+        check_exposure("SGLang HTTP bootstrap", format_tcp(host or "0.0.0.0", port), secret=secret,
+                       allow_insecure=allow_insecure)
+        self.zmq = BootstrapServer(f"tcp://{zhost}:0", secret=secret, allow_insecure=allow_insecure).start()
         self.ranks: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self.lock = threading.Lock()

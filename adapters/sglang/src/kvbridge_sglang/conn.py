@@ -266,7 +266,8 @@ class KVBridgeKVManager(BaseKVManager):
         layout, buffers = self.pool.layout(None, tail=self.last_stage)
         self.layout = layout
         instance = bootstrap.instance_name(self.attn_dp_rank, self.pp_rank)
-        link = ZmqLink(bootstrap=str(answer["bootstrap"]), host=s.host, secret=s.secret)
+        link = ZmqLink(bootstrap=str(answer["bootstrap"]), host=s.host, secret=s.secret,
+                       allow_insecure=s.allow_insecure)
         try:
             self.agent = TransferAgent(layout=layout, buffers=_agent_buffers(buffers), role=Role.PREFILL, link=link,
                                        backend=s.backend, instance=instance, config=s.agent_config())
@@ -367,7 +368,7 @@ class KVBridgeKVManager(BaseKVManager):
             self._shm.append(shm)
             staging = np.ndarray((s.staging_bytes,), dtype=np.uint8, buffer=shm.buf)
             staging[:] = 0
-        link = ZmqLink(bootstrap=topo.bootstrap, host=s.host, secret=s.secret)
+        link = ZmqLink(bootstrap=topo.bootstrap, host=s.host, secret=s.secret, allow_insecure=s.allow_insecure)
         try:
             agent = TransferAgent(layout=layout, buffers=_agent_buffers(buffers), role=Role.DECODE, link=link,
                                   backend=s.backend, config=s.agent_config(), staging=staging)
@@ -709,7 +710,8 @@ class KVBridgeKVBootstrapServer(BaseKVBootstrapServer):
     def __init__(self, host: str, port: int) -> None:
         settings = Settings.from_env()
         self.host, self.port = host, int(port)
-        self.server = TopologyServer(host or "127.0.0.1", self.port, secret=settings.secret)
+        self.server = TopologyServer(host or "127.0.0.1", self.port, secret=settings.secret,
+                                     allow_insecure=settings.allow_insecure)
 
     def run(self) -> None:
         pass                       # serving since construction

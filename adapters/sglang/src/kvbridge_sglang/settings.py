@@ -5,6 +5,7 @@
 | ``KVBRIDGE_BACKEND`` | ``nixl`` when usable here, else ``loopback`` | the kvbridge transfer backend |
 | ``KVBRIDGE_SECRET`` | unset | shared secret: HMAC on control frames, bootstrap and topology requests |
 | ``KVBRIDGE_HOST`` | SGLang's ``--host``, else 127.0.0.1 | address the ranks' control links bind |
+| ``KVBRIDGE_ALLOW_INSECURE`` | unset | ``1``: bind a non-loopback address without a secret (else refused) |
 | ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
 | ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
 | ``KVBRIDGE_STAGING_MIB`` | 32 | staging area per agent (0: off) |
@@ -54,11 +55,16 @@ def default_backend() -> str:
     return "loopback"
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return (env.get(name) or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     backend: str = "loopback"
     secret: bytes | None = None
     host: str = "127.0.0.1"
+    allow_insecure: bool = False    # bind a non-loopback address without a secret (refused otherwise)
     swa_window: int | None = None
     device: str = "auto"
     staging_bytes: int = 32 << 20
@@ -85,6 +91,7 @@ class Settings:
         secret = env.get("KVBRIDGE_SECRET")
         return cls(backend=env.get("KVBRIDGE_BACKEND") or default_backend(),
                    secret=secret.encode() if secret else None, host=str(host),
+                   allow_insecure=_flag(env, "KVBRIDGE_ALLOW_INSECURE"),
                    swa_window=int(window) if window else None, device=env.get("KVBRIDGE_DEVICE", "auto"),
                    staging_bytes=int(float(env.get("KVBRIDGE_STAGING_MIB", "32")) * (1 << 20)),
                    bootstrap_timeout_s=_float(env, ("KVBRIDGE_BOOTSTRAP_TIMEOUT_S",
@@ -94,7 +101,7 @@ class Settings:
                    peer_timeout_s=_float(env, ("KVBRIDGE_PEER_TIMEOUT_S",), 10.0),
                    heartbeat_interval_s=_float(env, ("KVBRIDGE_HEARTBEAT_S",), 1.0),
                    drain_timeout_s=_float(env, ("KVBRIDGE_DRAIN_TIMEOUT_S",), 10.0),
-                   checksums=(env.get("KVBRIDGE_CHECKSUMS") or "").strip().lower() in ("1", "true", "yes", "on"),
+                   checksums=_flag(env, "KVBRIDGE_CHECKSUMS"),
                    backend_options=options)
 
     def agent_config(self) -> AgentConfig:

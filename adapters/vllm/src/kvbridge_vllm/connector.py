@@ -274,7 +274,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._zmq = zmq.Context()
             if serve:
                 self._bootstrap = BootstrapServer(self.settings.bootstrap, secret=self.settings.secret_bytes,
-                                                  context=self._zmq).start()
+                                                  context=self._zmq,
+                                                  allow_insecure=self.settings.allow_insecure).start()
             self.worker = WorkerSide(settings=self.settings, pool=pool, produce=self.produce, consume=self.consume,
                                      instance=self.instance, zmq_context=self._zmq)
         self._layer_index = {name: i for i, name in enumerate(pool.layers)}

@@ -35,6 +35,8 @@ class Settings:
     instance: str = ""                   # this prefill instance's name (default: vllm-<engine_id>)
     host: str = "127.0.0.1"              # address the ranks' control links bind
     secret: str = ""                     # shared secret (HMAC on every control frame); also KVBRIDGE_SECRET
+    allow_insecure: bool = False         # bind a non-loopback host without a secret (refused otherwise); also
+                                         # KVBRIDGE_ALLOW_INSECURE=1
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 3.0
     bootstrap_timeout_s: float = 30.0    # prefill: how long finished blocks wait for the decode's request
@@ -70,6 +72,8 @@ class Settings:
                 raise KVBridgeError(f"kv_connector_extra_config: {key}={value!r:.60} is not a string")
             else:
                 values[key] = value
+        if "allow_insecure" not in values and os.environ.get("KVBRIDGE_ALLOW_INSECURE"):
+            values["allow_insecure"] = _bool("KVBRIDGE_ALLOW_INSECURE", os.environ["KVBRIDGE_ALLOW_INSECURE"])
         if not values.get("secret") and os.environ.get("KVBRIDGE_SECRET"):
             values["secret"] = os.environ["KVBRIDGE_SECRET"]
         return cls(**values)

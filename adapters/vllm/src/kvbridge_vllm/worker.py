@@ -94,7 +94,8 @@ class WorkerSide:
         self.settings, self.pool, self.instance = settings, pool, instance
         self.block_size = pool.layout.page_size
         make_link = link_factory or (lambda: ZmqLink(bootstrap=settings.bootstrap, host=settings.host,
-                                                     secret=settings.secret_bytes, context=zmq_context))
+                                                     secret=settings.secret_bytes, context=zmq_context,
+                                                     allow_insecure=settings.allow_insecure))
         self._sending: dict[str, _Sending] = {}
         self._receiving: dict[str, _Receiving] = {}
         self._unsendable: set[str] = set()       # prefill requests whose room could not be opened
