@@ -8,5 +8,8 @@ from kvbridge.testkit import BackendTests
 
 class TestNixlConformance(BackendTests):
     backend = "nixl"
+    # UCX over TCP between loaded processes: a 3 s wait for data failed a 2 -> 4 room once on the 2-core CI host
+    # with other work beside it (the data was late, not lost)
+    waiting_timeout_s = 8.0
     stateful_examples = 3        # every example starts two NIXL agents (~0.6 s each) and re-adds its peer
     stateful_steps = 12          # after each registration (new NIXL metadata)
