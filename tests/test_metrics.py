@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvbridge.agent import TransferAgent  # noqa: E402
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge.protocol.wire import KVPoll, Role  # noqa: E402
 from kvbridge.registry import Registry  # noqa: E402
-from kvbridge.wire import KVPoll, Role  # noqa: E402
 
 SCRIPT = Path(sys.executable).with_name("kvbridge")
 CMD = [str(SCRIPT)] if SCRIPT.exists() else [shutil.which("kvbridge") or "kvbridge"]
@@ -241,7 +241,7 @@ def test_rejected_frames_are_exported_per_agent() -> None:
     """A flood of forged frames is visible to the operator as a number (its log lines are rate-limited)."""
     from kvbridge import metrics
     from kvbridge.agent import AgentConfig
-    from kvbridge.wire import Codec, Heartbeat
+    from kvbridge.protocol.wire import Codec, Heartbeat
 
     metrics.instrumented_registry()
     hub = LocalHub()

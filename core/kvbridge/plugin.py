@@ -47,11 +47,8 @@ from kvbridge.addresses import endpoint_host_port
 from kvbridge.backends.base import (
     ComponentTransfer,
     HandleState,
-    PeerInfo,
     Poll,
-    RegionWire,
     RegisteredBuffers,
-    RemoteBuffers,
     TransferBackend,
     check_within,
     check_within_buffers,
@@ -110,6 +107,7 @@ from kvbridge.links import InstanceInfo
 from kvbridge.pages import PageRange, as_index
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.protocol.records import PeerInfo, RegionWire, RemoteBuffers
 from kvbridge.settings import SettingsError, env_defaults, parse_options
 from kvbridge.slicing import ComponentSlice, Segments, buffer_segments, sharded_component_slice, target_ranks
 from kvbridge.specs import Availability, BackendSpec, Capability, DiscoverySpec, StateTypeSpec, probe_import

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBackend
+from kvbridge.backends.base import RegisteredBuffers, TransferBackend
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
+from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.registry import Registry
 from kvbridge.spans import BufferSpan, RunIndex
 from kvbridge.staging import STAGING, CudaStager, Rows, StagingArea, device_view, host_view, is_cuda

@@ -17,9 +17,9 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.protocol.events import RoomEvents
+from kvbridge.protocol.wire import Codec, KVPoll, Message, Role
 from kvbridge.registry import Registry
 from kvbridge.state.base import StateType
-from kvbridge.wire import Codec, KVPoll, Message, Role
 
 log = logging.getLogger("kvbridge.agent")
 

@@ -25,18 +25,18 @@ from kvbridge.agent.handshake import (
 )
 from kvbridge.agent.liveness import LivenessWatch
 from kvbridge.agent.plans import PlanCache
-from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
 from kvbridge.links import PeerQueues
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.states import (
     LIVE_PEER,
     PEER,
     PeerEvent,
     PeerState,
 )
-from kvbridge.wire import (
+from kvbridge.protocol.wire import (
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Envelope,

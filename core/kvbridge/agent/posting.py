@@ -24,14 +24,15 @@ from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
-from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
+from kvbridge.backends.base import ComponentTransfer
 from kvbridge.digests import digest_items
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
+from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.protocol.states import WriteEvent, WriteState
+from kvbridge.protocol.wire import Notice
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
-from kvbridge.wire import Notice
 
 log = logging.getLogger("kvbridge.agent")
 

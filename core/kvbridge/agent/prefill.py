@@ -25,9 +25,9 @@ from kvbridge.protocol.states import (
     SendState,
     WriteEvent,
 )
+from kvbridge.protocol.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 from kvbridge.slicing import served_ranks
 from kvbridge.staging import STAGING
-from kvbridge.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 

@@ -29,10 +29,7 @@ from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.logs import LineBudget, RateLimitedLog
 from kvbridge.protocol.events import RoomEvent
-from kvbridge.registry import Registry
-from kvbridge.slicing import target_ranks
-from kvbridge.staging import StagingArea
-from kvbridge.wire import (
+from kvbridge.protocol.wire import (
     HANDSHAKES,
     Abort,
     Codec,
@@ -50,6 +47,9 @@ from kvbridge.wire import (
     VersionMismatch,
     Welcome,
 )
+from kvbridge.registry import Registry
+from kvbridge.slicing import target_ranks
+from kvbridge.staging import StagingArea
 
 log = logging.getLogger("kvbridge.agent")
 

@@ -48,17 +48,11 @@ import msgspec
 import numpy as np
 
 from kvbridge._markers import hookimpl
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    PeerInfo,
-    Poll,
-    RegisteredBuffers,
-    RemoteBuffers,
-    check_within,
-)
+from kvbridge.backends.base import ComponentTransfer, Poll, RegisteredBuffers, check_within
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.errors import GeometryError, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
+from kvbridge.protocol.records import PeerInfo, RemoteBuffers
 from kvbridge.shmnames import MAX_SEGMENT_NAME, is_segment_name
 from kvbridge.specs import BackendSpec, Capability
 

@@ -15,17 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge._markers import hookimpl
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    HandleState,
-    PeerInfo,
-    Poll,
-    RegisteredBuffers,
-    check_within,
-)
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll, RegisteredBuffers, check_within
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.sim.world import LAND, NOTIFY, Delivery, World
 from kvbridge.specs import BackendSpec, Capability

@@ -38,8 +38,8 @@ from typing import Any
 from kvbridge._markers import hookimpl
 from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
 from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.protocol.wire import Codec, Notice
 from kvbridge.testkit.checked import CheckedBackend
-from kvbridge.wire import Codec, Notice
 
 __all__ = ["Fault", "FaultHandle", "FaultInjector", "NoticeKey"]
 
