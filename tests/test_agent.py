@@ -440,7 +440,8 @@ def test_notices_the_engine_could_not_deliver_go_over_the_link() -> None:
     class Plugin:
         @hookimpl
         def kvbridge_transfer_backends(self) -> list[BackendSpec]:
-            return [BackendSpec(name="lossy", factory=Lossy, capabilities=frozenset({Capability.HOST_MEMORY}))]
+            return [BackendSpec(name="lossy", factory=Lossy, capabilities=frozenset(
+                {Capability.HOST_MEMORY, Capability.WRITER_GONE, Capability.NOTIFY_FAILURES}))]
 
     import kvbridge.state.kv
 

@@ -53,6 +53,7 @@ from kvbridge.backends.base import (
     check_within,
     check_within_buffers,
 )
+from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
 from kvbridge.backends.copying import copy_descriptors, copy_plan
 from kvbridge.backends.scaffold import (
     EngineTables,
@@ -133,6 +134,8 @@ __all__ = [
     # backends: the protocol and its records
     "ComponentTransfer", "HandleState", "PeerInfo", "Poll", "RegionWire", "RegisteredBuffers", "RemoteBuffers",
     "TransferBackend", "check_within", "check_within_buffers",
+    # backends: what a call monitor (``Registry.add_call_monitoring``, metrics, fault injection) is given
+    "BackendCall", "CallKind", "CallOutcome",
     # backends: helpers
     "EngineTables", "NoNotifications", "PendingHandle", "Registration", "copy_descriptors", "copy_plan",
     "default_host", "import_engine", "load_api", "settled",

@@ -179,7 +179,7 @@ class Poster:
     def _send(self, room: SendRoom, transfer: ComponentTransfer, agent: str, notice: Notice, frame: bytes,
               staging: tuple[int, int] | None) -> None:
         ctx = self._ctx
-        handle = ctx.registry.send_component(ctx.backend, transfer)
+        handle = ctx.calls.send_component(transfer)
         room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
         room.nbytes += transfer.plan.total_nbytes
         room.descriptors += len(transfer.plan)
@@ -422,7 +422,7 @@ class Poster:
     def notify(self, peer: Peer, frame: bytes) -> None:
         """Hand an encoded notice to the backend; the control link carries it when the engine cannot."""
         ctx = self._ctx
-        if not ctx.registry.notify_completion(ctx.backend, peer.agent, frame):
+        if not ctx.calls.notify_completion(peer.agent, frame):
             ctx.send_frame(peer.address, frame, "notice")
 
 

@@ -491,7 +491,8 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
 
 SPEC = BackendSpec(
     name="loopback", factory=LoopbackBackend,
-    capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS}),
+    capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS,
+                            Capability.WRITER_GONE}),
     description="reference memmove backend: in-process, or same-host via /dev/shm",
     # copy_descriptors costs ~0.2-0.5 us per descriptor beyond its bytes (2-core host, 2026-11): staging
     # (two more host passes) wins only for runs below ~1.5 KB

@@ -180,7 +180,8 @@ def pending_handles(net: SimNet) -> int:
 #: the SimNet of each live world, by the key its agents' ``backend_options["world"]`` name
 NETS: dict[str, SimNet] = {}
 
-SPEC = BackendSpec(name="sim", factory=SimBackend, capabilities=frozenset({Capability.HOST_MEMORY}),
+SPEC = BackendSpec(name="sim", factory=SimBackend,
+                   capabilities=frozenset({Capability.HOST_MEMORY, Capability.WRITER_GONE}),
                    description="deterministic simulation backend (kvbridge.sim)", descriptor_cost_us=0.5)
 
 
