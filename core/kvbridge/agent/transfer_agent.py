@@ -114,7 +114,7 @@ class TransferAgent:
                 raise KVBridgeError(f"AgentConfig.checksums verifies host memory only: this decode rank's buffers "
                                     f"of {unreadable} are device memory (tensors or raw regions)")
         except BaseException:
-            engine.close()
+            calls.close()
             raise
         # a prefill rank's liveness listener: the decodes it writes to hold a connection its kernel closes
         # when this process ends (kvbridge.agent.liveness)
