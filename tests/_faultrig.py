@@ -359,8 +359,11 @@ def _lie_short(keep: dict[int, int]) -> None:
 
 
 def _connect(agent: Any, job: dict[str, Any]) -> None:
+    from kvbridge.specs import Capability
+
     agent.connect(job["instance"], timeout_s=job["connect_timeout_s"])
-    _say("connected", t=time.monotonic(), fds=_fds(), writer_gone=hasattr(agent.backend, "writer_gone"))
+    _say("connected", t=time.monotonic(), fds=_fds(),
+         writer_gone=Capability.WRITER_GONE in agent.context.calls.capabilities)
 
 
 def _child_main() -> int:
