@@ -26,8 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvbridge.backends.base import ComponentTransfer, Poll, RegisteredBuffers, TransferBackend
 from kvbridge.geometry import MemoryRegion
@@ -54,9 +53,9 @@ class CallKind(str, enum.Enum):
     CLOSE = "close"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BackendCall:
-    """One call: the backend's type name, the agent (endpoint) making it, its kind and positional arguments."""
+class BackendCall(NamedTuple):
+    """One call: the backend's type name, the agent (endpoint) making it, its kind and positional arguments
+    (a tuple, not a dataclass: built once per monitored call, on the hot path)."""
 
     backend: str
     agent: str
@@ -64,8 +63,7 @@ class BackendCall:
     args: tuple[Any, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CallOutcome:
+class CallOutcome(NamedTuple):
     """What a call gave: its result, or the error it raised (``error`` not None); its duration."""
 
     result: Any = None
@@ -132,16 +130,16 @@ class BackendCalls:
         pairs = self._monitors.pairs
         if not pairs:
             return fn(*args)
-        call = BackendCall(backend=self.name, agent=self.agent, kind=kind, args=args)
+        call = BackendCall(self.name, self.agent, kind, args)
         for before, _after in pairs:
             before(call)
         started = time.perf_counter()
         try:
             result = fn(*args)
         except BaseException as exc:
-            self._after(pairs, call, CallOutcome(error=exc, seconds=time.perf_counter() - started))
+            self._after(pairs, call, CallOutcome(None, exc, time.perf_counter() - started))
             raise
-        self._after(pairs, call, CallOutcome(result=result, seconds=time.perf_counter() - started))
+        self._after(pairs, call, CallOutcome(result, None, time.perf_counter() - started))
         return result
 
     @staticmethod
