@@ -137,7 +137,8 @@ def _is_backend(instance: object) -> bool:
 
 
 class Registry:
-    """Immutable set of loaded plugins with typed access to their backends and state types."""
+    """Immutable set of loaded plugins with typed access to their backends and state types; backend-call
+    monitors (:meth:`add_call_monitoring`) are the one thing attached afterwards."""
 
     __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_slices", "_monitors",
                  "_frozen")
