@@ -92,7 +92,7 @@ def _pages(placement: str):
 
 
 def _send_layerwise(agent, room: int, pages, groups: int):
-    from kvbridge.wire import KVPoll
+    from kvbridge.protocol.wire import KVPoll
 
     sender = agent.sender(room)
     while sender.poll() < KVPoll.WaitingForInput:
@@ -112,7 +112,7 @@ def prefill(bootstrap: str, results: mp.Queue, tp: int, rank: int, placement: st
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.wire import Role
+    from kvbridge.protocol.wire import Role
     from kvbridge.zmq_link import ZmqLink
     from kvbridge_bench.micro import send_request
 
@@ -142,7 +142,7 @@ def decode(bootstrap: str, results: mp.Queue, tp: int, placement: str, staging: 
     import torch
 
     from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.protocol.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     if not CPU:

@@ -180,8 +180,8 @@ def _prefill(job: dict[str, Any]) -> None:
     import numpy as np
 
     from kvbridge.agent import TransferAgent
+    from kvbridge.protocol.wire import KVPoll, Role
     from kvbridge.testkit.kvmodel import KVPool
-    from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     pool = KVPool(1, 0, role="prefill")
@@ -237,9 +237,9 @@ def _decode(job: dict[str, Any]) -> None:
     import numpy as np
 
     from kvbridge.agent import TransferAgent
+    from kvbridge.protocol.wire import KVPoll, Role
     from kvbridge.testkit.kvmodel import KVPool
     from kvbridge.testkit.pools import GuardedBuffer
-    from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     owned: list[Any] = []

@@ -279,7 +279,7 @@ def _watch(handle: Any, room: int, stop: threading.Event, snapshot: Callable[[st
     """Report every status change and the first time safe_to_reuse is True (snapshotting the pool then);
     ``clear``: then clear the room, as an engine does (its peer can then be released)."""
     from kvbridge.errors import KVBridgeError
-    from kvbridge.wire import KVPoll
+    from kvbridge.protocol.wire import KVPoll
 
     last = None
     safe_seen = False
@@ -312,7 +312,7 @@ def _watch(handle: Any, room: int, stop: threading.Event, snapshot: Callable[[st
 def _serve(agent: Any, cmd: dict[str, Any], stop: threading.Event, timeout_s: float) -> None:
     """A chunked prefill: wait for the decode's request, then send each chunk, pausing between them."""
     from kvbridge.errors import KVBridgeError
-    from kvbridge.wire import KVPoll
+    from kvbridge.protocol.wire import KVPoll
 
     room = cmd["room"]
     sender = agent.sender(room)
@@ -344,7 +344,7 @@ def _lie_short(keep: dict[int, int]) -> None:
     import msgspec
 
     from kvbridge.agent.prefill import PrefillSide
-    from kvbridge.wire import PackedIndices
+    from kvbridge.protocol.wire import PackedIndices
 
     real = PrefillSide.on_request
 
@@ -359,15 +359,18 @@ def _lie_short(keep: dict[int, int]) -> None:
 
 
 def _connect(agent: Any, job: dict[str, Any]) -> None:
+    from kvbridge.specs import Capability
+
     agent.connect(job["instance"], timeout_s=job["connect_timeout_s"])
-    _say("connected", t=time.monotonic(), fds=_fds(), writer_gone=hasattr(agent.backend, "writer_gone"))
+    _say("connected", t=time.monotonic(), fds=_fds(),
+         writer_gone=Capability.WRITER_GONE in agent.context.calls.capabilities)
 
 
 def _child_main() -> int:
     from kvbridge.agent import TransferAgent
+    from kvbridge.protocol.wire import Role
     from kvbridge.registry import Registry
     from kvbridge.testkit.kvmodel import KVPool, kv_layout
-    from kvbridge.wire import Role
 
     _say("spawned", pid=os.getpid(), t=time.monotonic())
     line = sys.stdin.readline()

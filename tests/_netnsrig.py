@@ -402,7 +402,7 @@ def _agent(job: dict[str, Any], pool: Any, role: Any) -> Any:
 def _prefill(job: dict[str, Any]) -> None:
     import numpy as np
 
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.protocol.wire import KVPoll, Role
 
     pool = _pool(job, "prefill")
     agent = _agent(job, pool, Role.PREFILL)
@@ -454,7 +454,7 @@ def _prefill(job: dict[str, Any]) -> None:
 def _decode(job: dict[str, Any]) -> None:
     import numpy as np
 
-    from kvbridge.wire import KVPoll, Role
+    from kvbridge.protocol.wire import KVPoll, Role
 
     pool = _pool(job, "decode")
     agent = _agent(job, pool, Role.DECODE)

@@ -28,7 +28,7 @@ from kvbridge.geometry import (
     ShardAxis,
 )
 from kvbridge.links import LocalHub
-from kvbridge.wire import (
+from kvbridge.protocol.wire import (
     MAX_HANDSHAKE_BYTES,
     PROTOCOL_VERSION,
     Abort,

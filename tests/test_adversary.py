@@ -33,14 +33,12 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge import wire
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent.config import EARLY_ROOMS
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.links import LocalHub
-from kvbridge.shmnames import RUN_TAG
-from kvbridge.testkit import reference as ref
-from kvbridge.wire import (
+from kvbridge.protocol import wire
+from kvbridge.protocol.wire import (
     PROTOCOL_VERSION,
     Abort,
     Envelope,
@@ -54,6 +52,8 @@ from kvbridge.wire import (
     StatusPush,
     TransferRequest,
 )
+from kvbridge.shmnames import RUN_TAG
+from kvbridge.testkit import reference as ref
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 H, D, P, LAYERS, NUM_PAGES = 4, 8, 4, 2, 32

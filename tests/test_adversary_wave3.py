@@ -51,9 +51,9 @@ from kvbridge.agent.liveness import MAX_HELD, split_address
 from kvbridge.links import LocalHub
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import RecvState
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.pools import SHM_PREFIX, GuardedBuffer
-from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer
 
 pytestmark = pytest.mark.timeout(120)

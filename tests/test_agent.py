@@ -14,8 +14,8 @@ from kvbridge.agent.peers import HandshakeState
 from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, TransferError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import Codec, KVPoll, Notice, PackedIndices, Role, TransferRequest
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import Codec, KVPoll, Notice, PackedIndices, Role, TransferRequest
 
 H, D, P, LAYERS, NUM_PAGES = 4, 8, 4, 2, 16
 SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
@@ -350,7 +350,7 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
                                                                         delta: int) -> None:
     import msgspec
 
-    from kvbridge import wire
+    from kvbridge.protocol import wire
 
     pair = make_pair(1, 1, connect=False)
     dec = pair.decode[0]
@@ -440,7 +440,8 @@ def test_notices_the_engine_could_not_deliver_go_over_the_link() -> None:
     class Plugin:
         @hookimpl
         def kvbridge_transfer_backends(self) -> list[BackendSpec]:
-            return [BackendSpec(name="lossy", factory=Lossy, capabilities=frozenset({Capability.HOST_MEMORY}))]
+            return [BackendSpec(name="lossy", factory=Lossy, capabilities=frozenset(
+                {Capability.HOST_MEMORY, Capability.WRITER_GONE, Capability.NOTIFY_FAILURES}))]
 
     import kvbridge.state.kv
 

@@ -272,8 +272,8 @@ def test_odd_instance_names_round_trip_and_stay_apart(server: BootstrapServer) -
 
 def test_a_decode_that_finds_a_dead_prefills_registration_fails_clearly_not_hangs(server: BootstrapServer) -> None:
     from kvbridge.agent import AgentConfig, TransferAgent
+    from kvbridge.protocol.wire import Role
     from kvbridge.testkit.kvmodel import KVPool
-    from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
 
     ghost = ZmqBootstrap(server.address, republish_s=0)

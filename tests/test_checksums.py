@@ -19,9 +19,9 @@ from kvbridge.agent import decode as decode_module
 from kvbridge.agent import posting as posting_module
 from kvbridge.digests import digest_items, run_bytes
 from kvbridge.errors import TransferError
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.slicing import Segments
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 make_world = pytest.fixture(worlds, name="make_world")
 

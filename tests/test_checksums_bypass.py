@@ -35,8 +35,8 @@ from kvbridge.agent import posting as posting_module
 from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import DeviceKind, MemoryRegion
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll, Role
 
 make_world = pytest.fixture(worlds, name="make_world")
 WAITING_S = 5.0      # the decode's waiting timeout, shortened (default 120 s) so its reason shows

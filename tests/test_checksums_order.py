@@ -18,9 +18,9 @@ from test_staging_paths import POOL, World, worlds
 from kvbridge.agent import decode as decode_module
 from kvbridge.agent import posting as posting_module
 from kvbridge.digests import digest_items, run_bytes
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.slicing import Segments
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 make_world = pytest.fixture(worlds, name="make_world")
 M64 = (1 << 64) - 1

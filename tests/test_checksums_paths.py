@@ -26,9 +26,9 @@ from kvbridge.agent import decode as decode_module
 from kvbridge.agent import posting as posting_module
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.staging import STAGING
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 make_world = pytest.fixture(worlds, name="make_world")
 

@@ -179,7 +179,7 @@ def test_the_demo_refuses_bad_settings_before_starting(tmp_path: Path) -> None:
 def test_the_ranks_take_their_agent_settings_from_the_configuration(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from kvbridge.demo.worker import WorkerConfig, agent_config
-    from kvbridge.wire import Role
+    from kvbridge.protocol.wire import Role
 
     config = tmp_path / "kvbridge.toml"
     config.write_text('peer_timeout_s = 7.5\nstaging = "never"\nsecret = "from-the-file"\n')

@@ -13,7 +13,7 @@ from kvbridge.agent import TransferAgent
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.links import LocalHub
 from kvbridge.logs import RateLimitedLog
-from kvbridge.wire import Role
+from kvbridge.protocol.wire import Role
 
 
 class _Clock:

@@ -24,9 +24,9 @@ from kvbridge.clockskew import (
     skew_log_budget,
 )
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.sealing import seal, unseal
 from kvbridge.settings import Settings, SettingsError, load_settings
-from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap, ZmqLink, _Answer, _Lookup
 
 SECRET = b"clock-skew-suite-shared-secret-0"

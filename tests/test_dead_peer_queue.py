@@ -18,7 +18,7 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout
 from kvbridge.links import PeerQueues
 from kvbridge.protocol.states import PeerState
-from kvbridge.wire import KVPoll, Role
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.zmq_link import DOWN_QUEUE_FRAMES, BootstrapServer, ZmqLink
 
 SECRET = b"dead-peer-queue-suite-secret-012"

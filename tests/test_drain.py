@@ -14,7 +14,7 @@ from test_agent import hand_pair  # the agent tests' small dense-KV pool
 from kvbridge import Draining
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.protocol.states import PeerState
-from kvbridge.wire import KVPoll
+from kvbridge.protocol.wire import KVPoll
 
 
 @pytest.fixture

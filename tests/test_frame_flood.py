@@ -12,7 +12,7 @@ from test_agent import kv_buffers, kv_layout  # the agent tests' small dense-KV 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.logs import LineBudget
-from kvbridge.wire import Codec, Heartbeat, KVPoll, Role
+from kvbridge.protocol.wire import Codec, Heartbeat, KVPoll, Role
 
 
 def test_a_line_budget_counts_what_it_suppresses() -> None:

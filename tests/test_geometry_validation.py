@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import GeometryError, ProtocolError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, Rank, ShardAxis
-from kvbridge.wire import PROTOCOL_VERSION, Codec, Hello, Role
+from kvbridge.protocol.wire import PROTOCOL_VERSION, Codec, Hello, Role
 
 
 def _layout(**over: Any) -> PoolLayout:

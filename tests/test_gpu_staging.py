@@ -27,9 +27,9 @@ if not kvbridge_nixl.probe().available:
 from kvbridge.agent import AgentConfig, TransferAgent  # noqa: E402
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge.protocol.wire import KVPoll, Role  # noqa: E402
 from kvbridge.registry import Registry  # noqa: E402
 from kvbridge.testkit import reference as ref  # noqa: E402
-from kvbridge.wire import KVPoll, Role  # noqa: E402
 
 HEADS, HEAD_BYTES, PAGE, LAYERS, POOL = 8, 256, 16, 4, 256
 PREFILL_DEV = "cuda:0"

@@ -20,7 +20,7 @@ from test_agent import (
 
 from kvbridge.agent import RoomEventKind
 from kvbridge.errors import KVBridgeError, TransferError
-from kvbridge.wire import KVPoll
+from kvbridge.protocol.wire import KVPoll
 
 SRC = np.array([3, 9, 4, 11, 5, 12])        # the request's pages from position 0 on the prefill rank
 DST = np.array([14, 2, 7, 1, 8, 6])

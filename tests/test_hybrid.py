@@ -27,9 +27,9 @@ from kvbridge.demo.presets import KVModel
 from kvbridge.errors import GeometryError, IncompatiblePeer
 from kvbridge.geometry import PoolLayout
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll, Role
 
 MambaModel = pytest.importorskip("kvbridge_mamba.demo").MambaModel     # the state types' demo models
 SWAModel = pytest.importorskip("kvbridge_swa.demo").SWAModel

@@ -18,8 +18,8 @@ import test_hybrid as th
 
 from kvbridge.agent import TransferAgent
 from kvbridge.plugin import BackendSpec, hookimpl
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.registry import Registry
-from kvbridge.wire import KVPoll
 from kvbridge_ascend import standin as ascend_standin
 from kvbridge_ascend.testing import STANDIN_SPEC as ASCEND_STANDIN
 from kvbridge_mori import standin as mori_standin

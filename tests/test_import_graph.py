@@ -145,8 +145,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("kvbridge._markers", "kvbridge.errors", "kvbridge.sealing", "kvbridge.geometry", "kvbridge.pages",
               "kvbridge.logs", "kvbridge.shmnames", "kvbridge.addresses", "kvbridge.pattern", "kvbridge.specs"),
     "plan": ("kvbridge.slicing", "kvbridge.planner", "kvbridge.staging", "kvbridge.spans", "kvbridge.digests",
-             "kvbridge.handshake", "kvbridge.state", "kvbridge.hookspecs", "kvbridge.backends.base"),
-    "protocol": ("kvbridge.wire", "kvbridge.protocol"),
+             "kvbridge.handshake", "kvbridge.state"),
+    # the wire (control messages, the buffer records they carry), the state machines, and the two contracts a
+    # backend meets: its methods (backends.base, whose records are the wire's) and the operation hooks
+    "protocol": ("kvbridge.protocol", "kvbridge.backends.base", "kvbridge.hookspecs"),
     "runtime": ("kvbridge.agent", "kvbridge.backends", "kvbridge.links", "kvbridge.zmq_link", "kvbridge.discovery",
                 "kvbridge.registry", "kvbridge.hostpool", "kvbridge.metrics", "kvbridge.settings",
                 "kvbridge.clockskew"),

@@ -24,10 +24,10 @@ from kvbridge.agent.layers import buffer_layer, layer_map
 from kvbridge.demo.presets import KVModel
 from kvbridge.errors import GeometryError, KVBridgeError
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.state.kv import kv_component
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll, Role
 
 LAYERS4 = 4
 make_world = pytest.fixture(tsp.worlds, name="make_world")

@@ -20,7 +20,7 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent.liveness import LivenessListener, LivenessWatch, host_of, split_address
 from kvbridge.links import LocalHub
 from kvbridge.protocol.states import PeerState, RecvState
-from kvbridge.wire import Abort, KVPoll, Role
+from kvbridge.protocol.wire import Abort, KVPoll, Role
 
 CHILD = """
 import sys, time

@@ -7,12 +7,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers, RemoteBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, RegisteredBuffers
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.backends.loopback import LoopbackBackend
 from kvbridge.errors import RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion, region_of
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.records import PeerInfo, RemoteBuffers
 
 
 class Rig:

@@ -16,14 +16,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegionWire, RemoteBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState
 from kvbridge.backends.loopback import LoopbackBackend, PeerDataError
 from kvbridge.errors import ProtocolError, RegionError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, region_of
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.records import PeerInfo, RegionWire, RemoteBuffers
+from kvbridge.protocol.wire import PROTOCOL_VERSION, Codec, Hello, Role
 from kvbridge.shmnames import MAX_SEGMENT_NAME, segment_prefix
 from kvbridge.testkit.pools import GuardedBuffer
-from kvbridge.wire import PROTOCOL_VERSION, Codec, Hello, Role
 
 SIZE = 4096
 PREFIX = segment_prefix("adv")

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from _kvcase import KVModel, post_component
 
-from kvbridge.backends.base import PeerInfo, TransferBackend
+from kvbridge.backends.base import TransferBackend
 from kvbridge.errors import GeometryError, UnsupportedTopology
 from kvbridge.geometry import Component, PoolLayout, Rank, region_of
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.testkit import reference as ref

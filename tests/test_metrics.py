@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvbridge.agent import TransferAgent  # noqa: E402
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
+from kvbridge.protocol.wire import KVPoll, Role  # noqa: E402
 from kvbridge.registry import Registry  # noqa: E402
-from kvbridge.wire import KVPoll, Role  # noqa: E402
 
 SCRIPT = Path(sys.executable).with_name("kvbridge")
 CMD = [str(SCRIPT)] if SCRIPT.exists() else [shutil.which("kvbridge") or "kvbridge"]
@@ -68,6 +68,7 @@ def test_without_metrics_no_wrapper_is_on_the_hot_path() -> None:
     for hook in ("kvbridge_send_component", "kvbridge_notify_completion", "kvbridge_register_buffers"):
         impls = getattr(registry._pm.hook, hook).get_hookimpls()
         assert [i for i in impls if i.wrapper or i.hookwrapper] == [], hook
+    assert registry._monitors.pairs == ()          # no backend-call monitor either
     code = ("import sys\nfrom kvbridge.agent import TransferAgent\nimport kvbridge.demo.worker\n"
             "print('prometheus_client' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -84,6 +85,9 @@ def test_an_instrumented_registry_counts_a_transfer_and_exports_it() -> None:
     hub = LocalHub()
     pl, dl = _layout(1, 0), _layout(1, 0)
     before = _total("kvbridge_bytes_total")
+    polls = {k: prometheus_client.REGISTRY.get_sample_value("kvbridge_backend_calls_total",
+                                                            {"backend": "loopback", "call": k, "outcome": "ok"}) or 0.0
+             for k in ("poll", "release", "add_peer", "drain_notifications")}
     with TransferAgent(layout=pl, buffers=_buffers(pl), role=Role.PREFILL, link=hub.link("p"), instance="i",
                        registry=registry) as pre, \
          TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"),
@@ -113,6 +117,11 @@ def test_an_instrumented_registry_counts_a_transfer_and_exports_it() -> None:
                  "kvbridge_peer_silence_seconds"):
         assert name in scraped, sorted(scraped)
     assert scraped["kvbridge_bytes_total"] > 0 and scraped["kvbridge_descriptors_total"] > 0
+    # the call monitor saw the calls that are no hook: every kind, each at least once more than before
+    for kind, was in polls.items():
+        now = prometheus_client.REGISTRY.get_sample_value("kvbridge_backend_calls_total",
+                                                          {"backend": "loopback", "call": kind, "outcome": "ok"})
+        assert now is not None and now > was, kind
 
 
 def test_room_failures_are_counted_by_reason() -> None:
@@ -244,7 +253,7 @@ def test_rejected_frames_are_exported_per_agent() -> None:
     """A flood of forged frames is visible to the operator as a number (its log lines are rate-limited)."""
     from kvbridge import metrics
     from kvbridge.agent import AgentConfig
-    from kvbridge.wire import Codec, Heartbeat
+    from kvbridge.protocol.wire import Codec, Heartbeat
 
     metrics.instrumented_registry()
     hub = LocalHub()

@@ -27,7 +27,7 @@ from kvbridge.demo.worker import (
 )
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import HostPool
-from kvbridge.wire import KVPoll, Role
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 pytestmark = pytest.mark.kvbridge_multiprocess

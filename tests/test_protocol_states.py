@@ -33,7 +33,7 @@ from kvbridge.protocol.states import (
     WriteEvent,
     WriteState,
 )
-from kvbridge.wire import Abort, KVPoll
+from kvbridge.protocol.wire import Abort, KVPoll
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol-states.md"
 
@@ -228,7 +228,7 @@ def test_an_early_abort_by_one_decode_rank_tells_the_others_that_asked() -> None
     from test_agent import kv_buffers, kv_layout
 
     from kvbridge.links import LocalHub
-    from kvbridge.wire import Role
+    from kvbridge.protocol.wire import Role
 
     hub = LocalHub()
     config = AgentConfig(peer_timeout_s=5.0)

@@ -65,7 +65,7 @@ RECORDS = _records()
 
 def test_the_walk_finds_the_records_it_should() -> None:
     for name in ("kvbridge.backends.base.ComponentTransfer", "kvbridge.planner.BufferPair",
-                 "kvbridge.geometry.PoolLayout", "kvbridge.wire.Hello", "kvbridge_mori.backend.MoriOptions"):
+                 "kvbridge.geometry.PoolLayout", "kvbridge.protocol.wire.Hello", "kvbridge_mori.backend.MoriOptions"):
         assert name in RECORDS, name
     assert sum(len(f) > MAX_POSITIONAL_FIELDS for f in RECORDS.values()) >= 40
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvbridge.backends import loopback
-from kvbridge.backends.base import ComponentTransfer, PeerInfo, Poll, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, Poll, RegisteredBuffers
 from kvbridge.errors import (
     PluginConflictError,
     PluginError,
@@ -41,6 +41,7 @@ from kvbridge.geometry import (
 )
 from kvbridge.planner import TransferPlan
 from kvbridge.plugin import hookimpl
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.specs import BackendSpec, PluginKind, PluginStatus, StateTypeSpec
 from kvbridge.state.base import StateType

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge import wire
+from kvbridge.protocol import wire
 
 tomllib = pytest.importorskip("tomllib")
 

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from kvbridge.discovery import DiscoveryError, RankRecord, open_record, seal_record
+from kvbridge.protocol.wire import Codec, Heartbeat
 from kvbridge.sealing import TAG_BYTES, BadTag, FreshnessGuard, Replayed, Stale, matches, seal, tag, unseal
-from kvbridge.wire import Codec, Heartbeat
 
 SECRET = b"sealing-test-secret-0123456789ab"
 

@@ -44,9 +44,9 @@ from kvbridge.demo.worker import (
 )
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import HostPool
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.shmnames import segment_prefix
-from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 pytestmark = pytest.mark.kvbridge_multiprocess

@@ -14,10 +14,10 @@ import pytest
 
 from kvbridge.agent.decode import DecodeSide, RecvRoom
 from kvbridge.agent.prefill import PrefillSide
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.sim import run_seed
 from kvbridge.sim.backend import KILLED, SimBackend
 from kvbridge.sim.sweep import sweep
-from kvbridge.wire import KVPoll
 
 SCHEDULES = int(os.environ.get("KVBRIDGE_SIM_SCHEDULES", "10000"))
 CHUNKS = 8

@@ -16,8 +16,8 @@ import test_staging_paths as tsp
 from test_staging_paths import POOL, World, check, fill, wait
 
 from kvbridge.agent import AgentConfig
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 make_world = pytest.fixture(tsp.worlds, name="make_world")
 

@@ -15,11 +15,11 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent import decode as decode_module
 from kvbridge.geometry import BufferGeometry, Component, DeviceKind, DType, PoolLayout, Rank, ShardAxis
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.slicing import buffer_segments
 from kvbridge.staging import regular_rows, should_stage, stage_threshold
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll, Role
 
 HEADS, HEAD_BYTES, PAGE, LAYERS, POOL = 8, 32, 16, 3, 48
 

@@ -17,8 +17,8 @@ from test_staging_paths import BACKENDS, LAYERS, POOL, World, check, fill, run_r
 from kvbridge.agent import AgentConfig
 from kvbridge.agent import decode as decode_module
 from kvbridge.agent.send_room import StagingRing
+from kvbridge.protocol.wire import Credit, KVPoll
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import Credit, KVPoll
 
 PIECE = 16 << 10
 PREFILL = AgentConfig(staging="always", staging_bytes=1 << 20, staging_piece_bytes=PIECE)

@@ -18,8 +18,8 @@ import pytest
 from test_staging_paths import HEADS, PAGE, POOL, World, worlds
 
 from kvbridge.agent import AgentConfig
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 HB = 16           # bf16 elements per head (HEAD_BYTES 32 / 2): the layouts of test_staging_paths
 make_world = pytest.fixture(worlds, name="make_world")

@@ -27,8 +27,8 @@ from test_staging_ring_bytes import fill_random, open_rooms, verify, wait
 from kvbridge.agent import AgentConfig
 from kvbridge.agent import decode as decode_module
 from kvbridge.agent.send_room import StagingRing
+from kvbridge.protocol.wire import Credit, KVPoll
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import Credit, KVPoll
 
 make_world = pytest.fixture(worlds, name="make_world")
 PIECE = 16 << 10

@@ -25,9 +25,9 @@ from test_staging_ring_bytes import fill_random, open_rooms, verify, wait
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent import decode as decode_module
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll, Role
 
 PIECE = 16 << 10
 GUARD = 64 << 10
@@ -201,7 +201,7 @@ def test_success_then_late_duplicate_credits_change_nothing(rig: Callable[..., R
     verify(r, src, dst)
     before = snapshot(r, dec)
     state = dec.decode.rooms[63]
-    from kvbridge.wire import Notice
+    from kvbridge.protocol.wire import Notice
     for chunk in range(40):
         sent.append((dec.decode, state, Notice(room=63, sender=0, component="kv", chunk=chunk, last=False)))
     send_late(sent)

@@ -22,9 +22,9 @@ from test_staging_ring_lifecycle import Rig, rig, threads_alive, wait  # noqa: F
 from kvbridge.agent import AgentConfig
 from kvbridge.agent import decode as decode_module
 from kvbridge.digests import _weights, digest_items, run_bytes
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.slicing import Segments
 from kvbridge.testkit import reference as ref
-from kvbridge.wire import KVPoll
 
 # ---------------------------------------------------------------- legit requests never refused
 ITEM_TP1 = 16 * 8 * 32          # PAGE x HEADS x HEAD_BYTES: one buffer's item at TP 1 (test_staging_paths)

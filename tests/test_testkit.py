@@ -627,9 +627,10 @@ def test_checked_backend_reports_leaks_and_contract_violations() -> None:
 
 def test_handle_faults_need_the_checked_backend() -> None:
 
-    from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, RemoteBuffers
+    from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers
     from kvbridge.errors import TransferError
     from kvbridge.planner import TransferPlan
+    from kvbridge.protocol.records import RemoteBuffers
     from kvbridge.registry import Registry
     from kvbridge.testkit.faults import Fault, FaultInjector
 

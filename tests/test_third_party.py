@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 from _kvcase import post_component
 
-from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import GeometryError, IncompatiblePeer
 from kvbridge.geometry import (
     BufferGeometry,
@@ -39,6 +38,7 @@ from kvbridge.geometry import (
     ShardAxis,
     region_of,
 )
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.slicing import target_ranks
 from kvbridge.specs import PluginKind, PluginStatus

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _skew_child as kid
 
-from kvbridge import wire
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import LocalHub
-from kvbridge.wire import KVPoll, Role
+from kvbridge.protocol import wire
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 REPO = Path(__file__).resolve().parents[1]

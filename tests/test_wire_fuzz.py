@@ -12,7 +12,7 @@ from test_agent import kv_buffers, kv_layout
 from kvbridge.agent import TransferAgent
 from kvbridge.errors import ProtocolError
 from kvbridge.links import LocalHub
-from kvbridge.wire import PROTOCOL_VERSION, Codec, KVPoll, Notice, Role
+from kvbridge.protocol.wire import PROTOCOL_VERSION, Codec, KVPoll, Notice, Role
 
 
 def _envelope(body: object) -> list[object]:

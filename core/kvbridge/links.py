@@ -2,7 +2,7 @@
 
 A link is a mailbox with an address. ``LocalHub`` connects agents of one process (tests, the
 single-process demo); ``kvbridge.zmq_link`` connects processes over ZMQ. Both carry opaque frames
-produced by :class:`kvbridge.wire.Codec`, so the same validation runs either way.
+produced by :class:`kvbridge.protocol.wire.Codec`, so the same validation runs either way.
 """
 
 from __future__ import annotations

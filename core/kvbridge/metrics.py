@@ -2,9 +2,10 @@
 
 Nothing here runs unless enabled: :func:`enable` creates the metrics, optionally starts the exporter, and
 returns the pluggy plugin whose wrappers (``wrapper=True``) observe every ``kvbridge_send_component``,
-``kvbridge_notify_completion`` and ``kvbridge_register_buffers`` call. The plugin is registered only into a
-registry built for it (:func:`instrumented_registry`), so an agent built without it has no wrapper on its
-hot path at all::
+``kvbridge_notify_completion`` and ``kvbridge_register_buffers`` call, and which monitors every call an agent
+makes to its backend (``before_backend_call`` / ``after_backend_call``, see ``kvbridge.backends.calls``). The
+plugin is registered only into a registry built for it (:func:`instrumented_registry`), so an agent built
+without it has no wrapper or monitor on its hot path at all::
 
     from kvbridge import metrics
     registry = metrics.instrumented_registry(port=9400)          # exporter on :9400
@@ -18,6 +19,9 @@ What is measured (every name starts with ``kvbridge_``):
 * ``staged_bytes_total`` {backend}: the bytes of those staged writes (staging use);
 * ``post_seconds`` {backend}: histogram of the time to post one component (inside ``send_component``);
 * ``send_failures_total`` {backend, reason}: ``send_component`` raising (reason: the exception type);
+* ``backend_calls_total`` {backend, call, outcome}: every call an agent made to its backend, by kind (``poll``,
+  ``release``, ``add_peer``, ``drain_notifications``, ``writer_gone``, ...) and outcome (``ok`` or the
+  exception type);
 * ``notices_total`` {backend, delivered}: completion notices, delivered by the engine or left to the link;
 * ``registered_bytes`` {backend, component}: memory registered with the backend;
 * ``transfer_seconds`` {role}: histogram of a request's transfer (prefill: first chunk posted -> Success;
@@ -54,6 +58,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbridge._markers import hookimpl
+from kvbridge.backends.calls import BackendCall, CallOutcome
 
 __all__ = ["MetricsPlugin", "enable", "enabled", "instrumented_registry", "observe_room", "room_state",
            "serve_multiprocess", "watch_agent"]
@@ -86,6 +91,8 @@ class _Metrics:
                                  ["backend"], buckets=_LATENCY_BUCKETS)
         self.send_failures = pc.Counter("kvbridge_send_failures", "send_component raised", ["backend", "reason"])
         self.notices = pc.Counter("kvbridge_notices", "Completion notices", ["backend", "delivered"])
+        self.calls = pc.Counter("kvbridge_backend_calls", "Calls an agent made to its backend, by kind and outcome",
+                                ["backend", "call", "outcome"])
         self.registered = pc.Gauge("kvbridge_registered_bytes", "Memory registered with the backend",
                                    ["backend", "component"], **gauge)
         self.transfer = pc.Histogram("kvbridge_transfer_seconds", "A request's transfer until Success",
@@ -117,6 +124,17 @@ class MetricsPlugin:
 
     def __init__(self, metrics: _Metrics) -> None:
         self._m = metrics
+        self._calls: dict[tuple[str, str, str], Any] = {}     # labelled children, looked up once
+
+    def before_backend_call(self, call: BackendCall) -> None:
+        pass
+
+    def after_backend_call(self, call: BackendCall, outcome: CallOutcome) -> None:
+        key = (call.backend, call.kind.value, "ok" if outcome.error is None else type(outcome.error).__name__)
+        child = self._calls.get(key)
+        if child is None:
+            child = self._calls[key] = self._m.calls.labels(*key)
+        child.inc()
 
     @hookimpl(wrapper=True)
     def kvbridge_send_component(self, backend: Any, transfer: Any) -> Any:

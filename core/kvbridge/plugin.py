@@ -47,15 +47,13 @@ from kvbridge.addresses import endpoint_host_port
 from kvbridge.backends.base import (
     ComponentTransfer,
     HandleState,
-    PeerInfo,
     Poll,
-    RegionWire,
     RegisteredBuffers,
-    RemoteBuffers,
     TransferBackend,
     check_within,
     check_within_buffers,
 )
+from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
 from kvbridge.backends.copying import copy_descriptors, copy_plan
 from kvbridge.backends.scaffold import (
     EngineTables,
@@ -110,6 +108,7 @@ from kvbridge.links import InstanceInfo
 from kvbridge.pages import PageRange, as_index
 from kvbridge.pattern import byte_view, pattern, shard_axis
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.protocol.records import PeerInfo, RegionWire, RemoteBuffers
 from kvbridge.settings import SettingsError, env_defaults, parse_options
 from kvbridge.slicing import ComponentSlice, Segments, buffer_segments, sharded_component_slice, target_ranks
 from kvbridge.specs import Availability, BackendSpec, Capability, DiscoverySpec, StateTypeSpec, probe_import
@@ -135,6 +134,8 @@ __all__ = [
     # backends: the protocol and its records
     "ComponentTransfer", "HandleState", "PeerInfo", "Poll", "RegionWire", "RegisteredBuffers", "RemoteBuffers",
     "TransferBackend", "check_within", "check_within_buffers",
+    # backends: what a call monitor (``Registry.add_call_monitoring``, metrics, fault injection) is given
+    "BackendCall", "CallKind", "CallOutcome",
     # backends: helpers
     "EngineTables", "NoNotifications", "PendingHandle", "Registration", "copy_descriptors", "copy_plan",
     "default_host", "import_engine", "load_api", "settled",

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -28,19 +29,24 @@ import pluggy
 from kvbridge import hookspecs
 from kvbridge._markers import ENTRY_POINT_GROUP, PROJECT, hookimpl
 from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
+from kvbridge.backends.calls import After, BackendCalls, Before, CallMonitors
 from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank
 from kvbridge.slicing import ComponentSlice
 from kvbridge.specs import (
+    OPTIONAL_METHODS,
     Availability,
     BackendSpec,
     DiscoverySpec,
     PluginKind,
     PluginStatus,
     StateTypeSpec,
+    missing_methods,
     resolve,
 )
 from kvbridge.state.base import StateType
+
+log = logging.getLogger("kvbridge.registry")
 
 _BUILTINS = {"kv": "kvbridge.state.kv", "loopback": "kvbridge.backends.loopback", "zmq": "kvbridge.discovery"}
 
@@ -131,9 +137,11 @@ def _is_backend(instance: object) -> bool:
 
 
 class Registry:
-    """Immutable set of loaded plugins with typed access to their backends and state types."""
+    """Immutable set of loaded plugins with typed access to their backends and state types; backend-call
+    monitors (:meth:`add_call_monitoring`) are the one thing attached afterwards."""
 
-    __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_slices", "_frozen")
+    __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_slices", "_monitors",
+                 "_frozen")
 
     def __init__(self, pm: pluggy.PluginManager, records: Sequence[PluginRecord]) -> None:
         self._pm = pm
@@ -145,6 +153,7 @@ class Registry:
         # slice plans by (state type, src, dst, ranks): the hook is pure, and every agent of a process asks
         # for the same few (a restart, a new peer of an already seen layout); bounded, cleared when full
         self._slices: dict[tuple[object, ...], ComponentSlice] = {}
+        self._monitors = CallMonitors()
         self._frozen = True
 
     def __setattr__(self, key: str, value: object) -> None:
@@ -204,7 +213,23 @@ class Registry:
         claimed: dict[tuple[PluginKind, str], tuple[PluginRecord, _Source]] = {}
         for source in sources:
             records.extend(_load_source(pm, source, claimed, wanted))
-        return cls(pm, records)
+        registry = cls(pm, records)
+        for plugin in plugins:      # a plugin that monitors backend calls (metrics, fault injection)
+            before, after = getattr(plugin, "before_backend_call", None), getattr(plugin, "after_backend_call", None)
+            if callable(before) and callable(after):
+                registry.add_call_monitoring(before, after)
+        return registry
+
+    def add_call_monitoring(self, before: Before, after: After) -> Callable[[], None]:
+        """Run ``before(call)`` and ``after(call, outcome)`` around every call any agent of this registry makes
+        to its backend (``kvbridge.backends.calls``); returns the function that detaches them."""
+        return self._monitors.add(before, after)
+
+    def backend_calls(self, backend: TransferBackend, name: str, *, agent: str) -> BackendCalls:
+        """The one object through which an agent calls ``backend`` (built by :meth:`create_backend` from spec
+        ``name``): the operation hooks, the declared optional methods, this registry's call monitors."""
+        return BackendCalls(backend, name=name, agent=agent, capabilities=self.backend_spec(name).capabilities,
+                            hooks=self, monitors=self._monitors)
 
     # ---------------------------------------------------------------- listing
     def records(self) -> tuple[PluginRecord, ...]:
@@ -256,6 +281,7 @@ class Registry:
         if not _is_backend(instance):
             raise PluginError(f"backend {backend!r} factory returned {type(instance).__name__}, which does not "
                               "implement kvbridge.backends.base.TransferBackend")
+        _check_declared(record.spec, instance)
         return instance
 
     def state_type(self, name: str) -> StateType:
@@ -314,6 +340,24 @@ class Registry:
 
     def notify_completion(self, backend: TransferBackend, peer: str, notice: bytes) -> bool:
         return bool(self._pm.hook.kvbridge_notify_completion(backend=backend, peer=peer, notice=notice))
+
+
+def _check_declared(spec: BackendSpec, obj: object) -> None:
+    """Refuse a backend (class or instance) that declares a capability without its method; warn about an
+    optional method whose capability is not declared (the agent will not call it)."""
+    missing = missing_methods(spec.capabilities, obj)
+    if missing:
+        what = "; ".join(f"capability {cap.value!r} needs method {method}()" for cap, method in missing)
+        raise PluginError(f"backend {spec.name!r} ({_type_name(obj)}) declares what it does not implement: {what}")
+    for cap, method in OPTIONAL_METHODS.items():
+        if cap not in spec.capabilities and callable(getattr(obj, method, None)):
+            log.warning("backend %r (%s) has method %s() but does not declare Capability.%s: the agent will not "
+                        "call it", spec.name, _type_name(obj), method, cap.name)
+
+
+def _type_name(obj: object) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _own_version() -> str:
@@ -393,6 +437,11 @@ def _record_for(spec: BackendSpec | StateTypeSpec | DiscoverySpec, kind: PluginK
         else:
             if not result.available:
                 status, reason, hint = PluginStatus.UNAVAILABLE, result.reason, result.hint
+    if isinstance(spec, BackendSpec) and isinstance(spec.factory, type) and status is PluginStatus.AVAILABLE:
+        try:        # a class is checked now; a "module:attr" factory when it is built (no native import here)
+            _check_declared(spec, spec.factory)
+        except PluginError as exc:
+            status, reason, hint = PluginStatus.ERROR, str(exc), "declare only what the backend implements"
     caps = tuple(sorted(c.value if hasattr(c, "value") else str(c) for c in spec.capabilities))
     if isinstance(spec, DiscoverySpec):
         caps = tuple(f"{scheme}://" for scheme in spec.schemes) + caps

@@ -33,7 +33,9 @@ _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 
 
 class Capability(str, enum.Enum):
-    """What a backend can do. The conformance kit runs a test only when its capability is declared."""
+    """What a backend can do. The conformance kit runs a test only when its capability is declared, and the
+    agent calls an optional method only when its capability is declared (:data:`OPTIONAL_METHODS`): a backend
+    that declares one without the method is refused when the registry loads it (or builds it)."""
 
     HOST_MEMORY = "host-memory"          # registers and moves CPU memory
     CUDA_MEMORY = "cuda-memory"          # registers and moves CUDA memory
@@ -42,6 +44,21 @@ class Capability(str, enum.Enum):
     NOTIFICATIONS = "notifications"      # delivers completion notices itself, after the data landed
     ABORT = "abort"                      # can cancel an in-flight transfer
     ASYNC = "async"                      # send returns before the bytes moved; poll tells when
+    WRITER_GONE = "writer-gone"          # writer_gone(endpoint) -> bool: proves a peer can no longer write here
+    NOTIFY_FAILURES = "notify-failures"  # drain_notify_failures() -> [.peer, .notice]: notices it could not deliver
+
+
+#: The optional backend methods, each behind the capability that declares it (the agent calls no other).
+OPTIONAL_METHODS: dict[Capability, str] = {
+    Capability.WRITER_GONE: "writer_gone",
+    Capability.NOTIFY_FAILURES: "drain_notify_failures",
+}
+
+
+def missing_methods(capabilities: frozenset[Capability], obj: object) -> list[tuple[Capability, str]]:
+    """The (capability, method) pairs ``capabilities`` declares that ``obj`` (a class or an instance) lacks."""
+    return [(cap, method) for cap, method in OPTIONAL_METHODS.items()
+            if cap in capabilities and not callable(getattr(obj, method, None))]
 
 
 class PluginKind(str, enum.Enum):

@@ -70,8 +70,8 @@ from kvbridge.discovery import (
 )
 from kvbridge.errors import InsecureSetup
 from kvbridge.links import InstanceInfo
+from kvbridge.protocol.wire import MAX_MESSAGE_BYTES
 from kvbridge.sealing import FreshnessGuard, Stale, new_nonce, seal, unseal
-from kvbridge.wire import MAX_MESSAGE_BYTES
 
 _POLLIN = int(zmq.POLLIN)      # a plain int: enum flag arithmetic costs microseconds per poll
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from kvbridge.errors import GeometryError  # noqa: E402
 from kvbridge.geometry import owned_range  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
-from kvbridge.wire import KVPoll  # noqa: E402
+from kvbridge.protocol.wire import KVPoll  # noqa: E402
 from kvbridge_vllm.layout import layer_order, pool_layout  # noqa: E402
 from kvbridge_vllm.settings import Settings  # noqa: E402
 from kvbridge_vllm.worker import LoadSpec, SaveSpec, WorkerSide  # noqa: E402

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from kvbridge.errors import KVBridgeError  # noqa: E402
 from kvbridge.links import LocalHub  # noqa: E402
-from kvbridge.wire import KVPoll  # noqa: E402
+from kvbridge.protocol.wire import KVPoll  # noqa: E402
 from kvbridge.zmq_link import BootstrapServer  # noqa: E402
 from kvbridge_vllm.layout import pool_layout  # noqa: E402
 from kvbridge_vllm.settings import Settings  # noqa: E402

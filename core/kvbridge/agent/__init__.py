@@ -39,8 +39,8 @@ from kvbridge.agent.handshake import Handshake
 from kvbridge.agent.transfer_agent import TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.protocol.events import RoomEvent, RoomEventKind
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.settings import Settings, load_settings
-from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 # What an engine needs, from this one public module: the agent and its handles, the poll states and roles,

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.backends.base import RegisteredBuffers, RemoteBuffers, TransferBackend
+from kvbridge.backends.base import RegisteredBuffers
+from kvbridge.backends.calls import BackendCalls
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout, region_of
-from kvbridge.registry import Registry
+from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.spans import BufferSpan, RunIndex
 from kvbridge.staging import STAGING, CudaStager, Rows, StagingArea, device_view, host_view, is_cuda
 
@@ -25,8 +26,8 @@ class LocalBuffers:
     every buffer of the component can be viewed; the staging path needs them.
     """
 
-    def __init__(self, *, layout: PoolLayout, registry: Registry, backend: TransferBackend) -> None:
-        self._layout, self._registry, self._backend = layout, registry, backend
+    def __init__(self, *, layout: PoolLayout, calls: BackendCalls) -> None:
+        self._layout, self._calls = layout, calls
         self.registered: dict[str, RegisteredBuffers] = {}
         self.views: dict[str, list[Any]] = {}
         self.staging: StagingArea | None = None
@@ -79,7 +80,7 @@ class LocalBuffers:
                 region = buf if isinstance(buf, MemoryRegion) else region_of(buf)
                 geom.check_region(region)
                 regions.append(region)
-            self.registered[comp.name] = self._registry.register_buffers(self._backend, comp.name, regions)
+            self.registered[comp.name] = self._calls.register_buffers(comp.name, regions)
             if all(r.device is DeviceKind.CPU for r in regions):
                 self.views[comp.name] = [host_view(r).reshape(g.num_items, g.item_nbytes)
                                          for r, g in zip(regions, comp.buffers)]
@@ -108,7 +109,7 @@ class LocalBuffers:
         self._keepalive.append(staging)
         self.staging = StagingArea(staging.reshape(-1).view(np.uint8) if isinstance(staging, np.ndarray)
                                    else staging)
-        self.staging_registration = self._registry.register_buffers(self._backend, STAGING, [self.staging.region])
+        self.staging_registration = self._calls.register_buffers(STAGING, [self.staging.region])
 
     def remote(self) -> tuple[RemoteBuffers, ...]:
         """What a peer needs to write into us: every registration, the staging area last."""
@@ -120,7 +121,7 @@ class LocalBuffers:
     def deregister_all(self, agent_name: str) -> None:
         for reg in self.registered.values():
             try:
-                self._backend.deregister_buffers(reg)
+                self._calls.deregister_buffers(reg)
             except Exception:
                 log.exception("%s: deregistering %s failed", agent_name, reg.component)
         self.registered.clear()

@@ -13,13 +13,14 @@ from typing import Generic, Protocol, TypeVar
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
 from kvbridge.backends.base import TransferBackend
+from kvbridge.backends.calls import BackendCalls
 from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.protocol.events import RoomEvents
+from kvbridge.protocol.wire import Codec, KVPoll, Message, Role
 from kvbridge.registry import Registry
 from kvbridge.state.base import StateType
-from kvbridge.wire import Codec, KVPoll, Message, Role
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -37,8 +38,9 @@ class AgentContext:
     config: AgentConfig
     registry: Registry
     state_types: tuple[StateType, ...]
-    backend: TransferBackend
+    backend: TransferBackend              # for its endpoint only: every call goes through ``calls``
     backend_name: str
+    calls: BackendCalls                   # the one seam to the backend (kvbridge.backends.calls)
     link: Link
     codec: Codec
     buffers: LocalBuffers

@@ -29,8 +29,17 @@ from kvbridge.protocol.states import (
     RecvEvent,
     RecvState,
 )
+from kvbridge.protocol.wire import (
+    Abort,
+    Credit,
+    Envelope,
+    KVPoll,
+    Notice,
+    PackedIndices,
+    StatusPush,
+    TransferRequest,
+)
 from kvbridge.staging import dest_index, scatter_rows, should_stage
-from kvbridge.wire import Abort, Credit, Envelope, KVPoll, Notice, PackedIndices, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 

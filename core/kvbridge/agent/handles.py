@@ -11,7 +11,7 @@ from kvbridge.agent.prefill import PrefillSide
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import PoolLayout
 from kvbridge.planner import check_indices
-from kvbridge.wire import KVPoll, PackedIndices
+from kvbridge.protocol.wire import KVPoll, PackedIndices
 
 IndexArg = np.ndarray | tuple[np.ndarray, int]
 

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.agent.context import AgentContext
-from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
+from kvbridge.protocol.records import PeerInfo
+from kvbridge.protocol.wire import PROTOCOL_VERSION, Hello
 from kvbridge.slicing import target_ranks
-from kvbridge.wire import PROTOCOL_VERSION, Hello
 
 
 class HandshakeState(enum.Enum):

@@ -25,18 +25,18 @@ from kvbridge.agent.handshake import (
 )
 from kvbridge.agent.liveness import LivenessWatch
 from kvbridge.agent.plans import PlanCache
-from kvbridge.backends.base import PeerInfo
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
 from kvbridge.links import PeerQueues
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.states import (
     LIVE_PEER,
     PEER,
     PeerEvent,
     PeerState,
 )
-from kvbridge.wire import (
+from kvbridge.protocol.wire import (
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Envelope,
@@ -263,7 +263,7 @@ class PeerTable:
         self._plans.forget(peer.agent)
         if peer.info is not None:
             try:
-                ctx.backend.remove_peer(peer.agent)
+                ctx.calls.remove_peer(peer.agent)
             except Exception:
                 log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
         if peer.state is not PeerState.RETIRED:
@@ -438,7 +438,7 @@ class PeerTable:
         if old is not None:
             self._retire(old, "handshook again with other buffers" if old.incarnation == env.incarnation
                          else f"restarted as incarnation {env.incarnation:#x}")
-        ctx.backend.add_peer(info)
+        ctx.calls.add_peer(info)
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
                            endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock(), version=env.version))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
@@ -595,14 +595,12 @@ class PeerTable:
 
     def writer_gone(self, peer: Peer) -> bool:
         """Can ``peer`` no longer write into our memory? The engine declared it gone, or the backend proves
-        it (optional backend method ``writer_gone(endpoint) -> bool``). Silence alone never proves it."""
+        it (optional backend method ``writer_gone(endpoint) -> bool``, called only when the backend declares
+        ``Capability.WRITER_GONE``). Silence alone never proves it."""
         if (peer.agent, peer.incarnation) in self._declared_gone:
             return True
-        probe = getattr(self._ctx.backend, "writer_gone", None)
-        if probe is None:
-            return False
         try:
-            return bool(probe(peer.endpoint))
+            return self._ctx.calls.writer_gone(peer.endpoint)
         except Exception:
             log.exception("%s: writer_gone(%s) failed", self._ctx.name, peer.agent)
             return False

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.agent.layers import LayerMap, layer_map
-from kvbridge.backends.base import PeerInfo
 from kvbridge.digests import Runs, run_bytes
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.planner import BufferPair, PairGroups
+from kvbridge.protocol.records import PeerInfo
+from kvbridge.protocol.wire import Role
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.staging import DEFAULT_DESCRIPTOR_COST_US, Rows, regular_rows, stage_threshold
-from kvbridge.wire import Role
 
 if TYPE_CHECKING:
     from kvbridge.agent.context import AgentContext

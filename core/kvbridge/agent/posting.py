@@ -24,14 +24,15 @@ from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
-from kvbridge.backends.base import ComponentTransfer, RemoteBuffers
+from kvbridge.backends.base import ComponentTransfer
 from kvbridge.digests import digest_items
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
+from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.protocol.states import WriteEvent, WriteState
+from kvbridge.protocol.wire import Notice
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
-from kvbridge.wire import Notice
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -178,7 +179,7 @@ class Poster:
     def _send(self, room: SendRoom, transfer: ComponentTransfer, agent: str, notice: Notice, frame: bytes,
               staging: tuple[int, int] | None) -> None:
         ctx = self._ctx
-        handle = ctx.registry.send_component(ctx.backend, transfer)
+        handle = ctx.calls.send_component(transfer)
         room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
         room.nbytes += transfer.plan.total_nbytes
         room.descriptors += len(transfer.plan)
@@ -421,7 +422,7 @@ class Poster:
     def notify(self, peer: Peer, frame: bytes) -> None:
         """Hand an encoded notice to the backend; the control link carries it when the engine cannot."""
         ctx = self._ctx
-        if not ctx.registry.notify_completion(ctx.backend, peer.agent, frame):
+        if not ctx.calls.notify_completion(peer.agent, frame):
             ctx.send_frame(peer.address, frame, "notice")
 
 

@@ -25,9 +25,9 @@ from kvbridge.protocol.states import (
     SendState,
     WriteEvent,
 )
+from kvbridge.protocol.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 from kvbridge.slicing import served_ranks
 from kvbridge.staging import STAGING
-from kvbridge.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -469,7 +469,7 @@ class PrefillSide(RoomTable[SendRoom]):
         ctx = self._ctx
         result: Poll | None
         try:
-            result = ctx.backend.poll(item.handle)
+            result = ctx.calls.poll(item.handle)
         except Exception as exc:  # noqa: BLE001 - engine errors become Failed with their text
             result, reason = None, f"{type(exc).__name__}: {exc}"
         else:
@@ -477,7 +477,7 @@ class PrefillSide(RoomTable[SendRoom]):
         if result is not None and result.state is HandleState.PENDING:
             return False
         try:
-            ctx.backend.release(item.handle)
+            ctx.calls.release(item.handle)
         except Exception:
             log.exception("%s: releasing a transfer handle failed", ctx.name)
         if item.staging is not None and ctx.buffers.staging is not None:

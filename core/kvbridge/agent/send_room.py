@@ -10,7 +10,7 @@ import numpy as np
 
 from kvbridge.backends.base import ComponentTransfer
 from kvbridge.protocol.states import SEND_POLL, WRITE, SendState, WriteEvent, WriteState
-from kvbridge.wire import KVPoll, Notice, TransferRequest
+from kvbridge.protocol.wire import KVPoll, Notice, TransferRequest
 
 
 @dataclass(slots=True, kw_only=True)

@@ -29,10 +29,7 @@ from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.logs import LineBudget, RateLimitedLog
 from kvbridge.protocol.events import RoomEvent
-from kvbridge.registry import Registry
-from kvbridge.slicing import target_ranks
-from kvbridge.staging import StagingArea
-from kvbridge.wire import (
+from kvbridge.protocol.wire import (
     HANDSHAKES,
     Abort,
     Codec,
@@ -50,6 +47,9 @@ from kvbridge.wire import (
     VersionMismatch,
     Welcome,
 )
+from kvbridge.registry import Registry
+from kvbridge.slicing import target_ranks
+from kvbridge.staging import StagingArea
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -82,10 +82,11 @@ class TransferAgent:
         self._clock = clock
         engine: TransferBackend = registry.create_backend(backend, name=self.name,
                                                           options=dict(config.backend_options))
-        self.buffers = LocalBuffers(layout=layout, registry=registry, backend=engine)
+        calls = registry.backend_calls(engine, backend, agent=self.name)
+        self.buffers = LocalBuffers(layout=layout, calls=calls)
         self.context = AgentContext(name=self.name, role=role, layout=layout, config=config, registry=registry,
                                     state_types=registry.compose(layout), backend=engine, backend_name=backend,
-                                    link=link, buffers=self.buffers, lock=threading.RLock(),
+                                    calls=calls, link=link, buffers=self.buffers, lock=threading.RLock(),
                                     codec=Codec(config.secret, sender=self.name, address=link.address,
                                                 incarnation=self.incarnation),
                                     incarnation=self.incarnation, clock=clock)
@@ -113,7 +114,7 @@ class TransferAgent:
                 raise KVBridgeError(f"AgentConfig.checksums verifies host memory only: this decode rank's buffers "
                                     f"of {unreadable} are device memory (tensors or raw regions)")
         except BaseException:
-            engine.close()
+            calls.close()
             raise
         # a prefill rank's liveness listener: the decodes it writes to hold a connection its kernel closes
         # when this process ends (kvbridge.agent.liveness)
@@ -308,7 +309,7 @@ class TransferAgent:
     def progress(self) -> None:
         """Drain control frames and backend notices, poll in-flight writes, heartbeats and timeouts."""
         ctx = self.context
-        notices = ctx.backend.drain_notifications()
+        notices = ctx.calls.drain_notifications()
         undelivered = self._drain_notify_failures()
         if notices:
             self._busy_until = self._clock() + BUSY_WINDOW_S
@@ -344,12 +345,10 @@ class TransferAgent:
                 self.decode.tick(now)
 
     def _drain_notify_failures(self) -> list[tuple[str, bytes]]:
-        """Optional backend method ``drain_notify_failures() -> [obj with .peer, .notice]``."""
-        drain = getattr(self.context.backend, "drain_notify_failures", None)
-        if drain is None:
-            return []
+        """Optional backend method ``drain_notify_failures() -> [obj with .peer, .notice]``, called only when
+        the backend declares ``Capability.NOTIFY_FAILURES``."""
         try:
-            return [(item.peer, item.notice) for item in drain()]
+            return self.context.calls.drain_notify_failures()
         except Exception:
             log.exception("%s: drain_notify_failures failed", self.name)
             return []
@@ -590,7 +589,7 @@ class TransferAgent:
         with ctx.lock:
             self.peers.say_goodbye()
             self.buffers.deregister_all(self.name)
-        ctx.backend.close()
+        ctx.calls.close()
         ctx.link.close()
         if self._liveness is not None:
             self._liveness.close()          # after the backend: the decodes may count us gone from here on

@@ -38,12 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import msgspec
 import numpy as np
 
 from kvbridge.errors import RegionError
-from kvbridge.geometry import DeviceKind, MemoryRegion
+from kvbridge.geometry import MemoryRegion
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.records import PeerInfo, RegionWire, RemoteBuffers
 from kvbridge.slicing import Segments
 
 
@@ -73,42 +73,6 @@ class Poll:
     @classmethod
     def failed(cls, reason: str) -> Poll:
         return cls(HandleState.FAILED, reason)
-
-
-class RegionWire(msgspec.Struct, frozen=True, array_like=True):
-    addr: int
-    nbytes: int
-    device: DeviceKind = DeviceKind.CPU
-    device_id: int = 0
-
-    def region(self) -> MemoryRegion:
-        return MemoryRegion(self.addr, self.nbytes, self.device, self.device_id)
-
-    @classmethod
-    def of(cls, region: MemoryRegion) -> RegionWire:
-        return cls(region.addr, region.nbytes, region.device, region.device_id)
-
-
-class RemoteBuffers(msgspec.Struct, frozen=True):
-    """A peer's registered buffers of one component, as the peer described them (travels on the wire)."""
-
-    component: str
-    regions: tuple[RegionWire, ...]
-    descriptor: bytes = b""
-
-
-class PeerInfo(msgspec.Struct, frozen=True):
-    """Everything a backend needs to write into a peer: its endpoint blob and its registered buffers."""
-
-    name: str
-    endpoint: bytes
-    buffers: tuple[RemoteBuffers, ...]
-
-    def component(self, name: str) -> RemoteBuffers:
-        for buf in self.buffers:
-            if buf.component == name:
-                return buf
-        raise KeyError(f"peer {self.name!r} registered no component {name!r}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

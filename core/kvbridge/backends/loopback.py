@@ -48,17 +48,11 @@ import msgspec
 import numpy as np
 
 from kvbridge._markers import hookimpl
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    PeerInfo,
-    Poll,
-    RegisteredBuffers,
-    RemoteBuffers,
-    check_within,
-)
+from kvbridge.backends.base import ComponentTransfer, Poll, RegisteredBuffers, check_within
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.errors import GeometryError, ProtocolError, RegionError
 from kvbridge.geometry import DeviceKind, MemoryRegion
+from kvbridge.protocol.records import PeerInfo, RemoteBuffers
 from kvbridge.shmnames import MAX_SEGMENT_NAME, is_segment_name
 from kvbridge.specs import BackendSpec, Capability
 
@@ -497,7 +491,8 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
 
 SPEC = BackendSpec(
     name="loopback", factory=LoopbackBackend,
-    capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS}),
+    capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS,
+                            Capability.WRITER_GONE}),
     description="reference memmove backend: in-process, or same-host via /dev/shm",
     # copy_descriptors costs ~0.2-0.5 us per descriptor beyond its bytes (2-core host, 2026-11): staging
     # (two more host passes) wins only for runs below ~1.5 KB

@@ -18,10 +18,10 @@ import numpy as np
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
 from kvbridge.errors import PluginError, PluginUnavailableError, UnknownPluginError
+from kvbridge.protocol.wire import Role
 from kvbridge.registry import Registry
 from kvbridge.settings import check_backend_options, load_settings
 from kvbridge.specs import Capability, PluginKind, PluginStatus
-from kvbridge.wire import Role
 from kvbridge.zmq_link import BootstrapServer
 
 #: Exit codes of ``kvbridge demo`` (and the other subcommands where they apply), see README "Exit codes".

@@ -35,9 +35,9 @@ from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
 from kvbridge.logs import configure_logging
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.settings import load_settings
-from kvbridge.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 
 __all__ = ["INSTANCE", "SEGMENT_PREFIX", "WorkerConfig", "allocate_items", "make_requests", "pool_items",

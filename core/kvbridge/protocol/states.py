@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvbridge.errors import ProtocolError
-from kvbridge.wire import KVPoll
+from kvbridge.protocol.wire import KVPoll
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)

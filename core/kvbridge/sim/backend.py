@@ -15,17 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge._markers import hookimpl
-from kvbridge.backends.base import (
-    ComponentTransfer,
-    HandleState,
-    PeerInfo,
-    Poll,
-    RegisteredBuffers,
-    check_within,
-)
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll, RegisteredBuffers, check_within
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.sim.world import LAND, NOTIFY, Delivery, World
 from kvbridge.specs import BackendSpec, Capability
@@ -186,7 +180,8 @@ def pending_handles(net: SimNet) -> int:
 #: the SimNet of each live world, by the key its agents' ``backend_options["world"]`` name
 NETS: dict[str, SimNet] = {}
 
-SPEC = BackendSpec(name="sim", factory=SimBackend, capabilities=frozenset({Capability.HOST_MEMORY}),
+SPEC = BackendSpec(name="sim", factory=SimBackend,
+                   capabilities=frozenset({Capability.HOST_MEMORY, Capability.WRITER_GONE}),
                    description="deterministic simulation backend (kvbridge.sim)", descriptor_cost_us=0.5)
 
 

@@ -14,11 +14,11 @@ from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.agent.handshake import Handshake
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.pattern import TOKEN_MAJOR, KVSpec, units_held
+from kvbridge.protocol.wire import Role
 from kvbridge.sim.backend import NETS, SimNet, sim_registry
 from kvbridge.sim.link import SimHub
 from kvbridge.sim.world import World
 from kvbridge.slicing import target_ranks
-from kvbridge.wire import Role
 
 HEADS, HEAD_DIM, PAGE, LAYERS, PAGES = 4, 4, 2, 2, 12
 SPEC = KVSpec(TOKEN_MAJOR, total_heads=HEADS, page_size=PAGE, head_bytes=HEAD_DIM * 2)

@@ -16,8 +16,8 @@ from kvbridge.agent import Receiver, Sender
 from kvbridge.errors import KVBridgeError
 from kvbridge.pattern import TOKEN_MAJOR, pattern, shard_axis
 from kvbridge.protocol.events import RoomEventKind
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.sim.cluster import INSTANCE, LAYERS, SPEC, UP, Cluster, Proc
-from kvbridge.wire import KVPoll, Role
 
 TIMEOUTS = ("waiting timeout", "bootstrap timeout")     # the reasons of a decode room that gave up waiting
 

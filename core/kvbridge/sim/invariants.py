@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvbridge.protocol.wire import Role
 from kvbridge.sim.backend import SimWrite
 from kvbridge.sim.cluster import PAGES, UP, Cluster, Proc
 from kvbridge.sim.world import World
-from kvbridge.wire import Role
 
 MAX_INBOX = 2000          # frames waiting in one link (a paused process accumulates heartbeats)
 MAX_PENDING = 5000        # deliveries in flight in the whole world

@@ -28,6 +28,8 @@ _EXPORTS = {
     "assert_state_type_installed": "kvbridge.testkit.discovery",
     "composed_types": "kvbridge.testkit.discovery",
     "FaultInjector": "kvbridge.testkit.faults",
+    "InjectedFault": "kvbridge.testkit.faults",
+    "CallKind": "kvbridge.backends.calls",
     "CheckedBackend": "kvbridge.testkit.checked",
     "kit_registry": "kvbridge.testkit.checked",
     # the reshard rig: byte-exact TP resharding through a state type, by copy or through backends
@@ -52,12 +54,12 @@ _EXPORTS = {
     "transfer": "kvbridge.testkit.rig",
 }
 
-__all__ = ["BackendTests", "BasicBackendTests", "CheckedBackend", "ComponentFactory", "DiscoveryTests", "Fault",
-           "FaultInjector", "HardwareBackendTests", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems",
-           "Rig", "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed",
-           "composed_types", "connected_backends", "connected_ranks", "kit_registry", "make_rank", "page_plan",
-           "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard", "run_reshard",
-           "shard_buffer", "shardable", "transfer", "units_held", "wait"]
+__all__ = ["BackendTests", "BasicBackendTests", "CallKind", "CheckedBackend", "ComponentFactory", "DiscoveryTests",
+           "Fault", "FaultInjector", "HardwareBackendTests", "InjectedFault", "Model", "MultiProcessBackendTests",
+           "Outcome", "RequestItems", "Rig", "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp",
+           "assert_state_type_installed", "composed_types", "connected_backends", "connected_ranks", "kit_registry",
+           "make_rank", "page_plan", "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard",
+           "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

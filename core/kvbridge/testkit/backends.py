@@ -44,10 +44,12 @@ import numpy as np
 import pytest
 
 from kvbridge.agent import AgentConfig
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
 from kvbridge.errors import KVBridgeError, PluginError, TransferError
 from kvbridge.geometry import region_of
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.protocol.records import PeerInfo
+from kvbridge.protocol.wire import KVPoll
 from kvbridge.registry import Registry
 from kvbridge.slicing import Segments
 from kvbridge.specs import BackendSpec, Capability
@@ -57,7 +59,6 @@ from kvbridge.testkit.kitbase import KitTests
 from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.pools import GuardedBuffer
 from kvbridge.testkit.world import Room, World, wait_until
-from kvbridge.wire import KVPoll
 
 __all__ = ["ALL_PAIRS", "BackendTests", "BasicBackendTests", "HardwareBackendTests", "MultiProcessBackendTests",
            "requires"]
@@ -361,7 +362,7 @@ class BasicBackendTests(_BackendKit):
         """
         import msgspec
 
-        from kvbridge.backends.base import RemoteBuffers
+        from kvbridge.protocol.records import RemoteBuffers
 
         backend = make_backend("reg")
         bufs = [GuardedBuffer(4096), GuardedBuffer(8192)]

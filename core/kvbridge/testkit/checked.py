@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvbridge._markers import hookimpl
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll, RegisteredBuffers
 from kvbridge.geometry import MemoryRegion
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.registry import Registry
 from kvbridge.specs import BackendSpec, StateTypeSpec, resolve
 

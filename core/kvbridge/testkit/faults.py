@@ -19,6 +19,11 @@ Faults (a pluggy wrapper cannot change arguments, so each is built from what a w
   delivering, and a notice attached to the write itself is dropped;
 * ``DUPLICATE`` - the write is posted twice and the completion notice delivered twice.
 
+Any other backend call (``poll``, ``release``, ``add_peer``, ``drain_notifications``, ``writer_gone``, ...:
+:class:`~kvbridge.backends.calls.CallKind`) is broken with :meth:`FaultInjector.arm_call`: the call raises
+:class:`InjectedFault` instead of reaching the backend. The injector is a call monitor of the registry
+(``before_backend_call``), so it sees every call an agent makes; ``calls`` counts them by kind.
+
 Handle faults (FAIL, STALL, LATE, DUPLICATE) and LOSE_NOTICE need the backend wrapped in
 :class:`~kvbridge.testkit.checked.CheckedBackend` (``kit_registry`` does it), which polls the
 substitute handles with the real backend. ``REFUSE`` works with any backend. Every send and notice
@@ -37,11 +42,16 @@ from typing import Any
 
 from kvbridge._markers import hookimpl
 from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
-from kvbridge.errors import ProtocolError, TransferError
+from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
+from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
+from kvbridge.protocol.wire import Codec, Notice
 from kvbridge.testkit.checked import CheckedBackend
-from kvbridge.wire import Codec, Notice
 
-__all__ = ["Fault", "FaultHandle", "FaultInjector", "NoticeKey"]
+__all__ = ["Fault", "FaultHandle", "FaultInjector", "InjectedFault", "NoticeKey"]
+
+
+class InjectedFault(KVBridgeError):
+    """A backend call broken by :meth:`FaultInjector.arm_call`."""
 
 
 class Fault(enum.Enum):
@@ -71,6 +81,15 @@ class _Arming:
         if self.times is not None and self.fired >= self.times:
             return False
         return (self.component is None or self.component == component) and (self.room is None or self.room == room)
+
+
+@dataclass(kw_only=True)
+class _CallArming:
+    kind: CallKind
+    times: int | None
+    agent: str | None
+    reason: str
+    fired: int = 0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -126,6 +145,8 @@ class FaultInjector:
         self._lost: set[tuple[int, str, int, str] | None] = set()
         self._doubled: set[tuple[int, str, int, str] | None] = set()
         self._codec = Codec()
+        self._broken: list[_CallArming] = []
+        self.calls: Counter[CallKind] = Counter()           # every backend call the agents made, by kind
 
     # -- control
     def arm(self, fault: Fault, *, component: str | None = None, room: int | None = None, times: int | None = None,
@@ -138,10 +159,19 @@ class FaultInjector:
             self._armed.append(_Arming(fault=fault, component=component, room=room, times=times,
                                        delay_s=delay_s, reason=text))
 
+    def arm_call(self, kind: CallKind, *, times: int | None = None, agent: str | None = None,
+                 reason: str = "") -> None:
+        """Make the next calls of ``kind`` (all, or ``times`` of them; of one agent, or any) raise
+        :class:`InjectedFault` before they reach the backend, until :meth:`disarm`."""
+        text = reason or f"injected by kvbridge.testkit: {kind.value} raised"
+        with self._lock:
+            self._broken.append(_CallArming(kind=kind, times=times, agent=agent, reason=text))
+
     def disarm(self) -> None:
         """Stop injecting, and let stalled writes complete."""
         with self._lock:
             self._armed.clear()
+            self._broken.clear()
         self._release.set()
 
     def release(self) -> None:
@@ -154,6 +184,7 @@ class FaultInjector:
             self.sends.clear()
             self.notices.clear()
             self.injected.clear()
+            self.calls.clear()
 
     def _take(self, component: str, room: int) -> _Arming | None:
         with self._lock:
@@ -167,6 +198,22 @@ class FaultInjector:
     def notice_counts(self, room: int) -> dict[NoticeKey, int]:
         with self._lock:
             return {k: v for k, v in self.notices.items() if k[2] == room}
+
+    # -- call monitor (every backend call of every agent of the registry)
+    def before_backend_call(self, call: BackendCall) -> None:
+        with self._lock:
+            self.calls[call.kind] += 1
+            for arming in self._broken:
+                if arming.kind is call.kind and (arming.agent is None or arming.agent == call.agent) and (
+                        arming.times is None or arming.fired < arming.times):
+                    arming.fired += 1
+                    break
+            else:
+                return
+        raise InjectedFault(f"{call.backend} {call.kind.value} of {call.agent}: {arming.reason}")
+
+    def after_backend_call(self, call: BackendCall, outcome: CallOutcome) -> None:
+        pass
 
     # -- hooks
     @hookimpl(wrapper=True)

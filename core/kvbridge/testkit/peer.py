@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.specs import BackendSpec
 from kvbridge.testkit.checked import Tracker, find_spec_path, installed_registry, kit_registry, load_spec
 from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.leaks import CHILD_PIDS
 from kvbridge.testkit.pools import GuardedBuffer, reap_segments
 from kvbridge.testkit.world import wait_until
-from kvbridge.wire import KVPoll, Role
 
 __all__ = ["run_remote_room"]
 

@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, Poll, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, Poll, RegisteredBuffers
 from kvbridge.backends.copying import copy_descriptors
 from kvbridge.geometry import BufferGeometry, Component, Rank, region_of
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.slicing import ComponentSlice
 from kvbridge.state.base import StateType
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.backends.base import ComponentTransfer, PeerInfo, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers
 from kvbridge.geometry import BufferGeometry, Component, DType, Rank, ShardAxis, region_of
 from kvbridge.planner import BufferPair, TransferPlan, plan_transfer
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.slicing import buffer_segments
 from kvbridge.state.kv import KVState, kv_component
 from kvbridge.testkit.reshard import COMPONENT, run_reshard, wait

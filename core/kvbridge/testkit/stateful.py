@@ -29,9 +29,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo
+from kvbridge.backends.base import ComponentTransfer, HandleState
 from kvbridge.geometry import region_of
 from kvbridge.planner import BufferPair, plan_transfer
+from kvbridge.protocol.records import PeerInfo
 from kvbridge.slicing import Segments
 from kvbridge.testkit.pools import GuardedBuffer
 

@@ -24,8 +24,8 @@ import numpy as np
 from kvbridge.agent import AgentConfig, Receiver, Sender, TransferAgent
 from kvbridge.geometry import PoolLayout
 from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
-from kvbridge.wire import KVPoll, Role
 
 __all__ = ["Pool", "Room", "World", "wait_until"]
 

@@ -197,8 +197,8 @@ def test_agents_find_each_other_through_etcd(etcd: EtcdServer) -> None:
     """A prefill and a decode agent whose links publish and look up through etcd (``bootstrap="etcd://..."``),
     loopback backend, authenticated: one request, byte-exact; the prefill's rank vanishes when it closes."""
     from kvbridge.agent import AgentConfig, TransferAgent
+    from kvbridge.protocol.wire import KVPoll, Role
     from kvbridge.testkit.kvmodel import KVPool
-    from kvbridge.wire import KVPoll, Role
     from kvbridge.zmq_link import ZmqLink
 
     config = AgentConfig(secret=SECRET, heartbeat_interval_s=0.1, peer_timeout_s=3.0, bootstrap_timeout_s=20)

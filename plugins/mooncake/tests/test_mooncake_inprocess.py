@@ -10,17 +10,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import (
-    HandleState,
-    PeerInfo,
-    RegionWire,
-    RegisteredBuffers,
-    RemoteBuffers,
-    TransferBackend,
-)
+from kvbridge.backends.base import HandleState, RegisteredBuffers, TransferBackend
 from kvbridge.errors import RegionError
 from kvbridge.geometry import MemoryRegion, Rank, region_of
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.records import PeerInfo, RegionWire, RemoteBuffers
 from kvbridge_mooncake.backend import MooncakeBackend
 from kvbridge_mooncake.testing import (
     KVShape,

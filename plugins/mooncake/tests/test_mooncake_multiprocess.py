@@ -16,8 +16,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import HandleState, PeerInfo
+from kvbridge.backends.base import HandleState
 from kvbridge.geometry import Rank, region_of
+from kvbridge.protocol.records import PeerInfo
 from kvbridge_mooncake.testing import (
     KVShape,
     PeerSetup,

@@ -8,10 +8,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvbridge.backends.base import ComponentTransfer, HandleState, PeerInfo, RegisteredBuffers
+from kvbridge.backends.base import ComponentTransfer, HandleState, RegisteredBuffers
 from kvbridge.errors import RegionError
 from kvbridge.geometry import Rank
 from kvbridge.planner import TransferPlan
+from kvbridge.protocol.records import PeerInfo
 from kvbridge_nixl.backend import NixlBackend
 from kvbridge_nixl.options import NixlOptions
 from kvbridge_nixl.testing import (

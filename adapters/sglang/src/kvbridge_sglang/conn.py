@@ -41,8 +41,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvbridge.agent import Receiver, Sender, TransferAgent
 from kvbridge.errors import GeometryError, KVBridgeError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout
-from kvbridge.wire import KVPoll as KVBridgePoll
-from kvbridge.wire import Role
+from kvbridge.protocol.wire import KVPoll as KVBridgePoll
+from kvbridge.protocol.wire import Role
 from kvbridge.zmq_link import ZmqLink
 from kvbridge_sglang import bootstrap
 from kvbridge_sglang.bootstrap import Stage, Topology, TopologyServer

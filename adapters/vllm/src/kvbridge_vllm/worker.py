@@ -30,7 +30,7 @@ import numpy as np
 from kvbridge.agent import Handshake, Receiver, Sender, TransferAgent
 from kvbridge.errors import KVBridgeError
 from kvbridge.links import Link
-from kvbridge.wire import KVPoll, Role
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.zmq_link import ZmqLink
 from kvbridge_vllm.layout import KV_COMPONENT, KVPool
 from kvbridge_vllm.settings import Settings

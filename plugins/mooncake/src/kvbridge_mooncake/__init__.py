@@ -15,7 +15,7 @@ __all__ = ["APT_HINT", "PIP_HINT", "SPEC", "kvbridge_transfer_backends", "probe"
 SPEC = BackendSpec(
     name="mooncake", factory="kvbridge_mooncake.backend:MooncakeBackend",
     capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS, Capability.NOTIFICATIONS,
-                            Capability.ASYNC}),
+                            Capability.ASYNC, Capability.NOTIFY_FAILURES}),
     probe=probe,
     description="Mooncake transfer engine, P2P handshake; TCP verified, RDMA untested",
     bench="kvbridge_mooncake.bench:main",

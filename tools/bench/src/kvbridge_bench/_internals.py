@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from kvbridge.digests import digest_items, run_bytes
 from kvbridge.hostpool import HostPool, reap_segments
+from kvbridge.protocol.wire import Codec, Heartbeat
 from kvbridge.registry import Registry
 from kvbridge.shmnames import segment_prefix
 from kvbridge.specs import PluginKind, resolve
 from kvbridge.staging import gather, regular_rows, scatter
-from kvbridge.wire import Codec, Heartbeat
 
 __all__ = ["Codec", "Heartbeat", "HostPool", "PluginKind", "Registry", "digest_items", "gather", "reap_segments",
            "regular_rows", "resolve", "run_bytes", "scatter", "segment_prefix"]

@@ -13,9 +13,9 @@ import threading
 import msgspec
 import numpy as np
 
-from kvbridge.backends.base import RemoteBuffers
 from kvbridge.errors import GeometryError, KVBridgeError, ProtocolError
 from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS, MAX_SHARD_GROUPS, PoolLayout
+from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
 # 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
