@@ -1,7 +1,8 @@
 """The demo across processes over the real engines: NIXL (UCX) and Mooncake (TCP), byte-checked.
 
-NIXL: dense GQA and MLA for every Pt, Dt in {1, 2, 4}. Mooncake: dense GQA and the qwen3-next hybrid
-(GQA KV + GDN Mamba state) for every Pt, Dt in {1, 2, 4}. Each run verifies every received byte against
+NIXL: dense GQA and MLA, Mooncake: dense GQA and the qwen3-next hybrid (GQA KV + GDN Mamba state), over every
+Pt, Dt in {1, 2, 4} (in CI each pair once, the presets taking turns; every combination under
+``KVBRIDGE_LONG_TESTS=1``: tests/_tpmatrix.py). Each run verifies every received byte against
 the reference pattern (see the README) and fails on any mismatch, failure or hang.
 """
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 import io
 
 import pytest
+from _tpmatrix import pair_cases
 
 from kvbridge.demo.run import run_demo
 from kvbridge.registry import Registry
 
 pytestmark = pytest.mark.kvbridge_multiprocess
 
-PAIRS = [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)]
 _AVAILABLE = Registry.build().backend_names()
 
 
@@ -30,13 +31,11 @@ def _run(backend: str, preset: str, pt: int, dt: int) -> None:
     assert "verified: 4/4 byte-exact" in out.getvalue()
 
 
-@pytest.mark.parametrize("preset", ["dense-gqa", "mla"])
-@pytest.mark.parametrize("pt, dt", PAIRS, ids=[f"{p}to{d}" for p, d in PAIRS])
+@pytest.mark.parametrize("preset, pt, dt", pair_cases(("dense-gqa", "mla")))
 def test_nixl_demo(preset: str, pt: int, dt: int) -> None:
     _run("nixl", preset, pt, dt)
 
 
-@pytest.mark.parametrize("preset", ["dense-gqa", "qwen3-next"])
-@pytest.mark.parametrize("pt, dt", PAIRS, ids=[f"{p}to{d}" for p, d in PAIRS])
+@pytest.mark.parametrize("preset, pt, dt", pair_cases(("dense-gqa", "qwen3-next")))
 def test_mooncake_demo(preset: str, pt: int, dt: int) -> None:
     _run("mooncake", preset, pt, dt)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _tpmatrix import pair_cases
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.model import RequestShape
@@ -56,8 +57,7 @@ def no_leaked_segments() -> Iterator[None]:
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
 
 
-@pytest.mark.parametrize("preset", ["dense-gqa", "mla"])
-@pytest.mark.parametrize("pt, dt", [(p, d) for p in (1, 2, 4) for d in (1, 2, 4)])
+@pytest.mark.parametrize("preset, pt, dt", pair_cases(("dense-gqa", "mla")))
 def test_demo_across_processes_is_byte_exact(preset: str, pt: int, dt: int) -> None:
     out = io.StringIO()
     summary = run_demo(backend="loopback", preset=preset, prefill_tp=pt, decode_tp=dt, requests=6, seed=pt * 10 + dt,
