@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge.discovery import DiscoveryError, RankRecord, open_record, seal_record
 from kvbridge.protocol.wire import Codec, Heartbeat
-from kvbridge.sealing import TAG_BYTES, BadTag, FreshnessGuard, Replayed, Stale, matches, seal, tag, unseal
+from kvbridge.sealing import TAG_BYTES, BadTag, Busy, FreshnessGuard, Replayed, Stale, matches, seal, tag, unseal
 
 SECRET = b"sealing-test-secret-0123456789ab"
 
@@ -89,14 +89,26 @@ def test_the_guard_refuses_replays_stale_and_numberless_requests() -> None:
         FreshnessGuard(window_s=0.0)
 
 
-def test_the_guard_stays_bounded_and_a_forgotten_nonce_is_stale_by_then() -> None:
+def test_a_full_guard_refuses_new_requests_instead_of_forgetting_live_nonces() -> None:
+    """A flood of authentic requests must not push a nonce out while its request could still be replayed."""
     guard = FreshnessGuard(window_s=10.0, capacity=100)
-    for i in range(1_000):
-        guard.admit(i.to_bytes(16, "big"), sent_at=1000.0 + i * 0.001, now=1000.0 + i * 0.001)
-    assert len(guard) == 100
-    guard2 = FreshnessGuard(window_s=10.0)
-    guard2.admit(b"n" * 16, sent_at=0.0, now=0.0)
-    guard2.admit(b"m" * 16, sent_at=25.0, now=25.0)      # 2 windows later: the first nonce is forgotten ...
-    assert len(guard2) == 1
-    with pytest.raises(Stale):                            # ... and its request refused as stale instead
-        guard2.admit(b"n" * 16, sent_at=0.0, now=25.0)
+    for i in range(100):
+        guard.admit(i.to_bytes(16, "big"), sent_at=1000.0, now=1000.0 + i * 0.001)
+    with pytest.raises(Busy):
+        guard.admit(b"x" * 16, sent_at=1000.0, now=1001.0)
+    with pytest.raises(Replayed):                          # the first nonce is still remembered
+        guard.admit((0).to_bytes(16, "big"), sent_at=1000.0, now=1009.0)
+    guard.admit(b"x" * 16, sent_at=1011.0, now=1011.0)     # the window passed: the old ones expired
+    assert len(guard) == 1
+
+
+def test_a_nonce_is_forgotten_only_once_its_request_is_stale() -> None:
+    guard = FreshnessGuard(window_s=10.0)
+    guard.admit(b"n" * 16, sent_at=5.0, now=0.0)           # a client 5 s ahead: replayable until 15.0
+    guard.admit(b"m" * 16, sent_at=14.0, now=14.0)
+    with pytest.raises(Replayed):
+        guard.admit(b"n" * 16, sent_at=5.0, now=14.9)
+    guard.admit(b"k" * 16, sent_at=25.0, now=25.0)         # n and m expired
+    assert len(guard) == 1
+    with pytest.raises(Stale):
+        guard.admit(b"n" * 16, sent_at=5.0, now=25.0)

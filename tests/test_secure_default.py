@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvbridge.addresses import is_loopback
 from kvbridge.errors import InsecureSetup
-from kvbridge.zmq_link import BootstrapServer, ZmqLink
+from kvbridge.zmq_link import BootstrapServer, ZmqLink, check_exposure
 
 SECRET = b"secure-default-secret-0123456789"
 
@@ -85,3 +86,40 @@ def test_a_bootstrap_server_on_every_interface_needs_the_secret() -> None:
     BootstrapServer("tcp://0.0.0.0:0", secret=SECRET).close()
     BootstrapServer("tcp://0.0.0.0:0", allow_insecure=True).close()
     BootstrapServer("tcp://127.0.0.1:0").close()
+
+
+def test_advertising_a_reachable_address_needs_the_secret_too(server: BootstrapServer) -> None:
+    """Bound to loopback behind a proxy or port-forward, advertised to other hosts: exposed all the same."""
+    with pytest.raises(InsecureSetup, match="198.18.0.7"):
+        ZmqLink(bootstrap=server.address, host="127.0.0.1", advertise="198.18.0.7")
+    with pytest.raises(InsecureSetup, match="198.18.0.9"):
+        BootstrapServer("tcp://127.0.0.1:0", advertise="198.18.0.9")
+    ZmqLink(bootstrap=server.address, host="127.0.0.1", advertise="198.18.0.7", secret=SECRET).close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0", "tcp://0.0.0.0:99999", "tcp://[::]:0x10", "tcp://"])
+def test_an_unreadable_tcp_endpoint_counts_as_exposed(endpoint: str) -> None:
+    with pytest.raises(InsecureSetup):
+        check_exposure("x", endpoint, secret=None, allow_insecure=False)
+
+
+def test_a_flood_of_bad_bootstrap_requests_logs_a_few_lines(caplog: pytest.LogCaptureFixture) -> None:
+    import zmq
+
+    srv = BootstrapServer(secret=SECRET).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(srv.address)
+        with caplog.at_level(logging.ERROR, logger="kvbridge"):
+            for i in range(200):
+                sock.send_multipart([b"", b"garbage %d" % i])
+            deadline = time.monotonic() + 10
+            while srv.rejected < 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert srv.rejected >= 200
+        lines = [r for r in caplog.records if "rejected request" in r.getMessage()]
+        assert 1 <= len(lines) <= 5
+    finally:
+        sock.close(0)
+        srv.close()

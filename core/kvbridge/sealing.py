@@ -38,8 +38,8 @@ import math
 import os
 from collections import OrderedDict
 
-__all__ = ["NONCE_BYTES", "TAG_BYTES", "BadTag", "FreshnessGuard", "Replayed", "Stale", "matches", "new_nonce",
-           "seal", "tag", "unseal"]
+__all__ = ["NONCE_BYTES", "TAG_BYTES", "BadTag", "Busy", "FreshnessGuard", "Replayed", "Stale", "matches",
+           "new_nonce", "seal", "tag", "unseal"]
 
 TAG_BYTES = 32
 NONCE_BYTES = 16
@@ -60,6 +60,11 @@ class Stale(ValueError):
 
 class Replayed(ValueError):
     """A request whose nonce was already accepted (or that has none)."""
+
+
+class Busy(ValueError):
+    """The guard holds as many live nonces as it may: a new request is refused rather than a nonce forgotten
+    while its request could still be replayed."""
 
 
 def tag(secret: bytes, purpose: bytes, *parts: bytes) -> bytes:
@@ -98,8 +103,9 @@ def new_nonce() -> bytes:
 class FreshnessGuard:
     """Accept each request nonce once, and only while the request's time is inside ``window_s`` of ``now``.
 
-    Pure: the caller passes its clock's ``now``. Nonces are remembered for twice the window (a request older than
-    the window is refused as stale anyway) and at most ``capacity`` of them (the oldest forgotten first).
+    Pure: the caller passes its clock's ``now``. A nonce is remembered until its request would be refused as stale
+    anyway (its time plus the window); at most ``capacity`` are held, and when that many are live a new request
+    is refused (:class:`Busy`) instead of forgetting one that could still be replayed.
 
         >>> guard = FreshnessGuard(window_s=60.0)
         >>> guard.admit(b"n" * 16, sent_at=1000.0, now=1001.0)
@@ -117,7 +123,8 @@ class FreshnessGuard:
         self._seen: OrderedDict[bytes, float] = OrderedDict()
 
     def admit(self, nonce: bytes, *, sent_at: float, now: float) -> None:
-        """Raise :class:`Replayed` (no nonce, or one seen before) or :class:`Stale`; else remember ``nonce``."""
+        """Raise :class:`Replayed` (no nonce, or one seen before), :class:`Stale` or :class:`Busy`; else remember
+        ``nonce`` until ``sent_at + window_s``."""
         if len(nonce) < NONCE_BYTES:
             raise Replayed(f"unnumbered request (a nonce of {len(nonce)} bytes, {NONCE_BYTES} needed)")
         offset = sent_at - now
@@ -125,10 +132,12 @@ class FreshnessGuard:
             raise Stale(offset, self.window_s)
         if nonce in self._seen:
             raise Replayed("replayed request (its nonce was already accepted)")
-        self._seen[nonce] = now
-        while self._seen and (len(self._seen) > self.capacity
-                              or now - next(iter(self._seen.values())) > 2 * self.window_s):
+        while self._seen and next(iter(self._seen.values())) < now:      # expired: would be refused as stale
             self._seen.popitem(last=False)
+        if len(self._seen) >= self.capacity:
+            raise Busy(f"{len(self._seen)} requests inside the {self.window_s:g} s window already: refused, try "
+                       "again shortly")
+        self._seen[nonce] = sent_at + self.window_s
 
     def __len__(self) -> int:
         return len(self._seen)

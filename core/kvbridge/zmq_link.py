@@ -70,6 +70,7 @@ from kvbridge.discovery import (
 )
 from kvbridge.errors import InsecureSetup
 from kvbridge.links import InstanceInfo
+from kvbridge.logs import LineBudget
 from kvbridge.protocol.wire import MAX_MESSAGE_BYTES
 from kvbridge.sealing import FreshnessGuard, Stale, new_nonce, seal, unseal
 
@@ -140,10 +141,13 @@ ALLOW_INSECURE_ENV = "KVBRIDGE_ALLOW_INSECURE"
 
 
 def check_exposure(what: str, bound: str, *, secret: bytes | None, allow_insecure: bool) -> None:
-    """Secure by default: an endpoint bound where other hosts can reach it (not loopback) needs the shared
-    secret, or an explicit ``allow_insecure`` (then logged as such). Raises :class:`InsecureSetup`."""
+    """Secure by default: an endpoint bound or advertised where other hosts can reach it (not loopback) needs
+    the shared secret, or an explicit ``allow_insecure`` (then logged as such). Raises :class:`InsecureSetup`.
+    A ``tcp`` endpoint whose host and port cannot be read counts as exposed."""
+    if secret is not None or not bound.startswith("tcp://"):
+        return                                  # ipc:// and inproc:// are this host's (file modes, this process)
     hp = endpoint_host_port(bound)
-    if secret is not None or hp is None or is_loopback(hp[0]):
+    if hp is not None and is_loopback(hp[0]):
         return
     if not allow_insecure:
         raise InsecureSetup(f"{what} bound at {bound} is reachable from other hosts and has no shared secret: "
@@ -198,6 +202,7 @@ class BootstrapServer:
                         else check_window(clock_window_s, f"BootstrapServer.{CLOCK_WINDOW_SETTING}"))
         self._clock = clock
         self._skew_log = skew_log_budget()
+        self._refusal_log = LineBudget(per_interval=5, interval_s=60.0)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -208,15 +213,16 @@ class BootstrapServer:
         self.bound: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address: str = self.bound
         try:
-            check_exposure("bootstrap server", self.bound, secret=secret, allow_insecure=allow_insecure)
-        except InsecureSetup:
+            if advertise is not None:
+                hp = endpoint_host_port(self.bound)
+                if hp is None or is_unspecified(advertise):
+                    raise ValueError(f"advertise={advertise!r} for a server bound at {self.bound}")
+                self.address = format_tcp(advertise, hp[1])
+            for endpoint in dict.fromkeys((self.bound, self.address)):
+                check_exposure("bootstrap server", endpoint, secret=secret, allow_insecure=allow_insecure)
+        except (InsecureSetup, ValueError):
             self._sock.close(0)
             raise
-        if advertise is not None:
-            hp = endpoint_host_port(self.bound)
-            if hp is None or is_unspecified(advertise):
-                raise ValueError(f"advertise={advertise!r} for a server bound at {self.bound}")
-            self.address = format_tcp(advertise, hp[1])
         self._secret = secret
         self._ranks: dict[str, dict[int, _Entry]] = {}
         self._fresh = FreshnessGuard(window_s=self._window, capacity=_NONCES)
@@ -291,7 +297,10 @@ class BootstrapServer:
                              skew_s=exc.offset_s, window_s=exc.window_s)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.rejected += 1
-            log.error("bootstrap: rejected request: %s", exc)
+            peer = _peer_address(parts[2])
+            if self._refusal_log.take(peer):      # a flood of bad requests must not become a flood of log lines
+                log.error("bootstrap: rejected request from %s: %s%s", peer, exc,
+                          self._refusal_log.suppressed_note(peer))
             answer = _Answer(info=None, error=f"bad request: {exc}")
         self._reply(ident, answer, nonce)
 
@@ -666,7 +675,8 @@ class ZmqLink:
         try:
             self._pull = self._bind(host, advertise, parse_port_range(port_range))
             try:
-                check_exposure("control link", self.bound, secret=secret, allow_insecure=allow_insecure)
+                for endpoint in dict.fromkeys((self.bound, self.address)):
+                    check_exposure("control link", endpoint, secret=secret, allow_insecure=allow_insecure)
             except InsecureSetup:
                 self._pull.close(0)
                 raise

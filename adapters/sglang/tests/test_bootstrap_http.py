@@ -204,3 +204,69 @@ def test_every_interface_without_a_secret_needs_the_opt_in() -> None:
     TopologyServer("0.0.0.0", 0, allow_insecure=True).close()
     assert Settings.from_env(env={"KVBRIDGE_ALLOW_INSECURE": "1"}).allow_insecure
     assert not Settings.from_env(env={}).allow_insecure
+
+
+def test_a_sealed_write_cannot_be_replayed_to_another_server_or_a_restarted_one(
+        server: TopologyServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers of one cluster share the secret (and SGLang's instance names): a write names its server's epoch."""
+    other = TopologyServer("127.0.0.1", 0, secret=SECRET)
+    try:
+        spy = Captured(monkeypatch)
+        bootstrap.register(server.address, ROW, secret=SECRET)
+        bootstrap.register_dp_rank(server.address, 5, 0, secret=SECRET)
+        assert spy.resend(url=f"http://{other.address}/register_dp_rank")[0] == 403
+        assert other.rooms == {} and other.ranks == {}
+        port = int(server.address.rsplit(":", 1)[1])
+        server.close()
+        reborn = TopologyServer("127.0.0.1", port, secret=SECRET)     # same address, new life
+        try:
+            assert spy.resend()[0] == 403                             # inside the clock window, fresh nonce cache
+            assert reborn.rooms == {}
+            bootstrap.register_dp_rank(reborn.address, 6, 1, secret=SECRET)   # the client learns the new epoch
+            assert reborn.rooms[6][0] == 1
+        finally:
+            reborn.close()
+    finally:
+        other.close()
+
+
+def test_malformed_queries_on_the_open_route_get_400_and_the_server_goes_on(server: TopologyServer) -> None:
+    for body in (b'{"bootstrap_rooms": ["x"]}', b'{"bootstrap_rooms": 5}', b"[1]", b"[1e999]",
+                 b'{"bootstrap_rooms": [true]}', b'{"bootstrap_rooms": [1.5]}'):
+        assert plain(server, "POST", "/query_dp_ranks", body)[0] == 400, body
+    bootstrap.register_dp_rank(server.address, 8, 0, secret=SECRET)
+    assert plain(server, "POST", "/query_dp_ranks", b'{"bootstrap_rooms": [8]}') == (200, b'{"8": 0}')
+
+
+def test_stalled_connections_cannot_starve_the_server(server: TopologyServer) -> None:
+    """80 clients that stop mid-request hold at most the server's connection slots, each for its socket timeout;
+    a signed client is served once slots free up, and the thread count stays bounded."""
+    import socket
+
+    host, port = server.address.rsplit(":", 1)
+    before = threading.active_count()
+    stalled = []
+    try:
+        for _ in range(80):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"PUT /kvbridge/rank HTTP/1.0\r\nContent-Length: 1000\r\n\r\n{")
+            stalled.append(sock)
+        time.sleep(0.5)
+        assert threading.active_count() <= before + 64 + 2
+        started = time.monotonic()
+        assert bootstrap.fetch(server.address, secret=SECRET, timeout_s=30.0)["ranks"] == []
+        assert time.monotonic() - started < 25
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_flood_of_refusals_logs_a_few_lines(server: TopologyServer, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvbridge.sglang"):
+        for _ in range(50):
+            assert plain(server, "GET", "/kvbridge")[0] == 403
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refused) <= 5
+    assert server.refused >= 50

@@ -18,6 +18,8 @@ changes anything — ``GET /kvbridge``, ``PUT /kvbridge/rank``, ``POST /register
 carrying ``X-KVBridge-Nonce`` and ``X-KVBridge-Time`` and an ``X-KVBridge-MAC`` over the method, the path, both
 and the body; a request is accepted once and only inside the clock window (``KVBRIDGE_CLOCK_WINDOW_S``), and every
 JSON answer is tagged over the request's nonce and the body, so an answer cannot be replayed to another request.
+The two writes also name the server's per-life epoch (``X-KVBridge-Server``, from ``GET /kvbridge``): a captured
+write is refused by another server with the same secret and by this one after a restart.
 Two routes stay open because SGLang's own code calls them without a tag: ``POST /query_dp_ranks`` (SGLang's
 decode scheduler; it reads which DP rank serves a room and changes nothing) and ``GET /health``. Without a
 secret, anybody who reaches the port can register a rank (the kvbridge handshake still refuses a peer whose
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 import urllib.error
@@ -40,7 +43,8 @@ from typing import Any
 
 from kvbridge.addresses import format_tcp
 from kvbridge.clockskew import Clock, clock_window_from_env
-from kvbridge.sealing import NONCE_BYTES, FreshnessGuard, Replayed, Stale, matches, new_nonce, tag
+from kvbridge.logs import LineBudget
+from kvbridge.sealing import NONCE_BYTES, Busy, FreshnessGuard, Replayed, Stale, matches, new_nonce, tag
 from kvbridge.zmq_link import BootstrapServer, check_exposure
 
 log = logging.getLogger("kvbridge.sglang")
@@ -57,14 +61,49 @@ def instance_name(dp_rank: int, pp_rank: int) -> str:
 _REQUEST_PURPOSE = b"kvbridge-sglang-request"
 _ANSWER_PURPOSE = b"kvbridge-sglang-answer"
 _SEALED_ROUTES = frozenset({("GET", "/kvbridge"), ("PUT", "/kvbridge/rank"), ("POST", "/register_dp_rank")})
+#: routes that change the server's tables: a sealed request names the server (its per-life epoch, from
+#: ``GET /kvbridge``), so it cannot be replayed to another server with the same secret, or to this one restarted
+_WRITES = frozenset({("PUT", "/kvbridge/rank"), ("POST", "/register_dp_rank")})
+_CONNECTIONS = 64          # HTTP connections served at once; more wait in the listen queue
+_SOCKET_TIMEOUT_S = 10.0   # a client that stops sending mid-request is dropped after this long
 
 
-def _request_tag(secret: bytes, method: str, path: str, nonce: bytes, sent_at: str, body: bytes) -> bytes:
-    return tag(secret, _REQUEST_PURPOSE, method.encode(), path.encode(), nonce, sent_at.encode(), body)
+def _request_tag(secret: bytes, method: str, path: str, nonce: bytes, sent_at: str, server: str,
+                 body: bytes) -> bytes:
+    return tag(secret, _REQUEST_PURPOSE, method.encode(), path.encode(), nonce, sent_at.encode(), server.encode(),
+               body)
 
 
 def _answer_tag(secret: bytes, nonce: bytes, body: bytes) -> bytes:
     return tag(secret, _ANSWER_PURPOSE, nonce, body)
+
+
+STALE_SERVER = "stale server epoch"
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """At most ``slots`` connections served at once (a thread each); the rest wait in the listen queue."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
+                 slots: threading.BoundedSemaphore) -> None:
+        self._slots = slots
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class TopologyServer:
@@ -75,7 +114,10 @@ class TopologyServer:
         self.secret = secret
         self.clock = clock            # the wall clock requests' times are judged by (injectable for tests)
         self.fresh = FreshnessGuard(window_s=clock_window_from_env())
-        self.refused = 0              # requests refused for their tag, nonce or time
+        self.refused = 0              # requests refused for their tag, nonce, time or server
+        self.epoch = secrets.token_hex(16)     # this server's life: sealed writes name it
+        self.refusal_log = LineBudget(per_interval=5, interval_s=60.0)
+        self.slots = threading.BoundedSemaphore(_CONNECTIONS)
         zhost = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         check_exposure("SGLang HTTP bootstrap", format_tcp(host or "0.0.0.0", port), secret=secret,
                        allow_insecure=allow_insecure)
@@ -83,7 +125,7 @@ class TopologyServer:
         self.ranks: dict[tuple[int, int, int], dict[str, Any]] = {}
         self.rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self.lock = threading.Lock()
-        self.http = ThreadingHTTPServer((host, port), _handler(self))
+        self.http = _BoundedHTTPServer((host, port), _handler(self), slots=self.slots)
         self.http.daemon_threads = True
         bound_host, bound_port = self.http.server_address[:2]
         self.address = f"{bound_host!s}:{int(bound_port)}"
@@ -103,12 +145,13 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
             log.debug("bootstrap http: " + format, *args)
 
         nonce = b""
+        timeout = _SOCKET_TIMEOUT_S
 
         def _send(self, code: int, body: bytes, content: str = "application/json") -> None:
             self.send_response(code)
             self.send_header("Content-Type", content)
             self.send_header("Content-Length", str(len(body)))
-            if content == "application/json" and server.secret is not None:
+            if content == "application/json" and server.secret is not None and self.nonce:
                 self.send_header("X-KVBridge-MAC", _answer_tag(server.secret, self.nonce, body).hex())
             self.end_headers()
             self.wfile.write(body)
@@ -129,25 +172,32 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
             try:
                 nonce = bytes.fromhex(self.headers.get("X-KVBridge-Nonce", ""))
                 sent_at = self.headers.get("X-KVBridge-Time", "")
+                named = self.headers.get("X-KVBridge-Server", "")
                 got = bytes.fromhex(self.headers.get("X-KVBridge-MAC", ""))
             except ValueError:
-                nonce, sent_at, got = b"", "", b""
+                nonce, sent_at, named, got = b"", "", "", b""
             if len(nonce) != NONCE_BYTES or not matches(server.secret, _REQUEST_PURPOSE, got, method.encode(),
-                                                        self.path.encode(), nonce, sent_at.encode(), body):
+                                                        self.path.encode(), nonce, sent_at.encode(), named.encode(),
+                                                        body):
                 why = "bad or missing X-KVBridge-MAC/-Nonce/-Time (is the secret the same?)"
+            elif (method, self.path) in _WRITES and named != server.epoch:
+                why = ("sealed for another bootstrap server, or for this one before it restarted "
+                       f"({STALE_SERVER}: fetch /kvbridge again)")
             else:
                 try:
                     with server.lock:
                         server.fresh.admit(nonce, sent_at=float(sent_at), now=server.clock())
-                except (Stale, Replayed) as exc:
+                except (Stale, Replayed, Busy) as exc:
                     why = str(exc)
                 except ValueError:
                     why = f"X-KVBridge-Time {sent_at[:40]!r} is not a number"
             if why:
                 with server.lock:
                     server.refused += 1
-                log.warning("bootstrap http: refused %s %s from %s: %s", method, self.path[:80],
-                            self.client_address[0], why)
+                peer = str(self.client_address[0])
+                if server.refusal_log.take(peer):       # a flood of forged requests must not flood the log
+                    log.warning("bootstrap http: refused %s %s from %s: %s%s", method, self.path[:80], peer, why,
+                                server.refusal_log.suppressed_note(peer))
                 self._send(403, json.dumps({"error": why}).encode())
                 return False
             self.nonce = nonce
@@ -161,7 +211,7 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/kvbridge":
                 with server.lock:
                     body = json.dumps({"bootstrap": server.zmq.address, "ranks": list(server.ranks.values()),
-                                       "time": time.time()}).encode()
+                                       "time": time.time(), "epoch": server.epoch}).encode()
                 self._send(200, body)
             else:
                 self._send(404, b'{"error": "unknown route"}')
@@ -208,10 +258,14 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
                             server.rooms and now - next(iter(server.rooms.values()))[1] > _ROOM_TTL_S):
                         server.rooms.popitem(last=False)
                 self._send(200, b"{}")
-            elif self.path == "/query_dp_ranks":
-                rooms = payload.get("bootstrap_rooms") or []
+            elif self.path == "/query_dp_ranks":          # open (SGLang's own decode calls it): checked input only
+                rooms = payload.get("bootstrap_rooms") if isinstance(payload, dict) else None
+                if (not isinstance(rooms, list) or len(rooms) > _ROOMS
+                        or not all(isinstance(r, int) and not isinstance(r, bool) for r in rooms)):
+                    self._send(400, b'{"error": "need bootstrap_rooms: a list of integers"}')
+                    return
                 with server.lock:
-                    found = {str(r): server.rooms[int(r)][0] for r in rooms if int(r) in server.rooms}
+                    found = {str(r): server.rooms[r][0] for r in rooms if r in server.rooms}
                 self._send(200, json.dumps(found).encode())
             else:
                 self._send(404, b'{"error": "unknown route"}')
@@ -223,15 +277,16 @@ def _handler(server: TopologyServer) -> type[BaseHTTPRequestHandler]:
 
 
 def _request(url: str, *, method: str = "GET", body: bytes | None = None, secret: bytes | None = None,
-             timeout_s: float = 5.0) -> bytes:
-    """One request; with a secret, sealed (nonce, time, tag) and its answer checked against that nonce."""
+             timeout_s: float = 5.0, server: str = "") -> bytes:
+    """One request; with a secret, sealed (nonce, time, the server's epoch, tag) and its answer checked against
+    that nonce."""
     headers = {"Content-Type": "application/json"}
     nonce = new_nonce()
     if secret is not None:
         sent_at = repr(time.time())
         path = urllib.parse.urlsplit(url).path
-        headers |= {"X-KVBridge-Nonce": nonce.hex(), "X-KVBridge-Time": sent_at,
-                    "X-KVBridge-MAC": _request_tag(secret, method, path, nonce, sent_at, body or b"").hex()}
+        headers |= {"X-KVBridge-Nonce": nonce.hex(), "X-KVBridge-Time": sent_at, "X-KVBridge-Server": server,
+                    "X-KVBridge-MAC": _request_tag(secret, method, path, nonce, sent_at, server, body or b"").hex()}
     req = urllib.request.Request(url, data=body, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         data: bytes = resp.read()
@@ -252,15 +307,37 @@ def fetch(addr: str, *, secret: bytes | None = None, timeout_s: float = 5.0) -> 
     return answer
 
 
+_EPOCHS: dict[str, str] = {}          # bootstrap address -> the server's epoch last fetched (sealed writes name it)
+
+
+def _write(addr: str, path: str, method: str, body: bytes, *, secret: bytes | None, timeout_s: float) -> None:
+    """A table-changing request; with a secret it names the server's epoch (fetched once, and again when the
+    server says it restarted)."""
+    if secret is None:
+        _request(f"http://{addr}{path}", method=method, body=body, timeout_s=timeout_s)
+        return
+    for attempt in range(2):
+        epoch = _EPOCHS.get(addr)
+        if epoch is None:
+            epoch = _EPOCHS[addr] = str(fetch(addr, secret=secret, timeout_s=timeout_s).get("epoch", ""))
+        try:
+            _request(f"http://{addr}{path}", method=method, body=body, secret=secret, timeout_s=timeout_s,
+                     server=epoch)
+            return
+        except urllib.error.HTTPError as exc:
+            if attempt or exc.code != 403 or STALE_SERVER not in exc.read().decode(errors="replace"):
+                raise
+            _EPOCHS.pop(addr, None)          # the server restarted (or the address moved): learn its epoch again
+
+
 def register(addr: str, row: dict[str, Any], *, secret: bytes | None = None, timeout_s: float = 5.0) -> None:
-    _request(f"http://{addr}/kvbridge/rank", method="PUT", body=json.dumps(row).encode(), secret=secret,
-             timeout_s=timeout_s)
+    _write(addr, "/kvbridge/rank", "PUT", json.dumps(row).encode(), secret=secret, timeout_s=timeout_s)
 
 
 def register_dp_rank(addr: str, room: int, dp_rank: int, *, secret: bytes | None = None,
                      timeout_s: float = 5.0) -> None:
     body = json.dumps({"bootstrap_room": int(room), "dp_rank": int(dp_rank)}).encode()
-    _request(f"http://{addr}/register_dp_rank", method="POST", body=body, secret=secret, timeout_s=timeout_s)
+    _write(addr, "/register_dp_rank", "POST", body, secret=secret, timeout_s=timeout_s)
 
 
 def wait_for(addr: str, *, secret: bytes | None, timeout_s: float) -> dict[str, Any]:
