@@ -33,7 +33,7 @@ def listed() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name, kind, distribution, capabilities", [
-    ("loopback", "backend", "kvbridge", ["host-memory", "multi-process", "notifications"]),
+    ("loopback", "backend", "kvbridge", ["host-memory", "multi-process", "notifications", "writer-gone"]),
     ("kv", "state", "kvbridge", []),
     ("mamba", "state", "kvbridge-mamba", []),
     ("swa", "state", "kvbridge-swa", []),

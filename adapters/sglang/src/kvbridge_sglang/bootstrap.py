@@ -105,6 +105,10 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         finally:
             self._slots.release()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that vanished or stalled past the socket timeout: a debug line, not a traceback on stderr."""
+        log.debug("bootstrap http: request from %s ended early", client_address, exc_info=True)
+
 
 class TopologyServer:
     """The HTTP listener and the kvbridge ZMQ bootstrap server of one prefill instance."""
