@@ -49,7 +49,11 @@ def test_a_link_on_every_interface_without_a_secret_is_refused_and_leaves_nothin
         with pytest.raises(InsecureSetup, match=r"control link bound at tcp://0\.0\.0\.0:\d+ .*no shared secret.*"
                                                 r"KVBRIDGE_ALLOW_INSECURE=1"):
             ZmqLink(bootstrap=server.address, host="0.0.0.0")
-    assert open_fds() <= before + 2
+    # ZMQ closes a socket's descriptors on its I/O thread, a little later; a leak per refusal would be 20-40
+    deadline = time.monotonic() + 5
+    while open_fds() > before + 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_fds() <= before + 8, f"{open_fds() - before} descriptors more after 20 refused links"
 
 
 def test_with_a_secret_or_an_explicit_opt_in_it_binds(server: BootstrapServer,
