@@ -12,7 +12,18 @@ import pytest
 
 from kvbridge.discovery import DiscoveryError, RankRecord, open_record, seal_record
 from kvbridge.protocol.wire import Codec, Heartbeat
-from kvbridge.sealing import TAG_BYTES, BadTag, Busy, FreshnessGuard, Replayed, Stale, matches, seal, tag, unseal
+from kvbridge.sealing import (
+    TAG_BYTES,
+    BadTag,
+    Busy,
+    FreshnessGuard,
+    Replayed,
+    Stale,
+    matches,
+    seal,
+    tag,
+    unseal,
+)
 
 SECRET = b"sealing-test-secret-0123456789ab"
 
