@@ -115,6 +115,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         "with a secret: a bootstrap request (publish, lookup, watch) whose timestamp is further than this from "
         "the bootstrap server's clock is refused as stale (a replay); both sides log the measured offset once a "
         "minute per address (s)", gt=0, le=_MAX_S)] = 60.0
+    drain_timeout_s: Annotated[float, _doc(
+        "shutdown (`agent.drain`, the adapters' engine shutdown): rooms in flight get this long to finish, then "
+        "fail cleanly; 0: fail them at once (s)", ge=0, le=_MAX_S)] = 10.0
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0
@@ -307,30 +310,42 @@ def _split_options(var: str, text: str) -> dict[str, str]:
 
 
 def load_settings(file: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
-                  check_backend: bool = True, **overrides: Any) -> Settings:
+                  check_backend: bool = True, defaults: Mapping[str, Any] | None = None,
+                  sources: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Settings from ``overrides`` over the environment (``env``, default ``os.environ``) over the TOML
-    ``file`` (default ``$KVBRIDGE_CONFIG``, none when unset) over the defaults. With ``check_backend``,
-    ``backend_options`` are checked against the selected backend's schema when it is installed."""
+    ``file`` (default ``$KVBRIDGE_CONFIG``, none when unset) over ``defaults`` (an engine adapter's own
+    defaults, e.g. its engine's timeouts) over the schema's defaults. ``sources`` names where an override or
+    default came from, for errors (``{"heartbeat_interval_s": "KVBRIDGE_HEARTBEAT_S"}``; else "keyword
+    argument"). With ``check_backend``, ``backend_options`` are checked against the selected backend's schema
+    when it is installed.
+
+    Engine adapters map their engine's configuration onto this one schema, so every setting is validated the
+    same way whichever way it arrives::
+
+        settings = load_settings(check_backend=False, defaults={"peer_timeout_s": 10.0},
+                                 peer_timeout_s=extra["peer_timeout_s"], sources={"peer_timeout_s": "extra"})
+    """
     env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
-    sources: dict[str, str] = {}
+    given = dict(sources or {})
+    merged: dict[str, Any] = dict(defaults or {})
+    where: dict[str, str] = {key: given.get(key, "the engine adapter's default") for key in merged}
     path = file if file is not None else (env.get(CONFIG_ENV) or None)
     if path is not None:
         data = _read_toml(Path(path))
         merged.update(data)
-        sources.update({key: str(path) for key in data})
+        where.update({key: str(path) for key in data})
     from_env, env_sources = _from_env(env)
     for key, value in from_env.items():
         if key == "backend_options" and isinstance(merged.get(key), dict):
             value = {**merged[key], **value}
         merged[key] = value
-    sources.update(env_sources)
+    where.update(env_sources)
     for key, value in overrides.items():
         if key == "backend_options" and isinstance(merged.get(key), dict) and value is not None:
             value = {**merged[key], **dict(value)}
         merged[key] = value
-        sources[key] = "keyword argument"
-    settings = parse_options(Settings, merged, "setting", sources)
+        where[key] = given.get(key, "keyword argument")
+    settings = parse_options(Settings, merged, "setting", where)
     if settings.heartbeat_interval_s >= settings.peer_timeout_s:
         raise SettingsError(f"heartbeat_interval_s={settings.heartbeat_interval_s} must be below peer_timeout_s="
                             f"{settings.peer_timeout_s} (a live peer would be judged dead between two heartbeats)")

@@ -105,7 +105,7 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
     every decode block after the prefix holds the logical KV of its heads, the prefix block is untouched."""
     hub = LocalHub()
     counter = itertools.count()
-    settings = Settings(backend="loopback", shm_remap=False)
+    settings = Settings.defaults(backend="loopback", shm_remap=False)
     positions, prefix_blocks = 5, 1
     kv = logical(seed=3, positions=positions)
     rng = np.random.default_rng(0)
@@ -180,7 +180,8 @@ def test_failed_load_reports_blocks() -> None:
     hub = LocalHub()
     pool = pool_layout(allocate("cpu", HEADS), kind="cpu", total_kv_heads=HEADS, tp_size=1, tp_rank=0,
                        block_size=BLOCK)
-    w = WorkerSide(settings=Settings(connect_timeout_s=0.3), pool=pool, produce=False, consume=True, instance="",
+    settings = Settings.defaults(connect_timeout_s=0.3)
+    w = WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
                    link_factory=lambda: hub.link("d"))
     try:
         started = time.monotonic()
@@ -203,7 +204,7 @@ def _pair(kind: str, pt: int, dt: int, dump_dir: str = "") -> tuple[list[WorkerS
     """Prefill ranks (holding a 5-block request's logical KV in blocks 0..4) and decode ranks, on one hub."""
     hub = LocalHub()
     counter = itertools.count()
-    settings = Settings(backend="loopback", shm_remap=False, dump_dir=dump_dir)
+    settings = Settings.defaults(backend="loopback", shm_remap=False, dump_dir=dump_dir)
     kv = logical(seed=5, positions=5)
     prefill, decode, dst = [], [], []
     for r in range(pt):

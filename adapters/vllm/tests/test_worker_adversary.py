@@ -50,7 +50,7 @@ class Rig:
         self.counter = itertools.count()
         base: dict[str, object] = {"backend": "loopback", "shm_remap": False, "peer_timeout_s": 1.0,
                                    "heartbeat_interval_s": 0.1}
-        self.settings = Settings(**(base | settings))  # type: ignore[arg-type]
+        self.settings = Settings.defaults(**(base | settings))
         self.src = caches(fill=1000.0)
         self.dst = caches()
         self.workers: list[WorkerSide] = []
@@ -158,7 +158,7 @@ def test_secret_mismatch_refused_with_reason(caplog: pytest.LogCaptureFixture, p
     address = f"tcp://127.0.0.1:{_free_port()}"
     common = {"backend": "loopback", "shm_remap": False, "bootstrap": address, "connect_timeout_s": 2.0,
               "host": "127.0.0.1"}
-    ps, ds = Settings(**common, secret=p_secret), Settings(**common, secret=d_secret)  # type: ignore[arg-type]
+    ps, ds = Settings.defaults(**common, secret=p_secret), Settings.defaults(**common, secret=d_secret)
     server = BootstrapServer(address, secret=ps.secret_bytes).start()
     workers: list[WorkerSide] = []
     try:

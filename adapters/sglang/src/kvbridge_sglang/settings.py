@@ -1,46 +1,55 @@
 """kvbridge-sglang's options: environment variables (SGLang's command line has no room for them).
 
+One configuration: every agent option is a key of kvbridge's own schema (:class:`kvbridge.settings.Settings`),
+read from its ``KVBRIDGE_<KEY>`` variable (``KVBRIDGE_PEER_TIMEOUT_S``, ``KVBRIDGE_SECRET``,
+``KVBRIDGE_CHECKSUMS``, ``KVBRIDGE_STAGING_BYTES``, ...) or ``$KVBRIDGE_CONFIG``'s file, and validated by it;
+this adapter only changes some defaults to SGLang's and adds the keys SGLang needs:
+
 | variable | default | meaning |
 |---|---|---|
 | ``KVBRIDGE_BACKEND`` | ``nixl`` when usable here, else ``loopback`` | the kvbridge transfer backend |
-| ``KVBRIDGE_SECRET`` | unset | shared secret: HMAC on control frames, bootstrap and topology requests |
-| ``KVBRIDGE_HOST`` | SGLang's ``--host``, else 127.0.0.1 | address the ranks' control links bind |
-| ``KVBRIDGE_ALLOW_INSECURE`` | unset | ``1``: bind a non-loopback address without a secret (else refused) |
-| ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
-| ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
-| ``KVBRIDGE_STAGING_MIB`` | 32 | staging area per agent (0: off) |
 | ``KVBRIDGE_BOOTSTRAP_TIMEOUT_S`` | SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, else 300 | |
 | ``KVBRIDGE_WAITING_TIMEOUT_S`` | SGLang's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, else 300 | |
 | ``KVBRIDGE_PEER_TIMEOUT_S`` | 10 | a silent peer is dead after this long |
-| ``KVBRIDGE_HEARTBEAT_S`` | 1 | heartbeat interval |
-| ``KVBRIDGE_BACKEND_OPTIONS`` | unset | ``key=value,key=value`` passed to the backend |
+| ``KVBRIDGE_HEARTBEAT_S`` | 1 | heartbeat interval (``KVBRIDGE_HEARTBEAT_INTERVAL_S`` too) |
+| ``KVBRIDGE_STAGING_MIB`` | 32 | staging area per agent in MiB, 0: off (``KVBRIDGE_STAGING_BYTES`` too) |
+| ``KVBRIDGE_HOST`` | SGLang's ``--host``, else 127.0.0.1 | address the ranks' control links bind |
+| ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
+| ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
+
+Every other agent option keeps kvbridge's default (the table in kvbridge's README, "Configuration").
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from kvbridge.agent import AgentConfig
-from kvbridge.errors import KVBridgeError
+from kvbridge.settings import Settings as AgentSettings
+from kvbridge.settings import SettingsError, load_settings, parse_options
+
+__all__ = ["SGLangOptions", "Settings", "default_backend"]
+
+#: SGLang's own defaults where they differ from kvbridge's (its bootstrap and waiting timeouts are 300 s)
+SGLANG_DEFAULTS: dict[str, Any] = {"bootstrap_timeout_s": 300.0, "waiting_timeout_s": 300.0,
+                                   "peer_timeout_s": 10.0, "heartbeat_interval_s": 1.0}
+#: adapter variables that set a key of kvbridge's schema (used when that key's own variable is unset)
+_ALIASES = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_s",
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "waiting_timeout_s",
+            "KVBRIDGE_HEARTBEAT_S": "heartbeat_interval_s", "KVBRIDGE_STAGING_MIB": "staging_bytes"}
 
 
-def _float(env: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
-    """The first of ``names`` set in ``env``, as a finite number >= 0 of seconds; an error naming the variable."""
-    for name in names:
-        value = env.get(name)
-        if value:
-            try:
-                number = float(value)
-            except ValueError:
-                raise KVBridgeError(f"{name}={value!r:.60} is not a number of seconds") from None
-            if not math.isfinite(number) or number < 0:
-                raise KVBridgeError(f"{name}={value!r:.60} must be a finite number of seconds >= 0")
-            return number
-    return default
+class SGLangOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """What only this adapter reads (``KVBRIDGE_HOST``, ``KVBRIDGE_SWA_WINDOW``, ``KVBRIDGE_DEVICE``)."""
+
+    host: str = "127.0.0.1"
+    swa_window: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 def default_backend() -> str:
@@ -55,57 +64,85 @@ def default_backend() -> str:
     return "loopback"
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    return (env.get(name) or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    backend: str = "loopback"
-    secret: bytes | None = None
-    host: str = "127.0.0.1"
-    allow_insecure: bool = False    # bind a non-loopback address without a secret (refused otherwise)
-    swa_window: int | None = None
-    device: str = "auto"
-    staging_bytes: int = 32 << 20
-    bootstrap_timeout_s: float = 300.0
-    waiting_timeout_s: float = 300.0
-    peer_timeout_s: float = 10.0
-    heartbeat_interval_s: float = 1.0
-    drain_timeout_s: float = 10.0   # shutdown: rooms in flight get this long to finish, then fail cleanly
-    checksums: bool = False         # decode: per-destination digests of every write, verified on arrival
-    backend_options: dict[str, str] = field(default_factory=dict)
+    """The agent's settings (kvbridge's one schema) and this adapter's own options."""
+
+    agent: AgentSettings
+    options: SGLangOptions
 
     @classmethod
     def from_env(cls, server_args: Any = None, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
+        defaults: dict[str, Any] = dict(SGLANG_DEFAULTS)
+        aliased: dict[str, Any] = {}           # an alias counts as its key's own variable, when that is unset
+        sources: dict[str, str] = {}
+        for variable, key in _ALIASES.items():
+            text = env.get(variable)
+            if text and not env.get("KVBRIDGE_" + key.upper()):
+                aliased[key] = _mib(variable, text) if variable == "KVBRIDGE_STAGING_MIB" else text
+                sources[key] = variable
+        if not env.get("KVBRIDGE_BACKEND"):
+            defaults["backend"] = default_backend()
         host = env.get("KVBRIDGE_HOST") or getattr(server_args, "host", None) or "127.0.0.1"
-        if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
-        options = {}
-        for pair in (env.get("KVBRIDGE_BACKEND_OPTIONS") or "").split(","):
-            if "=" in pair:
-                key, value = pair.split("=", 1)
-                options[key.strip()] = value.strip()
-        window = env.get("KVBRIDGE_SWA_WINDOW")
-        secret = env.get("KVBRIDGE_SECRET")
-        return cls(backend=env.get("KVBRIDGE_BACKEND") or default_backend(),
-                   secret=secret.encode() if secret else None, host=str(host),
-                   allow_insecure=_flag(env, "KVBRIDGE_ALLOW_INSECURE"),
-                   swa_window=int(window) if window else None, device=env.get("KVBRIDGE_DEVICE", "auto"),
-                   staging_bytes=int(float(env.get("KVBRIDGE_STAGING_MIB", "32")) * (1 << 20)),
-                   bootstrap_timeout_s=_float(env, ("KVBRIDGE_BOOTSTRAP_TIMEOUT_S",
-                                                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"), 300.0),
-                   waiting_timeout_s=_float(env, ("KVBRIDGE_WAITING_TIMEOUT_S",
-                                                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"), 300.0),
-                   peer_timeout_s=_float(env, ("KVBRIDGE_PEER_TIMEOUT_S",), 10.0),
-                   heartbeat_interval_s=_float(env, ("KVBRIDGE_HEARTBEAT_S",), 1.0),
-                   drain_timeout_s=_float(env, ("KVBRIDGE_DRAIN_TIMEOUT_S",), 10.0),
-                   checksums=_flag(env, "KVBRIDGE_CHECKSUMS"),
-                   backend_options=options)
+        own = {"host": "127.0.0.1" if host in ("0.0.0.0", "::") else str(host),
+               "swa_window": env.get("KVBRIDGE_SWA_WINDOW") or None, "device": env.get("KVBRIDGE_DEVICE") or "auto"}
+        try:
+            agent = load_settings(env=env, check_backend=False, defaults=defaults, sources=sources, **aliased)
+            options = parse_options(SGLangOptions, own, "kvbridge-sglang setting",
+                                    {"swa_window": "KVBRIDGE_SWA_WINDOW", "device": "KVBRIDGE_DEVICE",
+                                     "host": "KVBRIDGE_HOST"})
+        except SettingsError as exc:
+            raise SettingsError(f"kvbridge-sglang: {exc}") from None
+        return cls(agent=agent, options=options)
+
+    # -- what the connector reads -------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self.agent.backend or "loopback"
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.agent.secret.encode() if self.agent.secret else None
+
+    @property
+    def allow_insecure(self) -> bool:
+        return self.agent.allow_insecure
+
+    @property
+    def host(self) -> str:
+        return self.options.host
+
+    @property
+    def swa_window(self) -> int | None:
+        return self.options.swa_window
+
+    @property
+    def device(self) -> str:
+        return self.options.device
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.agent.staging_bytes
+
+    @property
+    def bootstrap_timeout_s(self) -> float:
+        return self.agent.bootstrap_timeout_s
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.agent.drain_timeout_s
 
     def agent_config(self) -> AgentConfig:
-        return AgentConfig(heartbeat_interval_s=self.heartbeat_interval_s, peer_timeout_s=self.peer_timeout_s,
-                           bootstrap_timeout_s=self.bootstrap_timeout_s, waiting_timeout_s=self.waiting_timeout_s,
-                           secret=self.secret, staging_bytes=self.staging_bytes, checksums=self.checksums,
-                           backend_options=dict(self.backend_options))
+        config: AgentConfig = self.agent.agent_config()
+        return config
+
+
+def _mib(variable: str, text: str) -> int:
+    try:
+        mib = float(text)
+    except ValueError:
+        raise SettingsError(f"kvbridge-sglang: {variable}={text!r:.60} is not a number of MiB") from None
+    if not 0 <= mib < (1 << 28):           # NaN fails both comparisons
+        raise SettingsError(f"kvbridge-sglang: {variable}={text!r:.60} must be a number of MiB >= 0")
+    return int(mib * (1 << 20))
