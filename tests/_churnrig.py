@@ -42,11 +42,11 @@ INSTANCE = "churn-prefill"
 class Child(TaggedChild):
     """One rank process; events are read by a thread; every wait is bounded."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, script: Path = HERE) -> None:
         self._cond = threading.Condition()
         self._items: list[dict[str, Any]] = []
         self._closed = False
-        super().__init__(label, HERE, _TAG, env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
+        super().__init__(label, script, _TAG, env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
 
     def _event(self, item: dict[str, Any]) -> None:
         with self._cond:
@@ -58,15 +58,15 @@ class Child(TaggedChild):
             self._closed = True
             self._cond.notify_all()
 
-    def wait(self, event: str, timeout_s: float) -> dict[str, Any]:
-        """The first not yet consumed ``event`` (consumed by this call)."""
+    def wait(self, event: str, timeout_s: float, **match: Any) -> dict[str, Any]:
+        """The first not yet consumed ``event`` whose fields include ``match`` (consumed by this call)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 for k, e in enumerate(self._items):
                     if e["event"] == "error":
                         raise AssertionError(f"{self.label} (pid {self.pid}) failed: {e['text']}")
-                    if e["event"] == event:
+                    if e["event"] == event and all(e.get(key) == value for key, value in match.items()):
                         return self._items.pop(k)
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:

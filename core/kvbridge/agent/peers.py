@@ -533,12 +533,13 @@ class PeerTable:
                 self._drop(peer)
 
     def _died(self, peer: Peer, why: str, event: PeerEvent) -> None:
+        planned = peer.state is PeerState.LEAVING       # it said goodbye first (a drain, a clean shutdown)
         peer.step(event)
         peer.died_at = self._ctx.clock()
         self.beat_targets.pop(peer.agent, None)
         self._link_down(peer)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
-        log.log(logging.INFO if why == "said goodbye" else logging.ERROR, "%s: %s", self._ctx.name, reason)
+        log.log(logging.INFO if planned else logging.ERROR, "%s: %s", self._ctx.name, reason)
         for callback in self._on_death:
             callback(peer, reason)
 
