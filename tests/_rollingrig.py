@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _churnrig import _say, _wait  # noqa: E402 - the rig scripts share their child-side helpers
-
-
+from _churnrig import _say, _wait
 
 
 def _room(agent: Any, pool: Any, cmd: dict[str, Any], bound_s: float, fill_lock: threading.Lock) -> None:

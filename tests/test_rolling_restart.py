@@ -150,7 +150,7 @@ def test_a_rolling_restart_of_every_prefill_under_load_fails_no_request(backend:
         decode = Decode(backend, server.address)
         for p in prefills:
             decode.agent.connect(p.instance, timeout_s=BOUND_S)
-        for turn, (stopping, other) in enumerate([(prefills[0], prefills[1]), (prefills[1], prefills[0])]):
+        for stopping, other in [(prefills[0], prefills[1]), (prefills[1], prefills[0])]:
             for k in range(STEADY):                                           # steady load on both
                 decode.run(prefills[k % 2], prefills[(k + 1) % 2])
             in_flight = decode.start(stopping, delay_s=0.6)                 # 1. SIGTERM while a room is in flight
@@ -164,7 +164,8 @@ def test_a_rolling_restart_of_every_prefill_under_load_fails_no_request(backend:
             decode.run(other, other)                                          # ... its re-route
             drained = stopping.child.wait("drained", BOUND_S)
             assert drained["report"]["failed"] == 0 and drained["report"]["unsafe"] == 0, drained
-            assert stopping.child.close(BOUND_S) == 0, f"{stopping.instance} did not exit 0:\n{stopping.child.stderr()}"
+            rc = stopping.child.close(BOUND_S)
+            assert rc == 0, f"{stopping.instance} did not exit 0 ({rc}):\n{stopping.child.stderr()}"
             exited = time.monotonic() - stopped
             decode.run(other, other)                                          # load goes on meanwhile
             started = stopping.restart()                                      # 3. same names, new incarnation
