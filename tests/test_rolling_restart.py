@@ -173,9 +173,9 @@ def test_a_rolling_restart_of_every_prefill_under_load_fails_no_request(backend:
             decode.agent.connect(stopping.instance, timeout_s=BOUND_S)
             decode.run(stopping, other)
             assert decode.log[-1][1] == stopping.instance, f"the restarted {stopping.instance} took no request"
+            first = time.monotonic() - back
             measured.append(f"{stopping.instance}: drained in {drained['took']:.2f} s, exited {exited:.2f} s after "
-                            f"SIGTERM, replacement up in {started:.2f} s, first Success {time.monotonic() - back:.2f} s "
-                            f"after it was up")
+                            f"SIGTERM, replacement up in {started:.2f} s, first Success {first:.2f} s after it was up")
         for k in range(STEADY):
             decode.run(prefills[k % 2], prefills[(k + 1) % 2])
         outcomes = [outcome for _, _, outcome, _ in decode.log]
