@@ -127,3 +127,48 @@ def test_a_flood_of_bad_bootstrap_requests_logs_a_few_lines(caplog: pytest.LogCa
     finally:
         sock.close(0)
         srv.close()
+
+
+# ---------------------------------------------------------------------------------------------- one secret
+def _agent(link: object, secret: bytes | None) -> object:
+    from kvbridge.agent import AgentConfig, TransferAgent
+    from kvbridge.protocol.wire import Role
+    from kvbridge.testkit.kvmodel import KVPool
+
+    pool = KVPool(1, 0, role="prefill")
+    try:
+        agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.PREFILL, link=link,  # type: ignore[arg-type]
+                              name="one-secret", config=AgentConfig(secret=secret))
+    finally:
+        pool.close()
+    agent.close()
+    return agent
+
+
+@pytest.mark.parametrize(("agent_secret", "link_secret", "why"), [
+    (b"k" * 32, None, "the agent has a shared secret but its control link has none"),
+    (None, b"k" * 32, "its control link has a shared secret but the agent has none"),
+    (b"k" * 32, b"j" * 32, "the agent's shared secret and its control link's differ"),
+], ids=["agent-only", "link-only", "different"])
+def test_a_secret_given_to_the_agent_or_the_link_alone_is_refused(server: BootstrapServer, agent_secret: bytes | None,
+                                                                   link_secret: bytes | None, why: str) -> None:
+    """Issue 26: with the secret on the agents only, an outsider still got a readable Hello through the
+    unauthenticated bootstrap and wrote into the decode's KV. Agent and link take one secret or none."""
+    link = ZmqLink(bootstrap=server.address, secret=link_secret)
+    try:
+        with pytest.raises(InsecureSetup, match=why):
+            _agent(link, agent_secret)
+    finally:
+        link.close()
+
+
+def test_the_same_secret_or_none_on_both_is_accepted(server: BootstrapServer) -> None:
+    from kvbridge.links import LocalHub
+
+    for secret in (None, b"k" * 32):
+        link = ZmqLink(bootstrap=server.address, secret=secret)
+        try:
+            _agent(link, secret)
+        finally:
+            link.close()
+    _agent(LocalHub().link("in-process"), b"k" * 32)     # in-process links carry no secret of their own

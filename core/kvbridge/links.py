@@ -46,6 +46,14 @@ class PeerQueues(Protocol):
     def queued_to(self, address: str) -> int: ...
 
 
+@runtime_checkable
+class SharedSecretLink(Protocol):
+    """A link that carries frames between processes and holds the shared secret for its own traffic (bootstrap,
+    exposure checks): ``kvbridge.zmq_link.ZmqLink``. An agent refuses one whose secret is not its own."""
+
+    def secret_mismatch(self, secret: bytes | None) -> str: ...
+
+
 class LocalHub:
     """Connects in-process links by address. ``hub.link("prefill-0")`` makes one."""
 

@@ -29,6 +29,7 @@ logged at start.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import secrets
@@ -684,6 +685,7 @@ class ZmqLink:
             if self._owns_discovery:
                 discovery.close()
             raise
+        self._secret = secret
         self._queue_frames = queue_frames
         self._queues: dict[str, deque[bytes]] = {}
         self._sockets: dict[str, zmq.Socket[bytes]] = {}       # PUSH per peer; used only under _lock
@@ -769,6 +771,25 @@ class ZmqLink:
             self._down.discard(address)
             self._forgotten.add(address)
         self._wake.set()
+
+    def secret_mismatch(self, secret: bytes | None) -> str:
+        """Why an agent holding ``secret`` must not use this link, or "" when they agree: agent, link and
+        bootstrap take one secret, or none at all (issue 26: a secret set in one place only protects nothing)."""
+        mine = self._secret
+        if mine is None and not self._owns_discovery:
+            return ""                          # a discovery client given with its own credentials
+        if mine is not None and secret is not None:
+            return "" if hmac.compare_digest(mine, secret) else (
+                "the agent's shared secret and its control link's differ: peers would refuse every frame; give "
+                "both the same secret (one setting: KVBRIDGE_SECRET / Settings.secret)")
+        if mine is None and secret is None:
+            return ""
+        if secret is None:
+            return ("its control link has a shared secret but the agent has none: every control frame would go "
+                    "unauthenticated; give the agent the same secret (AgentConfig.secret, KVBRIDGE_SECRET)")
+        return ("the agent has a shared secret but its control link has none: its bootstrap registrations and "
+                "lookups would go unauthenticated (anyone who reaches the bootstrap could redirect this rank); give "
+                "the link the same secret (ZmqLink(secret=...), KVBRIDGE_SECRET)")
 
     def peer_down(self, address: str) -> int:
         """The peer at ``address`` died or left: drop its queued frames (and the socket's, which ZMQ may still

@@ -24,9 +24,9 @@ from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
 from kvbridge.backends.base import RegisteredBuffers, TransferBackend
-from kvbridge.errors import IncompatiblePeer, KVBridgeError, ProtocolError
+from kvbridge.errors import IncompatiblePeer, InsecureSetup, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout, Rank
-from kvbridge.links import Link
+from kvbridge.links import Link, SharedSecretLink
 from kvbridge.logs import LineBudget, RateLimitedLog
 from kvbridge.protocol.events import RoomEvent
 from kvbridge.protocol.wire import (
@@ -76,6 +76,8 @@ class TransferAgent:
         config = config or AgentConfig()
         registry = registry or Registry.build()
         self.name = name or f"{role.value}-{layout.tp_rank}-{uuid.uuid4().hex[:8]}"
+        if isinstance(link, SharedSecretLink) and (why := link.secret_mismatch(config.secret)):
+            raise InsecureSetup(f"{self.name}: {why}")
         self.instance = instance
         # this start of the agent (never 0); a simulator passes its own seeded one
         self.incarnation = incarnation if incarnation else secrets.randbits(64) | 1
