@@ -180,19 +180,25 @@ def zygote() -> Zygote:
     return _ZYGOTE
 
 
+def runtime_key(key: str) -> bool:
+    """An environment variable read only after a rank started: kvbridge's settings (not ``KVBRIDGE_LOG`` nor the
+    shm run tag, read at import) and pytest's name of the current test (it changes every test)."""
+    if key == "PYTEST_CURRENT_TEST":
+        return True
+    return key.startswith("KVBRIDGE_") and key not in ("KVBRIDGE_LOG", "KVBRIDGE_SHM_RUN")
+
+
 def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
-    """A rank may come from the zygote when its environment differs only in ``KVBRIDGE_*`` settings (read at
-    run time); anything else (``KVBRIDGE_LOG`` and the shm run tag included) may have been read at import."""
-    keys = {k for k in env.keys() | zygote_env.keys() if env.get(k) != zygote_env.get(k)}
-    return all(k.startswith("KVBRIDGE_") and k not in ("KVBRIDGE_LOG", "KVBRIDGE_SHM_RUN") for k in keys)
+    """A rank may come from the zygote when its environment differs from the zygote's only in variables read at
+    run time (``runtime_key``); anything else may have been read at import."""
+    return all(runtime_key(k) for k in env.keys() | zygote_env.keys() if env.get(k) != zygote_env.get(k))
 
 
 def zygote_env() -> dict[str, str]:
     """The environment a new zygote imports under: the ranks' base without a test's ``KVBRIDGE_*`` settings."""
     env = {**os.environ, **BASE_ENV}
-    for key in [k for k in env if k.startswith("KVBRIDGE_") and k not in ("KVBRIDGE_LOG", "KVBRIDGE_SHM_RUN")]:
-        if key not in BASE_ENV:
-            del env[key]
+    for key in [k for k in env if runtime_key(k) and k not in BASE_ENV]:
+        del env[key]
     return env
 
 

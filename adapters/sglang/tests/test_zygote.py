@@ -131,3 +131,35 @@ def test_only_runtime_settings_may_differ_from_the_zygote() -> None:
     assert not forkable({**base, "KVBRIDGE_LOG": "DEBUG"}, base)
     assert not forkable({**base, "KVBRIDGE_SHM_RUN": "abcd1234"}, base)
     assert not forkable({"PATH": "/bin"}, {**base, "LD_PRELOAD": "x"})
+    assert forkable({**base, "PYTEST_CURRENT_TEST": "test_b (call)"}, {**base, "PYTEST_CURRENT_TEST": "test_a"})
+
+
+def test_every_rank_of_a_session_comes_from_one_zygote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What pytest changes between tests (PYTEST_CURRENT_TEST) and a test's KVBRIDGE_* settings do not send a
+    rank to a fresh interpreter (the whole gain), and KVBRIDGE_SGLANG_TEST_FRESH=1 does."""
+    seen: list[str] = []
+
+    class Fake:
+        def __init__(self, env: dict[str, str]) -> None:
+            self.env = env
+
+        def alive(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+        def spawn(self, *a: object) -> None:
+            seen.append("zygote")
+
+    monkeypatch.setattr(_rig, "Zygote", Fake)
+    monkeypatch.setattr(_rig, "_ZYGOTE", None)
+    monkeypatch.setattr(_rig.subprocess, "Popen", lambda *a, **kw: seen.append("fresh"))
+    log = tmp_path / "x.log"
+    _rig.spawn(["x.py"], {**os.environ, **BASE_ENV}, log)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    _rig.spawn(["x.py"], {**os.environ, **BASE_ENV, "KVBRIDGE_SECRET": "s" * 32, "KVBRIDGE_CHECKSUMS": "1"}, log)
+    _rig.spawn(["x.py"], {**os.environ, **BASE_ENV, "OMP_NUM_THREADS": "2"}, log)
+    monkeypatch.setenv("KVBRIDGE_SGLANG_TEST_FRESH", "1")
+    _rig.spawn(["x.py"], {**os.environ, **BASE_ENV}, log)
+    assert seen == ["zygote", "zygote", "fresh", "fresh"]
