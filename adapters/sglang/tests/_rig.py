@@ -19,10 +19,14 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+
+# importing it sets this run's /dev/shm tag in os.environ now, before any zygote starts
+from kvbridge.shmnames import RUN_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -185,7 +189,7 @@ def runtime_key(key: str) -> bool:
     shm run tag, read at import) and pytest's name of the current test (it changes every test)."""
     if key == "PYTEST_CURRENT_TEST":
         return True
-    return key.startswith("KVBRIDGE_") and key not in ("KVBRIDGE_LOG", "KVBRIDGE_SHM_RUN")
+    return key.startswith("KVBRIDGE_") and key not in ("KVBRIDGE_LOG", RUN_ENV)
 
 
 def forkable(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
@@ -209,8 +213,12 @@ def spawn(argv: list[str], env: dict[str, str], log: Path, *, fresh: bool = Fals
     TEST_FRESH=1, or an environment the zygote cannot give)."""
     if not fresh and os.environ.get(FRESH_ENV, "") in ("", "0"):
         running = _ZYGOTE is not None and _ZYGOTE.alive()
-        if forkable(env, _ZYGOTE.env if _ZYGOTE is not None and running else zygote_env()):
+        z_env = _ZYGOTE.env if _ZYGOTE is not None and running else zygote_env()
+        if forkable(env, z_env):
             return zygote().spawn(argv, env, log, cwd)
+        differ = sorted(k for k in env.keys() | z_env.keys() if env.get(k) != z_env.get(k) and not runtime_key(k))
+        warnings.warn(f"a fresh SGLang rank (slow): its environment differs from the zygote's in {differ}",
+                      stacklevel=2)
     with open(log, "wb") as out:
         return subprocess.Popen([str(PYTHON), *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)

@@ -46,7 +46,7 @@ def zyg() -> Iterator[Zygote]:
 
 
 def _spawn(z: Zygote, tmp: Path, how: str, **env: str) -> tuple[_rig.ZygoteProc, Path]:
-    script = tmp / "probe.py"
+    script = tmp / f"probe-{how}.py"      # one per child: rewriting a file another child is reading races
     script.write_text(SCRIPT)
     out = tmp / f"{how}.json"
     proc = z.spawn([str(script), str(out), how], {**os.environ, **BASE_ENV, **env}, tmp / f"{how}.log", cwd=tmp)
@@ -136,7 +136,12 @@ def test_only_runtime_settings_may_differ_from_the_zygote() -> None:
 
 def test_every_rank_of_a_session_comes_from_one_zygote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What pytest changes between tests (PYTEST_CURRENT_TEST) and a test's KVBRIDGE_* settings do not send a
-    rank to a fresh interpreter (the whole gain), and KVBRIDGE_SGLANG_TEST_FRESH=1 does."""
+    rank to a fresh interpreter (the whole gain), and KVBRIDGE_SGLANG_TEST_FRESH=1 does. The /dev/shm run tag
+    (set in os.environ when kvbridge is first imported) is there since _rig's import, so a zygote started
+    before the test process imported kvbridge elsewhere does not turn every later rank into a fresh one."""
+    from kvbridge.shmnames import RUN_ENV, RUN_TAG
+
+    assert os.environ.get(RUN_ENV) == RUN_TAG
     seen: list[str] = []
 
     class Fake:
@@ -159,7 +164,8 @@ def test_every_rank_of_a_session_comes_from_one_zygote(tmp_path: Path, monkeypat
     _rig.spawn(["x.py"], {**os.environ, **BASE_ENV}, log)
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
     _rig.spawn(["x.py"], {**os.environ, **BASE_ENV, "KVBRIDGE_SECRET": "s" * 32, "KVBRIDGE_CHECKSUMS": "1"}, log)
-    _rig.spawn(["x.py"], {**os.environ, **BASE_ENV, "OMP_NUM_THREADS": "2"}, log)
+    with pytest.warns(UserWarning, match=r"fresh SGLang rank.*\['OMP_NUM_THREADS'\]"):
+        _rig.spawn(["x.py"], {**os.environ, **BASE_ENV, "OMP_NUM_THREADS": "2"}, log)
     monkeypatch.setenv("KVBRIDGE_SGLANG_TEST_FRESH", "1")
     _rig.spawn(["x.py"], {**os.environ, **BASE_ENV}, log)
     assert seen == ["zygote", "zygote", "fresh", "fresh"]
