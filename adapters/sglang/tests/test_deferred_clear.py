@@ -4,9 +4,7 @@ died silently: deferred clears stopped for good). Runs in .venv-sglang (SGLang's
 
 from __future__ import annotations
 
-import subprocess
-
-from _rig import PYTHON, ROOT, need_sglang
+from _rig import need_sglang, run_script
 
 SCRIPT = r'''
 import sys, threading, time
@@ -73,5 +71,5 @@ print("ok")
 
 def test_a_sender_is_cleared_once_and_the_reaper_survives_errors() -> None:
     need_sglang()
-    done = subprocess.run([str(PYTHON), "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+    rc, output = run_script(SCRIPT, timeout_s=240)
+    assert rc == 0 and output.strip().endswith("ok"), output[-6000:]

@@ -244,12 +244,13 @@ def test_peer_failure_fences_until_quiescent(tmp_path: Path) -> None:
 
 def test_unsupported_state_types_refused_at_startup(tmp_path: Path) -> None:
     """Every SGLang StateType without a kvbridge state type is refused when the manager starts, naming the
-    type and the reason."""
+    type and the reason. This rank is a fresh interpreter (not forked from the tests' zygote): the cold path
+    of a deployment (SGLang's plugin loading in a new process) stays covered."""
     from kvbridge_sglang.layout import REFUSED
 
     need_sglang()
     sc = scenario(prefill={"tp": 1}, decode={"tp": 1}, refuse=sorted(REFUSED))
-    run_ = Run(dict(sc, prefill={"tp": 0}), tmp_path)        # the decode rank alone
+    run_ = Run(dict(sc, prefill={"tp": 0}), tmp_path, fresh=True)        # the decode rank alone
     try:
         results = run_.wait(200)
     finally:
