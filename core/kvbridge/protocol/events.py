@@ -52,6 +52,10 @@ class RoomEvents:
                 self._safe.add(room)
             self._queued.setdefault(room, []).append(RoomEvent(room=room, kind=kind, reason=reason))
 
+    def queued(self) -> bool:
+        """Is any event queued? A lock-free peek (an emit racing it shows in the next one); ``take`` to have them."""
+        return bool(self._queued)
+
     def take(self) -> list[RoomEvent]:
         """Every queued event, oldest room first, and forget them."""
         with self._lock:

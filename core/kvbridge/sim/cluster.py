@@ -72,10 +72,11 @@ class Proc:
     frozen: np.ndarray = field(default_factory=lambda: np.zeros((0, PAGES, 1), np.uint8))   # free pages' content
     paused_until: float = 0.0
     dirty: bool = False      # its memory may have changed since the last frozen-pages check
+    base: int = 0            # address of ``mem`` (read once per incarnation: ``ndarray.ctypes`` is slow)
 
     def span(self, addr: int) -> tuple[int, int] | None:
         """(buffer index, page) of a byte address inside this process's KV buffers."""
-        offset = addr - self.mem.ctypes.data
+        offset = addr - self.base
         if not 0 <= offset < self.mem.nbytes:
             return None
         item = self.mem.shape[2]
@@ -111,6 +112,7 @@ class Cluster:
         proc.mem = np.zeros((len(geoms), PAGES, geoms[0].item_nbytes), np.uint8)
         proc.buffers = [proc.mem[b] for b in range(len(geoms))]
         proc.frozen = proc.mem.copy()
+        proc.base = proc.mem.ctypes.data
         proc.owner[:] = -1
         incarnation = self.world.rng.getrandbits(64) | 1
         proc.gen += 1

@@ -243,8 +243,10 @@ class Engine:
         engine looks at it: by then the prefill may have cleared its side after the decode's abort."""
         if not self.lossless:
             return
-        for proc in self.cluster.live():
-            if proc.agent is None or proc.agent.decode is None:
+        for proc in self.cluster.procs:
+            if proc.status != UP or proc.agent is None or proc.agent.decode is None:
+                continue
+            if not proc.agent.context.events.queued():
                 continue
             with proc.agent.context.lock:
                 events = proc.agent.context.events.take()        # no progress step: the schedule stays the same

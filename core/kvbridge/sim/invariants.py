@@ -55,7 +55,7 @@ class Fences:
         if not addrs.size:
             return
         item = proc.mem.shape[2]
-        offset = addrs.astype(np.int64) - proc.mem.ctypes.data
+        offset = addrs.astype(np.int64) - proc.base
         inside = (offset >= 0) & (offset < proc.mem.nbytes)
         page = np.where(inside, offset % (PAGES * item) // item, 0)
         bad = ~inside | (proc.owner[page] != room)
@@ -75,17 +75,24 @@ class Fences:
 
 
 def check_frozen(cluster: Cluster) -> None:
-    """Free destination pages keep the content they had when freed."""
+    """Free destination pages keep the content they had when freed.
+
+    ``frozen`` holds every page's content as of the last check (a page freed since: as of its freeing, set by
+    the engine), so a memory equal to it byte for byte has no free page that changed: one bytes comparison
+    instead of the per-page mask. Otherwise the mask is computed as before, and ``frozen`` catches up with
+    every page: an owned page may change freely, a free one is reported (once) and the run stops."""
     for proc in cluster.procs:
         if not proc.dirty or proc.status != UP or proc.role is not Role.DECODE:
             continue
         proc.dirty = False
-        free = proc.owner < 0
-        changed = (proc.mem != proc.frozen).any(axis=(0, 2)) & free      # per page: a free one that changed
+        mem, frozen = proc.mem, proc.frozen
+        if mem.tobytes() == frozen.tobytes():
+            continue
+        changed = (mem != frozen).any(axis=(0, 2)) & (proc.owner < 0)     # per page: a free one that changed
         if changed.any():
             cluster.world.violate(f"free pages {np.flatnonzero(changed).tolist()} of {proc.name} changed after their "
                                   "room was safe to reuse")
-            proc.frozen[:, free] = proc.mem[:, free]     # report once
+        np.copyto(frozen, mem)          # owned pages caught up; a changed free page reported once
 
 
 def check_bounded(cluster: Cluster, rooms: bool = True) -> None:

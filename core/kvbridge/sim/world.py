@@ -76,7 +76,7 @@ class World:
 
     # ------------------------------------------------------------------ partitions
     def cut(self, a: str, b: str) -> bool:
-        return (min(a, b), max(a, b)) in self.cuts
+        return bool(self.cuts) and ((a, b) if a < b else (b, a)) in self.cuts
 
     def partition(self, group: list[str], others: list[str]) -> None:
         for a in group:
