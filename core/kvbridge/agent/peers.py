@@ -143,6 +143,16 @@ class PeerTable:
         self._exits: dict[tuple[str, int], float] = {}
         self.liveness_address = ""              # prefill: our listener, named in every Welcome
         self._refused: OrderedDict[str, float] = OrderedDict()   # addresses answered with a refusal, when
+        self._queues_of: object = None          # the link ``_queues`` was last answered for
+        self._queues: PeerQueues | None = None
+
+    def _peer_queues(self) -> PeerQueues | None:
+        """The link when it queues per address (:class:`PeerQueues`), else None; the runtime protocol check is
+        slow (tens of microseconds), so it runs once per link object."""
+        link = self._ctx.link
+        if link is not self._queues_of:
+            self._queues_of, self._queues = link, link if isinstance(link, PeerQueues) else None
+        return self._queues
 
     def on_death(self, callback: PeerDied) -> None:
         self._on_death.append(callback)
@@ -240,16 +250,15 @@ class PeerTable:
                       new.version)
 
     def _link_up(self, address: str) -> None:
-        link = self._ctx.link
-        if isinstance(link, PeerQueues):
+        link = self._peer_queues()
+        if link is not None:
             link.peer_up(address)
 
     def _link_down(self, peer: Peer) -> None:
         """``peer`` died or left: the link drops the frames queued to its address and bounds later ones (the
         fence's abort requests to a dead writer would otherwise pile up), unless a live peer listens there."""
-        link = self._ctx.link
-        if not isinstance(link, PeerQueues) or any(p.alive and p.address == peer.address
-                                                   for p in self.peers.values()):
+        link = self._peer_queues()
+        if link is None or any(p.alive and p.address == peer.address for p in self.peers.values()):
             return
         lost = link.peer_down(peer.address)
         if lost:
@@ -280,8 +289,8 @@ class PeerTable:
         """Let the link release what it holds for an address no peer of ours listens at (optional link
         method ``forget``: queue and socket)."""
         if not any(p.address == address for p in self.peers.values()):
-            link = self._ctx.link
-            forget = link.forget if isinstance(link, PeerQueues) else getattr(link, "forget", None)
+            queues = self._peer_queues()
+            forget = queues.forget if queues is not None else getattr(self._ctx.link, "forget", None)
             if forget is not None:
                 forget(address)
 

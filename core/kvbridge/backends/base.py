@@ -139,6 +139,7 @@ class TransferBackend(Protocol):
     def close(self) -> None: ...
 
 
+_ONE = np.uint64(1)
 _BOUNDS: dict[tuple[tuple[int, int], ...], tuple[np.ndarray, np.ndarray]] = {}
 _BOUNDS_KEPT = 1024
 
@@ -167,12 +168,12 @@ def check_within(plan_addr: np.ndarray, plan_len: np.ndarray, regions: Sequence[
         return
     if not regions:
         raise RegionError(f"{side}: {plan_addr.size} descriptors, but no region is registered")
-    starts, lasts = _bounds(tuple((r.addr, r.nbytes) for r in regions))
-    pos = np.searchsorted(starts, plan_addr, side="right").astype(np.int64) - 1
-    safe = np.clip(pos, 0, None)
-    ok = (pos >= 0) & (plan_len > 0) & (plan_addr <= lasts[safe])
+    starts, lasts = _bounds(tuple([(r.addr, r.nbytes) for r in regions]))
+    pos = np.searchsorted(starts, plan_addr, side="right").astype(np.int64, copy=False) - 1
+    last = lasts[np.maximum(pos, 0)]        # the last byte of the region each descriptor starts in
+    ok = (pos >= 0) & (plan_len > 0) & (plan_addr <= last)
     # addr + len - 1 <= last, written so that neither side can wrap around 2**64
-    ok &= plan_len - np.uint64(1) <= lasts[safe] - np.where(ok, plan_addr, lasts[safe])
+    ok &= plan_len - _ONE <= last - np.where(ok, plan_addr, last)
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
         raise RegionError(f"{side} descriptor {i} [{int(plan_addr[i]):#x}, +{int(plan_len[i])}) is outside every "
