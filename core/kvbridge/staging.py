@@ -74,9 +74,25 @@ class Rows:
         return self.rows == 1 or self.cols == self.dst_stride
 
 
+_ROWS: dict[tuple[Segments, int, int], Rows | None] = {}
+_ROWS_KEPT = 1024
+
+
 def regular_rows(seg: Segments, src_item: int, dst_item: int) -> Rows | None:
     """Recognise a regular slice (one run per item, or ``n`` equal runs at a constant stride that tiles the
-    item on both sides); None when the slice is empty or not regular."""
+    item on both sides); None when the slice is empty or not regular. Remembered per ``Segments`` object
+    (immutable, hashed by identity: the registry shares one per slice plan among every agent)."""
+    key = (seg, src_item, dst_item)
+    if key in _ROWS:
+        return _ROWS[key]
+    found = _regular_rows(seg, src_item, dst_item)
+    if len(_ROWS) >= _ROWS_KEPT:
+        _ROWS.clear()
+    _ROWS[key] = found
+    return found
+
+
+def _regular_rows(seg: Segments, src_item: int, dst_item: int) -> Rows | None:
     n = len(seg)
     if n == 0:
         return None

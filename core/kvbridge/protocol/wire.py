@@ -266,6 +266,12 @@ class _Kind(msgspec.Struct):
     type: str = ""
 
 
+# typed decoders built once (``msgspec.msgpack.decode(frame, type=T)`` looks its decoder up per call)
+_VERSION = msgspec.msgpack.Decoder(_Version)
+_HEAD = msgspec.msgpack.Decoder(Head)
+_KIND = msgspec.msgpack.Decoder(_Kind)
+
+
 # The shape of a handshake's layout and buffers: counts only (integers and raw items are decoded in C, no
 # Python object per buffer), to refuse a layout above the bounds before it is built and validated.
 class _ShardShape(msgspec.Struct):
@@ -443,8 +449,8 @@ class Codec:
             raw = msgspec.msgpack.decode(frame) if len(frame) <= MAX_HANDSHAKE_BYTES else None
             raise VersionMismatch(version, raw)
         try:
-            head = msgspec.msgpack.decode(frame, type=Head)
-            kind = msgspec.msgpack.decode(head.body, type=_Kind).type
+            head = _HEAD.decode(frame)
+            kind = _KIND.decode(head.body).type
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed frame: {exc}") from None
         if kind in HANDSHAKES:
@@ -493,8 +499,8 @@ class Codec:
         for deciding where a frame is decoded, never for acting on it."""
         body = frame[_MAC_BYTES:] if self._secret is not None else frame
         try:
-            head = msgspec.msgpack.decode(body, type=Head)
-            return msgspec.msgpack.decode(head.body, type=_Kind).type
+            head = _HEAD.decode(body)
+            return _KIND.decode(head.body).type
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):   # garbage: bytes that are not UTF-8
             return ""
 
@@ -520,7 +526,7 @@ class VersionMismatch(ProtocolError):
 def _peek_version(frame: bytes) -> int | None:
     """The envelope's first field if it is an integer (nothing after it is decoded)."""
     try:
-        return msgspec.msgpack.decode(frame, type=_Version).version
+        return _VERSION.decode(frame).version
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError):
         return None
 

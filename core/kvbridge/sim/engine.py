@@ -85,6 +85,10 @@ class Request:
     def live_sides(self) -> list[Side]:
         return [s for s in self.sides.values() if s.state not in (CLEARED, LOST)]
 
+    def is_open(self) -> bool:
+        """Some side still lives (``live_sides()`` is not empty)."""
+        return any(s.state not in (CLEARED, LOST) for s in self.sides.values())
+
 
 class Engine:
     """Every request of the world; ``act`` performs one engine action on one side."""
@@ -119,7 +123,7 @@ class Engine:
         return side.gen if side is not None and side.gen >= 0 else None
 
     def open_requests(self) -> list[Request]:
-        return [r for r in self.requests if r.live_sides()]
+        return [r for r in self.requests if r.is_open()]
 
     def lose(self, proc: Proc) -> None:
         """``proc`` died: its sides of every request are gone with it (its memory too)."""
