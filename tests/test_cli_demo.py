@@ -117,16 +117,24 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _ranks(pid: int) -> list[int]:
-    """The launcher's rank processes (spawned with multiprocessing.spawn), in start order."""
+    """The launcher's rank processes, in start order: children of its fork server (kvbridge.demo.ranks), or
+    of the launcher itself where ranks are spawned."""
     out = []
     for child in _children(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(child)
-        except OSError:
-            pass
+        cmdline = _cmdline(child)
+        if b"forkserver" in cmdline:
+            out += _children(child)
+        elif b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(child)
     return sorted(out)
 
 
@@ -163,6 +171,41 @@ def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
     for rank in ranks:                                  # every rank is gone, and so are its segments
         assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the demo"
         assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+
+
+@pytest.mark.timeout(240)
+def test_a_launcher_killed_mid_demo_takes_its_ranks_with_it() -> None:
+    """kill -9 of the launcher: its ranks (the fork server's children, not the launcher's) and the fork server
+    exit within seconds."""
+    from kvbridge.hostpool import reap_segments
+
+    proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
+                             "--decode-tp", "2", "--timeout", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=_env())
+    ranks: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if re.search(r"\] [1-9]\d*/3000 requests", line):
+                break
+        else:
+            pytest.fail("the demo never made progress")
+        ranks = _ranks(proc.pid)
+        servers = [c for c in _children(proc.pid) if b"forkserver" in _cmdline(c)]
+        assert len(ranks) == 4, ranks
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() for p in ranks + servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in ranks + servers if Path(f"/proc/{p}").exists()]
+        assert not left, f"{left} outlived the launcher by 10 s (ranks {ranks}, fork server {servers})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for rank in ranks:
+            reap_segments(rank)                     # a killed launcher cannot reap its ranks' segments
 
 
 def test_the_demo_refuses_bad_settings_before_starting(tmp_path: Path) -> None:

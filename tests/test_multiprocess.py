@@ -16,6 +16,7 @@ from _tpmatrix import pair_cases
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.model import RequestShape
 from kvbridge.demo.presets import get_preset
+from kvbridge.demo.ranks import rank_context
 from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import (
     INSTANCE,
@@ -93,7 +94,7 @@ _QUEUES: list[object] = []
 
 
 def _child(cfg: WorkerConfig) -> mp.Process:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(cfg.backend)
     results = ctx.Queue()
     _QUEUES.append(results)          # the queue must outlive the child's start-up
     proc = ctx.Process(target=run_worker, args=(cfg, results), daemon=True)

@@ -31,6 +31,7 @@ import pytest
 
 from kvbridge.agent import AgentConfig, Receiver, TransferAgent
 from kvbridge.demo.presets import get_preset
+from kvbridge.demo.ranks import rank_context
 from kvbridge.demo.run import run_demo
 from kvbridge.demo.worker import (
     INSTANCE,
@@ -101,7 +102,7 @@ class _Group:
                                 region_pages=REGION, timeout_s=90.0, pace_s=0.15,
                                 peer_timeout_s=PEER_TIMEOUT_S, staging_bytes=1 << 20)
         self.requests = make_requests(seed, REQUESTS, self.preset.page_size, REGION)
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(backend)
         self.results: Any = ctx.Queue()
         self.procs = [ctx.Process(target=run_worker, args=(replace(self.cfg, rank=r), self.results),
                                   name=f"{label}-prefill{r}", daemon=True) for r in range(pt)]

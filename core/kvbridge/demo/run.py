@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvbridge.demo.presets import get_preset
+from kvbridge.demo.ranks import rank_context
 from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
 from kvbridge.errors import PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.protocol.wire import Role
@@ -111,8 +112,8 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     model.check_tp(prefill_tp, decode_tp)
     metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
     # secure by default: one secret for the bootstrap server, every rank's link and agent — the configured one,
-    # else a fresh one that only this run's processes hold (handed to them over the spawn pipe, never in argv or
-    # the environment), so another local user's forged frames have no effect on the demo
+    # else a fresh one that only this run's processes hold (handed to them over the pipe that carries each rank's
+    # config, never in argv or the environment), so another local user's forged frames have no effect on the demo
     secret = settings.secret.encode() if settings.secret else secrets.token_bytes(32)
     server = BootstrapServer(secret=secret, clock_window_s=settings.clock_window_s).start()
     exporter = None
@@ -120,7 +121,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
                         window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump,
                         metrics_dir=metrics_dir, settings_file=settings_file, secret=secret)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(backend)   # forkserver: the heavy imports happen once, not in every rank
     results: mp.Queue = ctx.Queue()
     go = ctx.Event()          # set once every rank is up: no prefill room's bootstrap clock runs before that
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]

@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Generator, Iterator
@@ -175,16 +177,34 @@ def agent_config(cfg: WorkerConfig) -> AgentConfig:
 
 
 def _die_with_parent() -> None:
-    """Linux: this rank gets SIGKILL when the launcher dies (killed launchers leave no orphan ranks)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG
-            parent = mp.parent_process()
-            if parent is not None and os.getppid() != parent.pid:   # the launcher died before prctl
-                os._exit(1)
-        except (OSError, AttributeError):
-            pass
+    """Linux: this rank gets SIGKILL when the launcher dies (killed launchers leave no orphan ranks). A spawned
+    rank is the launcher's child: PR_SET_PDEATHSIG covers it. A rank forked by the fork server
+    (:mod:`kvbridge.demo.ranks`) is the server's child, and the server outlives the launcher while any rank
+    lives: a daemon thread waits on a pidfd of the launcher instead (and PDEATHSIG covers the server)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = mp.parent_process()
+    if parent is None or parent.pid is None or os.getppid() == parent.pid:
+        return
+    try:
+        launcher = os.pidfd_open(parent.pid)
+    except ProcessLookupError:                           # the launcher died before this rank got here
+        os._exit(1)
+    except (OSError, AttributeError):                    # no pidfd (Linux < 5.3): only PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+        return
+    threading.Thread(target=_die_with, args=(launcher,), name="kvbridge-launcher-watch", daemon=True).start()
+
+
+def _die_with(pidfd: int) -> None:
+    select.select([pidfd], [], [])                       # readable once the launcher has exited
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any) -> None:
