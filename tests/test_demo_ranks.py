@@ -80,7 +80,8 @@ def _probe(secret: bytes, results: Any) -> None:
     with open("/proc/self/environ", "rb") as f:
         environ = f.read()
     leaked = [form for form in (secret, secret.hex().encode()) if form in cmdline or form in environ]
-    results.put({"leaked": len(leaked), "pid": os.getpid(), "ppid": os.getppid(), "prefix": SEGMENT_PREFIX,
+    results.put({"nixl_log": os.environ.get("NIXL_LOG_LEVEL"), "leaked": len(leaked), "pid": os.getpid(),
+                 "ppid": os.getppid(), "prefix": SEGMENT_PREFIX,
                  "preloaded": "kvbridge.demo.worker" in sys.modules and worker.__name__ == "kvbridge.demo.worker"})
 
 
@@ -100,5 +101,7 @@ def test_a_forked_rank_gets_its_secret_over_the_pipe_and_the_launchers_segment_t
     assert all(r["leaked"] == 0 for r in reports), reports
     assert all(r["prefix"] == SEGMENT_PREFIX for r in reports), (SEGMENT_PREFIX, reports)
     assert len({r["pid"] for r in reports}) == 2
+    # NIXL takes its log level at import (in the server): the ranks' default is in the server's environment
+    assert all(r["nixl_log"] == os.environ["NIXL_LOG_LEVEL"] for r in reports), reports
     if ctx.get_start_method() == "forkserver":
         assert all(r["ppid"] != os.getpid() for r in reports)      # the server's children, not this process's

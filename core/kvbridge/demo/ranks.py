@@ -19,6 +19,7 @@ here, before the server starts).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from multiprocessing.context import ForkServerContext, SpawnContext
 
 # fixes this run's /dev/shm tag in the environment (kvbridge.shmnames.RUN_ENV) before a fork server starts, so
@@ -40,5 +41,8 @@ def rank_context(backend: str = "") -> ForkServerContext | SpawnContext:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
+    # the server imports NIXL before any rank runs: NIXL's Python logger takes its level at import, so the
+    # default a rank sets (kvbridge.demo.worker.run_worker) must already be in the environment the server inherits
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     ctx.set_forkserver_preload([*PRELOAD[""], *PRELOAD.get(backend, ())])
     return ctx
