@@ -125,6 +125,16 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited process whose new parent has not reaped it yet, e.g.
+    under a subreaper: it holds no memory, descriptor or segment mapping any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _ranks(pid: int) -> list[int]:
     """The launcher's rank processes, in start order: children of its fork server (kvbridge.demo.ranks), or
     of the launcher itself where ranks are spawned."""
@@ -196,9 +206,9 @@ def test_a_launcher_killed_mid_demo_takes_its_ranks_with_it() -> None:
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{p}").exists() for p in ranks + servers) and time.monotonic() < deadline:
+        while any(_running(p) for p in ranks + servers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [p for p in ranks + servers if Path(f"/proc/{p}").exists()]
+        left = [p for p in ranks + servers if _running(p)]
         assert not left, f"{left} outlived the launcher by 10 s (ranks {ranks}, fork server {servers})"
     finally:
         if proc.poll() is None:
