@@ -42,14 +42,11 @@ INSTANCE = "churn-prefill"
 class Child(TaggedChild):
     """One rank process; events are read by a thread; every wait is bounded."""
 
-    def __init__(self, label: str, script: Path = HERE, backend: str = "") -> None:
-        """``backend``: the child imports kvbridge and that backend's engine before it says ``spawned`` (so
-        a child started ahead imports while the current one runs), else on its job."""
+    def __init__(self, label: str, script: Path = HERE) -> None:
         self._cond = threading.Condition()
         self._items: list[dict[str, Any]] = []
         self._closed = False
-        super().__init__(label, script, _TAG, argv=[backend] if backend else (),
-                         env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
+        super().__init__(label, script, _TAG, env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
 
     def _event(self, item: dict[str, Any]) -> None:
         with self._cond:
@@ -287,25 +284,7 @@ def _decode(job: dict[str, Any]) -> None:
                 sys.stderr.write(f"closing {type(item).__name__} failed: {exc}\n")
 
 
-def _preload(backend: str) -> None:
-    """Import what a rank of ``backend`` needs (kvbridge, the plugins, the engine: seconds of CPU) now."""
-    import importlib
-
-    from kvbridge.demo.ranks import PRELOAD
-    from kvbridge.registry import Registry
-
-    Registry.build()
-    for module in ("kvbridge.agent", "kvbridge.testkit.kvmodel", "kvbridge.testkit.pools", "kvbridge.zmq_link",
-                   *PRELOAD.get(backend, ())):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass                                   # the job's agent reports a missing engine
-
-
 def _main() -> int:
-    if len(sys.argv) > 1:
-        _preload(sys.argv[1])
     _say("spawned")
     line = sys.stdin.readline()
     if not line:
