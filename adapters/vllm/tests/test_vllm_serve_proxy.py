@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _vllmrig import VLLM_PYTHON, make_model, reap_dead_segments
+from _vllmrig import VLLM_PYTHON, engine_env, reap_dead_segments, shared_model
 from test_proxy import load_proxy
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
@@ -37,7 +37,7 @@ def serve(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[byte
     config = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge_vllm.connector",
               "kv_role": role, "kv_connector_extra_config": {"backend": "loopback",
                                                              "bootstrap": "tcp://127.0.0.1:17634"}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", PYTHONUNBUFFERED="1")
+    env = engine_env() | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     # vllm-cpu's ``vllm`` script dies asking for the metadata of a distribution named "vllm" (it is
     # "vllm-cpu"); the server module it would run takes the same arguments, the model as --model
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
@@ -81,8 +81,7 @@ def complete(url: str, model: str, prompt: list[int], **extra: Any) -> dict[str,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
-    model = tmp / "tiny-llama"
-    make_model(model)
+    model = shared_model(tmp_path_factory.getbasetemp())
     procs: list[subprocess.Popen[bytes]] = []
     server = None
     try:
