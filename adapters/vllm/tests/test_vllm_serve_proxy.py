@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _vllmrig import VLLM_PYTHON, make_model, reap_dead_segments
+from _vllmrig import VLLM_PYTHON, engine_env, reap_dead_segments, shared_model
 from test_proxy import load_proxy
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
@@ -36,8 +36,11 @@ PROMPTS = [[int(t) for t in np.random.default_rng(300 + i).integers(3, 1000, siz
 def serve(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[bytes]:
     config = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge_vllm.connector",
               "kv_role": role, "kv_connector_extra_config": {"backend": "loopback",
-                                                             "bootstrap": "tcp://127.0.0.1:17634"}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", PYTHONUNBUFFERED="1")
+                                                             "bootstrap": "tcp://127.0.0.1:17634",
+                                                             "peer_timeout_s": 10.0}}
+    # peer_timeout_s 10 (the default is 3), as in test_vllm_e2e: on a 2-core host shared with other work (load
+    # 25-30), the prefill's heartbeats stalled past 3 s and the decode rightly judged it gone, failing the load
+    env = engine_env() | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     # vllm-cpu's ``vllm`` script dies asking for the metadata of a distribution named "vllm" (it is
     # "vllm-cpu"); the server module it would run takes the same arguments, the model as --model
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
@@ -81,8 +84,7 @@ def complete(url: str, model: str, prompt: list[int], **extra: Any) -> dict[str,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
-    model = tmp / "tiny-llama"
-    make_model(model)
+    model = shared_model(tmp_path_factory.getbasetemp())
     procs: list[subprocess.Popen[bytes]] = []
     server = None
     try:

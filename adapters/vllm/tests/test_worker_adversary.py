@@ -48,8 +48,10 @@ class Rig:
     def __init__(self, **settings: object) -> None:
         self.hub = LocalHub()
         self.counter = itertools.count()
+        # drain_timeout_s 0: closing a rig fails the rooms a test left in flight at once (no test here is about
+        # the shutdown drain; it cost 10 s of teardown in each test that leaves one)
         base: dict[str, object] = {"backend": "loopback", "shm_remap": False, "peer_timeout_s": 1.0,
-                                   "heartbeat_interval_s": 0.1}
+                                   "heartbeat_interval_s": 0.1, "drain_timeout_s": 0.0}
         self.settings = Settings.defaults(**(base | settings))
         self.src = caches(fill=1000.0)
         self.dst = caches()
@@ -157,7 +159,7 @@ def test_secret_mismatch_refused_with_reason(caplog: pytest.LogCaptureFixture, p
     ZMQ links and bootstrap server (the prefill's secret), decode with another (or no) secret."""
     address = f"tcp://127.0.0.1:{_free_port()}"
     common = {"backend": "loopback", "shm_remap": False, "bootstrap": address, "connect_timeout_s": 2.0,
-              "host": "127.0.0.1"}
+              "host": "127.0.0.1", "drain_timeout_s": 0.0}
     ps, ds = Settings.defaults(**common, secret=p_secret), Settings.defaults(**common, secret=d_secret)
     server = BootstrapServer(address, secret=ps.secret_bytes).start()
     workers: list[WorkerSide] = []

@@ -5,8 +5,9 @@ the destination's segment by name. vLLM allocates its CPU KV cache itself (one l
 a decode instance that receives over loopback moves that allocation into a segment at the *same virtual
 addresses*: copy the pages to a new segment, then map the segment over them (``MAP_FIXED``). Every
 tensor view vLLM already holds keeps working; only the backing changes. The allocation must be a private
-anonymous mapping of its own (what glibc gives a multi-MiB allocation), checked in /proc/self/maps, so no
-unrelated heap data shares its pages. Linux only.
+anonymous mapping of its own (what glibc gives a multi-MiB allocation), so no unrelated heap data shares its
+pages: checked in /proc/self/maps, or, where the kernel merged it with an adjacent anonymous mapping into one
+entry there (two large allocations in a row), in glibc's header of the chunk it mapped alone. Linux only.
 """
 
 from __future__ import annotations
@@ -37,14 +38,34 @@ def _mapping_of(lo: int, hi: int) -> tuple[int, int, str]:
     raise KVBridgeError(f"no single mapping holds [{lo:#x}, {hi:#x})")
 
 
+def _glibc_mmapped_chunk(addr: int, lo: int) -> tuple[int, int] | None:
+    """The span glibc mapped for the allocation at ``addr`` alone, from its chunk header, or None: the two words
+    before the pointer are the padding in front of the chunk (an aligned allocation) and the chunk's size,
+    whose bit 1 (IS_MMAPPED) says the chunk has a mapping of its own, ``[chunk - padding, + padding + size)``.
+    ``lo`` (the page of ``addr``, known mapped) bounds the read."""
+    if addr - 16 < lo:
+        return None
+    padding, size = (ctypes.c_size_t * 2).from_address(addr - 16)
+    if not size & 2:
+        return None
+    start = addr - 16 - padding
+    return start, start + padding + (size & ~7)
+
+
 def remap_to_shm(addr: int, nbytes: int, tag: str) -> str:
     """Back ``[addr, addr + nbytes)`` with /dev/shm/``<prefix><pid>-<tag>``; return the segment name.
 
     The page-aligned span around the range is copied and remapped whole: it must lie inside one private
-    anonymous mapping no larger than the span plus two pages (the allocator's header page and tail)."""
+    anonymous mapping no larger than the span plus two pages (the allocator's header page and tail), as
+    /proc/self/maps shows it or, inside a larger anonymous entry there (merged neighbours), as glibc's header
+    of a chunk mapped alone gives it."""
     page = mmap.PAGESIZE
     lo, hi = addr & ~(page - 1), (addr + nbytes + page - 1) & ~(page - 1)
     start, end, path = _mapping_of(lo, hi)
+    if not path and end - start > hi - lo + 2 * page:
+        chunk = _glibc_mmapped_chunk(addr, lo)
+        if chunk is not None and start <= chunk[0] <= lo and hi <= chunk[1] <= end:
+            start, end = chunk
     if path or end - start > hi - lo + 2 * page:
         raise KVBridgeError(f"the KV cache at {addr:#x} ({nbytes} B) is not an anonymous mapping of its own "
                             f"(mapping [{start:#x}, {end:#x}) {path!r}); cannot move it to /dev/shm")
