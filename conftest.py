@@ -20,6 +20,7 @@ SLOW = (
     "adapters/vllm/tests/test_vllm_e2e.py",
     "tests/test_demo_engines.py",
     "tests/test_churn.py",
+    "tests/test_rolling_restart.py",
     "tests/test_soak.py",
     "adapters/vllm/tests/test_vllm_serve_proxy.py",
     "tests/test_fault_matrix.py",
