@@ -38,6 +38,7 @@ import threading
 import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -46,7 +47,7 @@ import msgspec
 
 from kvbridge.errors import KVBridgeError
 
-__all__ = ["CONFIG_ENV", "ENV_PREFIX", "Settings", "SettingsError", "env_defaults", "load_settings",
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "AdapterSettings", "Settings", "SettingsError", "env_defaults", "load_settings",
            "options_rows", "options_table", "parse_options", "parse_size"]
 
 ENV_PREFIX = "KVBRIDGE_"
@@ -143,6 +144,44 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         from kvbridge.registry import Registry
 
         return Registry.build(**build)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterSettings:
+    """The base of an engine adapter's settings: kvbridge's one schema (``agent``, filled by
+    :func:`load_settings` from the engine's configuration) and what every adapter reads of it. An adapter adds
+    its own typed options beside it::
+
+        @dataclass(frozen=True, slots=True, kw_only=True)
+        class MySettings(AdapterSettings):
+            options: MyOptions          # a msgspec Struct, checked with parse_options()
+    """
+
+    agent: Settings
+
+    @property
+    def backend(self) -> str:
+        return self.agent.backend or "loopback"
+
+    @property
+    def allow_insecure(self) -> bool:
+        return self.agent.allow_insecure
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return self.agent.secret.encode() if self.agent.secret else None
+
+    @property
+    def bootstrap_timeout_s(self) -> float:
+        return self.agent.bootstrap_timeout_s
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.agent.drain_timeout_s
+
+    def agent_config(self) -> Any:
+        """The ``AgentConfig`` of ``agent``."""
+        return self.agent.agent_config()
 
 
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).

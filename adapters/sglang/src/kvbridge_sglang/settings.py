@@ -29,9 +29,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvbridge.agent import AgentConfig
-from kvbridge.settings import Settings as AgentSettings
-from kvbridge.settings import SettingsError, load_settings, parse_options
+from kvbridge.settings import AdapterSettings, SettingsError, load_settings, parse_options
 
 __all__ = ["SGLangOptions", "Settings", "default_backend"]
 
@@ -65,10 +63,9 @@ def default_backend() -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Settings:
-    """The agent's settings (kvbridge's one schema) and this adapter's own options."""
+class Settings(AdapterSettings):
+    """The agent's settings (kvbridge's one schema, ``agent``) and this adapter's own options."""
 
-    agent: AgentSettings
     options: SGLangOptions
 
     @classmethod
@@ -96,18 +93,10 @@ class Settings:
             raise SettingsError(f"kvbridge-sglang: {exc}") from None
         return cls(agent=agent, options=options)
 
-    # -- what the connector reads -------------------------------------------------------------------------
-    @property
-    def backend(self) -> str:
-        return self.agent.backend or "loopback"
-
+    # -- what the connector reads besides AdapterSettings' ---------------------------------------------------
     @property
     def secret(self) -> bytes | None:
-        return self.agent.secret.encode() if self.agent.secret else None
-
-    @property
-    def allow_insecure(self) -> bool:
-        return self.agent.allow_insecure
+        return self.secret_bytes
 
     @property
     def host(self) -> str:
@@ -124,18 +113,6 @@ class Settings:
     @property
     def staging_bytes(self) -> int:
         return self.agent.staging_bytes
-
-    @property
-    def bootstrap_timeout_s(self) -> float:
-        return self.agent.bootstrap_timeout_s
-
-    @property
-    def drain_timeout_s(self) -> float:
-        return self.agent.drain_timeout_s
-
-    def agent_config(self) -> AgentConfig:
-        config: AgentConfig = self.agent.agent_config()
-        return config
 
 
 def _mib(variable: str, text: str) -> int:

@@ -22,9 +22,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvbridge.agent import AgentConfig
+from kvbridge.settings import AdapterSettings, SettingsError, load_settings, parse_options
 from kvbridge.settings import Settings as AgentSettings
-from kvbridge.settings import SettingsError, load_settings, parse_options
 
 __all__ = ["DEFAULT_BOOTSTRAP", "ConnectorOptions", "Settings"]
 
@@ -52,10 +51,9 @@ _AGENT_KEYS = frozenset(f.name for f in msgspec.structs.fields(AgentSettings))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Settings:
-    """The agent's settings (kvbridge's one schema) and the connector's own options."""
+class Settings(AdapterSettings):
+    """The agent's settings (kvbridge's one schema, ``agent``) and the connector's own options."""
 
-    agent: AgentSettings
     options: ConnectorOptions
 
     @classmethod
@@ -85,11 +83,7 @@ class Settings:
         """Settings of these keys alone, ignoring the environment (tests, examples)."""
         return cls.from_extra(extra, env={})
 
-    # -- what the connector reads -------------------------------------------------------------------------
-    @property
-    def backend(self) -> str:
-        return self.agent.backend or "loopback"
-
+    # -- what the connector reads besides AdapterSettings' ---------------------------------------------------
     @property
     def bootstrap(self) -> str:
         return self.options.bootstrap
@@ -121,26 +115,6 @@ class Settings:
     @property
     def dump_dir(self) -> str:
         return self.options.dump_dir
-
-    @property
-    def allow_insecure(self) -> bool:
-        return self.agent.allow_insecure
-
-    @property
-    def bootstrap_timeout_s(self) -> float:
-        return self.agent.bootstrap_timeout_s
-
-    @property
-    def drain_timeout_s(self) -> float:
-        return self.agent.drain_timeout_s
-
-    @property
-    def secret_bytes(self) -> bytes | None:
-        return self.agent.secret.encode() if self.agent.secret else None
-
-    def agent_config(self) -> AgentConfig:
-        config: AgentConfig = self.agent.agent_config()
-        return config
 
     def remap_to_shm(self) -> bool:
         return self.backend == "loopback" if self.options.shm_remap is None else self.options.shm_remap
