@@ -23,6 +23,8 @@ SLOW = (
     "tests/test_rolling_restart.py",
     "tests/test_soak.py",
     "adapters/vllm/tests/test_vllm_serve_proxy.py",
+    "adapters/vllm/tests/test_vllm_hetero.py",
+    "adapters/vllm/tests/test_vllm_e2e_adversary.py",
     "tests/test_fault_matrix.py",
     "adapters/sglang/tests/test_sglang_ranks.py",
     "tests/test_multiprocess.py",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _vllmrig import VLLM_PYTHON, engine_env, reap_dead_segments, shared_model
+from _vllmrig import VLLM_PYTHON, make_model, reap_dead_segments
 from test_proxy import load_proxy
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
@@ -40,7 +40,7 @@ def serve(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[byte
                                                              "peer_timeout_s": 10.0}}
     # peer_timeout_s 10 (the default is 3), as in test_vllm_e2e: on a 2-core host shared with other work (load
     # 25-30), the prefill's heartbeats stalled past 3 s and the decode rightly judged it gone, failing the load
-    env = engine_env() | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", PYTHONUNBUFFERED="1")
     # vllm-cpu's ``vllm`` script dies asking for the metadata of a distribution named "vllm" (it is
     # "vllm-cpu"); the server module it would run takes the same arguments, the model as --model
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
@@ -84,7 +84,8 @@ def complete(url: str, model: str, prompt: list[int], **extra: Any) -> dict[str,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
-    model = shared_model(tmp_path_factory.getbasetemp())
+    model = tmp / "tiny-llama"
+    make_model(model)
     procs: list[subprocess.Popen[bytes]] = []
     server = None
     try:

@@ -2,7 +2,6 @@
 
     python vllm_driver.py make-model DIR            # tiny random Llama (config.json + model.safetensors)
     python vllm_driver.py serve CONFIG_JSON         # then one JSON command per stdin line
-    python vllm_driver.py zygote FD                 # import vLLM once, then fork one ``serve`` per request
 
 Commands: ``{"cmd": "generate", "requests": [{"prompt": [ids], "max_tokens": n, "params": {...}}]}`` answers
 ``{"outputs": [{"tokens": [...], "params": {...} | null, "finish": "length" | ...}]}``; ``{"cmd": "quit"}``.
@@ -88,70 +87,8 @@ def serve(config: dict) -> None:
     os._exit(0)     # vLLM's teardown of worker processes can outlive the test's patience; the test reaps
 
 
-def zygote(fd: int) -> None:
-    """Import vLLM (about 15 CPU-seconds) once, then fork an engine per request on the SEQPACKET socket ``fd``.
-
-    A request is ``{"config": {...}, "env": {NAME: value | null}}`` with two file descriptors, the child's stdin
-    (read end) and stdout (write end); the answer is ``{"pid": N}``. The child is its own session (the test
-    kills its group), sets ``env`` (vLLM reads its variables when the engine starts, not at import) and runs
-    ``serve``. Ends when the test closes the socket. Children are reaped by the kernel (SIGCHLD ignored)."""
-    import signal
-    import socket
-    import threading
-    import traceback
-
-    from vllm import LLM, SamplingParams  # noqa: F401
-    from vllm.inputs import TokensPrompt  # noqa: F401
-
-    import kvbridge_vllm.connector  # noqa: F401
-
-    tasks = len(os.listdir("/proc/self/task"))
-    print(f"zygote {os.getpid()}: vLLM imported; {threading.active_count()} Python threads, {tasks} tasks",
-          flush=True)
-    if threading.active_count() != 1 or tasks != 1:      # a fork copies one thread: others' locks stay held
-        print("zygote: more than one thread after the imports; not safe to fork", flush=True)
-        sys.exit(3)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    sock.send(json.dumps({"ready": True}).encode())
-    while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
-        if not msg:
-            return
-        request = json.loads(msg)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                sock.close()
-                os.setsid()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                os.dup2(fds[0], 0)
-                os.dup2(fds[1], 1)
-                os.dup2(fds[1], 2)
-                for each in fds:
-                    os.close(each)
-                for key, value in request["env"].items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
-                serve(request["config"])
-            except BaseException:  # noqa: BLE001 - a forked engine prints whatever ended it, then exits
-                traceback.print_exc()
-            finally:                    # never back into the zygote's loop
-                sys.stderr.flush()
-                os._exit(1)
-        for each in fds:
-            os.close(each)
-        sock.send(json.dumps({"pid": pid}).encode())
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
         make_model(sys.argv[2])
-    elif sys.argv[1] == "zygote":
-        zygote(int(sys.argv[2]))
     else:
         serve(json.loads(sys.argv[2]))
