@@ -38,9 +38,9 @@ def test_a_contradicting_tp_on_an_existing_rank_is_refused_not_an_eviction(serve
     """The kit's contract: publish raises DiscoveryError (never publishes) for a TP size that contradicts the
     instance's live ranks. Live TP 2 instance (ranks 0 and 1, republishing); a second process publishes rank 0
     at another address with TP 4 (a misdeployment, or a new life with another TP while the old still runs)."""
-    r0 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=2.0)
-    r1 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=2.0)
-    other = ZmqBootstrap(server.address, republish_s=0)
+    r0 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=2.0, timeout_s=10.0)
+    r1 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=2.0, timeout_s=10.0)
+    other = ZmqBootstrap(server.address, republish_s=0, timeout_s=10.0)
     try:
         r0.publish("tp", 2, 0, "tcp://127.0.0.10:20000")
         r1.publish("tp", 2, 1, "tcp://127.0.0.11:20001")
@@ -60,9 +60,9 @@ def test_a_contradicting_tp_on_an_existing_rank_is_refused_not_an_eviction(serve
 def test_a_live_rank_evicted_by_a_restart_is_back_within_its_republish_interval(server: BootstrapServer) -> None:
     """Old life rank 0 dies (lease still running); live rank 1 keeps republishing every 0.3 s; a new rank 0
     publishes at another address: the instance is complete again (new 0 + live 1) within ~republish_s."""
-    dead = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0)
-    live1 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0)
-    new0 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0)
+    dead = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0, timeout_s=10.0)
+    live1 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0, timeout_s=10.0)
+    new0 = ZmqBootstrap(server.address, republish_s=0.3, lease_s=5.0, timeout_s=10.0)
     try:
         dead.publish("life", 2, 0, "tcp://127.0.0.10:20000")
         live1.publish("life", 2, 1, "tcp://127.0.0.11:20001")
@@ -125,8 +125,8 @@ def test_a_replayed_old_life_publication_to_a_restarted_server_does_not_evict() 
 def test_a_restart_that_keeps_rank_0s_address_is_not_mixed_with_the_dead_rank_1(server: BootstrapServer) -> None:
     """Rank 0 restarts at the same address (a fixed port), rank 1 of the new life has not published yet and
     had a random port in the dead life: the eviction keys on an address change, so nothing is forgotten."""
-    old = ZmqBootstrap(server.address, republish_s=2.0, lease_s=10.0)
-    new = ZmqBootstrap(server.address, republish_s=0)
+    old = ZmqBootstrap(server.address, republish_s=2.0, lease_s=10.0, timeout_s=10.0)
+    new = ZmqBootstrap(server.address, republish_s=0, timeout_s=10.0)
     try:
         old.publish("fixed", 2, 0, "tcp://127.0.0.10:20000")
         old.publish("fixed", 2, 1, "tcp://127.0.0.11:41234")
