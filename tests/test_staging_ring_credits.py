@@ -32,9 +32,12 @@ from kvbridge.testkit import reference as ref
 
 make_world = pytest.fixture(worlds, name="make_world")
 PIECE = 16 << 10
-PREFILL = AgentConfig(staging="always", staging_bytes=1 << 20, staging_piece_bytes=PIECE)
-DECODE = AgentConfig(staging="always", staging_bytes=160 << 10, staging_piece_bytes=PIECE)
-DECODE_SUMS = AgentConfig(staging="always", staging_bytes=160 << 10, staging_piece_bytes=PIECE, checksums=True)
+# no peer dies in these tests: a peer timeout a loaded CI host cannot reach (3 s was reached, failing a room)
+_LIVE = {"heartbeat_interval_s": 0.5, "peer_timeout_s": 30.0}
+PREFILL = AgentConfig(staging="always", staging_bytes=1 << 20, staging_piece_bytes=PIECE, **_LIVE)
+DECODE = AgentConfig(staging="always", staging_bytes=160 << 10, staging_piece_bytes=PIECE, **_LIVE)
+DECODE_SUMS = AgentConfig(staging="always", staging_bytes=160 << 10, staging_piece_bytes=PIECE, checksums=True,
+                          **_LIVE)
 
 
 def _outcome(receiver: Any, timeout_s: float = 20.0) -> KVPoll:
