@@ -111,6 +111,9 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
             room, seed = 7000 + i, 1000 + i
             decode.wait("spawned", 60)
             decode.send(role="decode", room=room, seed=seed, dst=dst.tolist(), positions=positions.tolist(), **common)
+            # the prefill opens the room once the decode's request is on its way (held as an early request): the
+            # room's bootstrap clock must not run while a loaded host imports the decode's engine (it did, 30 s)
+            decode.wait("ready", BOUND_S * 4)
             prefill.send(cmd="room", room=room, seed=seed, src=src.tolist(), positions=positions.tolist())
             result = decode.wait("result", BOUND_S + 10)
             assert not result["problems"], f"restart {i}: wrong bytes:\n  " + "\n  ".join(result["problems"])
