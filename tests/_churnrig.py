@@ -284,17 +284,15 @@ def _decode(job: dict[str, Any]) -> None:
                 sys.stderr.write(f"closing {type(item).__name__} failed: {exc}\n")
 
 
-def _main() -> int:
+def run_job(job_handler: Any) -> int:
+    """A rig child's entry point: say ``spawned``, read the job (one JSON line), run ``job_handler(job)``; an
+    exception is reported as an ``error`` event and exit code 1."""
     _say("spawned")
     line = sys.stdin.readline()
     if not line:
         return 0
-    job = json.loads(line)
     try:
-        if job["role"] == "prefill":
-            _prefill(job)
-        else:
-            _decode(job)
+        job_handler(json.loads(line))
     except Exception as exc:  # noqa: BLE001 - report, then fail
         import traceback
 
@@ -303,6 +301,10 @@ def _main() -> int:
         _say("error", text=text)
         return 1
     return 0
+
+
+def _main() -> int:
+    return run_job(lambda job: _prefill(job) if job["role"] == "prefill" else _decode(job))
 
 
 if __name__ == "__main__":

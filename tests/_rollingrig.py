@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _churnrig import _say, _wait
+from _churnrig import _say, _wait, run_job
 
 
 def _room(agent: Any, pool: Any, cmd: dict[str, Any], bound_s: float, fill_lock: threading.Lock) -> None:
@@ -106,20 +106,7 @@ def _prefill(job: dict[str, Any]) -> None:
 
 
 def _main() -> int:
-    _say("spawned")
-    line = sys.stdin.readline()
-    if not line:
-        return 0
-    try:
-        _prefill(json.loads(line))
-    except Exception as exc:  # noqa: BLE001 - report, then fail
-        import traceback
-
-        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        sys.stderr.write(text)
-        _say("error", text=text)
-        return 1
-    return 0
+    return run_job(_prefill)
 
 
 if __name__ == "__main__":
