@@ -98,7 +98,7 @@ def test_a_hung_etcd_makes_lookups_and_publishes_fail_within_the_timeout(etcd: E
     try:
         client.publish("hung", 1, 0, "tcp://127.0.0.10:20000")
         assert reader.lookup("hung") is not None
-        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        etcd.pause()                                          # returns once every etcd thread is stopped
         try:
             t0 = time.monotonic()
             assert reader.lookup("hung") is None
@@ -108,7 +108,7 @@ def test_a_hung_etcd_makes_lookups_and_publishes_fail_within_the_timeout(etcd: E
                 client.publish("hung", 1, 0, "tcp://127.0.0.10:20001")
             publish_s = time.monotonic() - t0
         finally:
-            os.kill(etcd.proc.pid, signal.SIGCONT)
+            etcd.resume()
         assert lookup_s < 3.0, f"lookup took {lookup_s:.1f} s with timeout_s=1"
         assert publish_s < 3.0, f"publish took {publish_s:.1f} s with timeout_s=1"
         _until(lambda: reader.lookup("hung") is not None, 10, "etcd answers again")

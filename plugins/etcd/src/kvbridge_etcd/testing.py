@@ -36,6 +36,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in state T (stopped), read from /proc."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 class EtcdServer:
     """One single-member etcd cluster (see the module docstring)."""
 
@@ -107,6 +120,24 @@ class EtcdServer:
 
     def stop(self) -> None:
         self._end(signal.SIGTERM)
+
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP it and return once every one of its threads is stopped (a hung server, not a dead one).
+
+        The signal alone is not enough: a thread running on another CPU stops only when it next enters the
+        kernel, and on a loaded host it may still answer a request sent right after ``kill`` returned.
+        """
+        assert self.proc is not None, "etcd is not running"
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd (pid {self.proc.pid}) did not stop within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         self._end(signal.SIGKILL)
