@@ -3,7 +3,8 @@ same-TP sweep; run under py-spy to see where a request's fixed cost goes.
 
     PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/probe_latency.py cuda latency 200 never,always,auto
     PYTHONPATH=core:plugins/nixl/src:tools/bench/src python3 scripts/probe_latency.py cuda sweep 10 scattered
-    (sweep: PROBE_SIZE_MIB, default 1024, and PROBE_PIECE_MIB, staged pieces, default the agent's)
+    (sweep: PROBE_SIZE_MIB, default 1024, PROBE_PIECE_MIB, staged pieces, default the agent's, PROBE_STAGING_MIB,
+    default 1200, and PROBE_LATENCY_REQUESTS, default 20)
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def main() -> None:
         piece = int(os.environ["PROBE_PIECE_MIB"]) if os.environ.get("PROBE_PIECE_MIB") else None
         size = int(os.environ.get("PROBE_SIZE_MIB", "1024")) << 20
         opts = bt.Options(device=device, sizes=(size,), tp_pairs=((1, 1),), layouts=("token-major",),
-                          page_tokens=(16,), repeats=count, latency_requests=20, staging_mib=1200, plugins=plugins,
+                          page_tokens=(16,), repeats=count,
+                          latency_requests=int(os.environ.get("PROBE_LATENCY_REQUESTS", "20")),
+                          staging_mib=int(os.environ.get("PROBE_STAGING_MIB", "1200")), plugins=plugins,
                           placements=placements, piece_mib=piece)
         result = bt.run(opts)
         print(bt.format_report(result), flush=True)

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_trace_of_a_host_sweep(tmp_path: Path) -> None:
-    env = dict(os.environ, PROBE_TRACE=str(tmp_path), PROBE_SIZE_MIB="4",
+    env = dict(os.environ, PROBE_TRACE=str(tmp_path), PROBE_SIZE_MIB="4", PROBE_STAGING_MIB="16",
+               PROBE_LATENCY_REQUESTS="4",
                PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in ("scripts/trace", "core", "plugins/nixl/src")))
     done = subprocess.run([sys.executable, "scripts/probe_latency.py", "cpu", "sweep", "2", "scattered"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)

@@ -21,7 +21,9 @@ class Instance:
 
     def __init__(self, name: str, config: dict[str, Any], logdir: Path, *, tp: int = 1) -> None:
         self.name = name
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        # OMP_WAIT_POLICY=PASSIVE: an engine's OpenMP threads sleep between parallel regions instead of spinning
+        # (torch's libgomp spins by default), which starved every other test process on the 2-core CI host
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
         if tp == 1:
             env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "all"}
         else:

@@ -40,7 +40,8 @@ def serve(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[byte
                                                              "peer_timeout_s": 10.0}}
     # peer_timeout_s 10 (the default is 3), as in test_vllm_e2e: on a 2-core host shared with other work (load
     # 25-30), the prefill's heartbeats stalled past 3 s and the decode rightly judged it gone, failing the load
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1", PYTHONUNBUFFERED="1",
+               OMP_WAIT_POLICY="PASSIVE")                # OpenMP threads sleep, not spin, between regions
     # vllm-cpu's ``vllm`` script dies asking for the metadata of a distribution named "vllm" (it is
     # "vllm-cpu"); the server module it would run takes the same arguments, the model as --model
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
