@@ -341,6 +341,10 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                 if s not in used_slot and not (buf[2][s] == 0xEE).all():
                     out["errors"].append(f"state {buf[0]} layer {buf[1]} slot {s} (no request's) was written")
     out["progress_threads_alive"] = all(_alive(a) for a in mgr.agents.values())
+    end = time.monotonic() + 3 * mgr.settings.topology_recheck_s + 2.0     # retired agents close once idle
+    while mgr.retired and time.monotonic() < end:
+        time.sleep(0.05)
+    out["restarts"], out["retired_open"] = mgr.restarts, len(mgr.retired)
     mgr.close()
 
 

@@ -49,12 +49,12 @@ def _wait(run: Run, key: Any, pred: Any, timeout_s: float) -> dict[str, Any]:
     return run.result(key)
 
 
-def _topology_complete(addr: str, tp: int, timeout_s: float) -> float:
+def _topology_complete(addr: str, tp: int, timeout_s: float, secret: bytes | None) -> float:
     """Wait until the prefill server at ``addr`` answers with all ``tp`` ranks; the time it did."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            if len(bootstrap.fetch(addr, timeout_s=1.0).get("ranks") or []) == tp:
+            if len(bootstrap.fetch(addr, secret=secret, timeout_s=1.0).get("ranks") or []) == tp:
                 return time.time()
         except OSError:
             pass
@@ -62,20 +62,23 @@ def _topology_complete(addr: str, tp: int, timeout_s: float) -> float:
     raise AssertionError(f"the restarted prefill at {addr} never registered its {tp} ranks")
 
 
-@pytest.mark.parametrize("opened", ["while_dead", "after_restart"])
-def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: str) -> None:
+@pytest.mark.parametrize(("opened", "secret"), [("while_dead", "sglang-restart-secret-0123456789ab"),
+                                                 ("after_restart", "")], ids=["while_dead-secret", "after_restart"])
+def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: str,
+                                           secret: str) -> None:
     """Prefill TP 1 is SIGKILLed about to send chunk 1 of a request; a new prefill server (TP 2: another
     topology) starts at the same bootstrap host:port. The running decode (TP 1, never restarted, no call but
     SGLang's) fails the requests of the dead server with a reason, then serves the next requests from the new
-    server byte for byte: opened while the prefill was dead, or right after it came back (before the decode
-    could have noticed)."""
+    server byte for byte: opened while the prefill was dead (with a secret: the rechecks are sealed), or right
+    after it came back (before the decode could have noticed). The old server's agents are closed once idle."""
     need_sglang()
     monkeypatch.setattr(_rig, "DRIVER", DRV)
     base = scenario()
     victim = _victim(base, range(1, 4))
     sc = scenario(adv={"phase2": 3, "watch_s": 2.0,
                        "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "kill", "gen": 1}})
-    run = Run(sc, tmp_path, env=ENV)
+    env = dict(ENV, KVBRIDGE_SECRET=secret) if secret else ENV
+    run = Run(sc, tmp_path, env=env)
     addr = f"127.0.0.1:{run.sc['port']}"
     go = Path(str(run.results[DEC]) + ".go")
     try:
@@ -88,8 +91,8 @@ def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.M
             go.touch()
             time.sleep(1.0)           # the decode opens the phase-2 rooms while nothing serves the address
         sc2 = dict(run.sc, gen=2, prefill={"tp": 2})
-        restarted = [run.add("prefill2", "prefill", 0, 0, tp, sc2, env=ENV) for tp in range(2)]
-        ready_at = _topology_complete(addr, 2, 150)
+        restarted = [run.add("prefill2", "prefill", 0, 0, tp, sc2, env=env) for tp in range(2)]
+        ready_at = _topology_complete(addr, 2, 150, secret.encode() or None)
         if opened == "after_restart":
             go.touch()
         results = run.wait(240)
@@ -116,6 +119,7 @@ def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.M
     print(json.dumps({"opened": opened, "found_after_s": round(found_s, 2),
                       "victim_failed_after_s": round(dec["failed_at"][k] - died["at"], 2)}))
     assert found_s < RECHECK_S + 4.0, f"the new prefill server was found {found_s:.1f} s after it was up"
+    assert dec["restarts"] == 1 and dec["retired_open"] == 0, (dec["restarts"], dec["retired_open"])
     for key in restarted:
         res = results[key]
         assert res.get("done") and not res.get("raised"), f"{key}: {res.get('exception')} {res.get('raised')}"

@@ -233,7 +233,7 @@ class KVBridgeKVManager(BaseKVManager):
         # of a server that was replaced at its address since (with why), closed once their rooms are cleared;
         # ``restarts`` counts replacements, so a receiver notices one with a single comparison
         self.epochs: dict[str, str] = {}
-        self.retired: dict[TransferAgent, str] = {}
+        self.retired: dict[TransferAgent, tuple[str, float]] = {}     # agent -> (why, when)
         self.restarts = 0
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -361,8 +361,9 @@ class KVBridgeKVManager(BaseKVManager):
         Call with the lock held."""
         why = (f"the prefill server at {bootstrap_addr} was restarted (bootstrap server life {old[:8] or '?'} -> "
                f"{new[:8] or '?'})")
+        now = time.monotonic()
         for key in [k for k in self.agents if k[0] == bootstrap_addr]:
-            self.retired[self.agents.pop(key)] = why
+            self.retired[self.agents.pop(key)] = (why, now)
         self.topologies.pop(bootstrap_addr, None)
         self.prefill_info_table.pop(bootstrap_addr, None)
         self.epochs[bootstrap_addr] = new
@@ -419,9 +420,12 @@ class KVBridgeKVManager(BaseKVManager):
                 self._install(bootstrap_addr, topo, epoch)
 
     def _close_retired(self, *, idle_only: bool) -> None:
-        """Close retired agents (those without rooms when ``idle_only``): a room of theirs may still be fenced."""
+        """Close retired agents; ``idle_only``: those without rooms (one may still be fenced) retired at least one
+        recheck interval ago (a receiver that took the agent just before it was retired has opened its room)."""
+        settle = time.monotonic() - self.settings.topology_recheck_s
         with self._lock:
-            done = [a for a in self.retired if not idle_only or a.decode is None or not a.decode.rooms]
+            done = [a for a, (_, at) in self.retired.items()
+                    if not idle_only or (at < settle and (a.decode is None or not a.decode.rooms))]
             for agent in done:
                 del self.retired[agent]
         for agent in done:
@@ -747,8 +751,11 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         if self._failed or not self._parts:
             return
         with mgr._lock:
-            why = next((mgr.retired[a] for _, a, _ in self._parts if a in mgr.retired), None)
-        if why is None:
+            current = {id(a) for a in mgr.agents.values()}
+            stale = [a for _, a, _ in self._parts if id(a) not in current]
+            why = next((mgr.retired[a][0] for a in stale if a in mgr.retired),
+                       f"the prefill server at {self.bootstrap_addr} was restarted")
+        if not stale:
             return
         if not self._metadata and all(r.poll() == KVBridgePoll.Bootstrapping for _, _, r in self._parts):
             for _, _, receiver in self._parts:       # nothing requested: no writer, safe at once
