@@ -94,9 +94,10 @@ assert flight.poll() == 0 and "restarted" in flight._reason and "in flight" in f
 assert old_rx_flight.aborted and not old_rx_flight.cleared
 opened = []
 def fake_open():
-    opened.append(mgr.prefill_info_table[addr].attn_tp_size)
+    opened.append((mgr.prefill_info_table[addr].attn_tp_size, waiting.prefill_dp_rank))
     waiting._parts.append((None, Agent("new"), Rx(KVPoll.WaitingForInput)))
 waiting._open = fake_open
+waiting.prefill_dp_rank = 3        # routed for the old server's DP size: the new one has DP 1
 assert waiting.poll() == 1 and not waiting._failed and old_rx_waiting.cleared and not waiting._parts
 old.decode.rooms = {2: 2}
 # the old agent keeps a room (fenced, not cleared): not closed
@@ -107,7 +108,7 @@ assert not old.closed and old in mgr.retired
 bootstrap.register(addr, row(1, 2))
 mgr._recheck(addr)
 assert mgr.restarts == 1 and mgr.prefill_info_table[addr].attn_tp_size == 2
-assert waiting.poll() == 2 and opened == [2], (opened, waiting._reason)
+assert waiting.poll() == 2 and opened == [(2, 0)], (opened, waiting._reason)
 mgr.agents[(addr, 0, 0)] = Agent("b")
 for _ in range(3):
     mgr._recheck(addr)

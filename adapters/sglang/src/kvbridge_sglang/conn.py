@@ -772,8 +772,13 @@ class KVBridgeKVReceiver(BaseKVReceiver):
     def _reopen(self) -> None:
         """Open the room on the new server once its topology is complete (bounded by the bootstrap timeout)."""
         assert self._reopen_by is not None
-        if self.bootstrap_addr in self.kv_mgr.prefill_info_table:
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is not None:
             self._reopen_by = None
+            if info.dp_size == 1:       # the new server may have another DP size: route as SGLang's loop does
+                self.prefill_dp_rank = 0
+            elif info.follow_bootstrap_room:
+                self.prefill_dp_rank = self.bootstrap_room % info.dp_size
             self._open()
         elif time.monotonic() > self._reopen_by:
             self._reopen_by = None
