@@ -49,28 +49,31 @@ def _wait(run: Run, key: Any, pred: Any, timeout_s: float) -> dict[str, Any]:
     return run.result(key)
 
 
-def _topology_complete(addr: str, tp: int, timeout_s: float, secret: bytes | None) -> float:
-    """Wait until the prefill server at ``addr`` answers with all ``tp`` ranks; the time it did."""
+def _topology_complete(addr: str, ranks: int, timeout_s: float, secret: bytes | None) -> float:
+    """Wait until the prefill server at ``addr`` answers with all its ``ranks``; the time it did."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            if len(bootstrap.fetch(addr, secret=secret, timeout_s=1.0).get("ranks") or []) == tp:
+            if len(bootstrap.fetch(addr, secret=secret, timeout_s=1.0).get("ranks") or []) == ranks:
                 return time.time()
         except OSError:
             pass
         time.sleep(0.05)
-    raise AssertionError(f"the restarted prefill at {addr} never registered its {tp} ranks")
+    raise AssertionError(f"the restarted prefill at {addr} never registered its {ranks} ranks")
 
 
-@pytest.mark.parametrize(("opened", "secret"), [("while_dead", "sglang-restart-secret-0123456789ab"),
-                                                 ("after_restart", "")], ids=["while_dead-secret", "after_restart"])
+@pytest.mark.parametrize(("opened", "secret", "new"), [
+    ("while_dead", "sglang-restart-secret-0123456789ab", {"tp": 2}),
+    ("after_restart", "", {"tp": 1, "pp": 2}),
+], ids=["while_dead-secret-tp2", "after_restart-pp2"])
 def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opened: str,
-                                           secret: str) -> None:
-    """Prefill TP 1 is SIGKILLed about to send chunk 1 of a request; a new prefill server (TP 2: another
-    topology) starts at the same bootstrap host:port. The running decode (TP 1, never restarted, no call but
-    SGLang's) fails the requests of the dead server with a reason, then serves the next requests from the new
-    server byte for byte: opened while the prefill was dead (with a secret: the rechecks are sealed), or right
-    after it came back (before the decode could have noticed). The old server's agents are closed once idle."""
+                                           secret: str, new: dict[str, int]) -> None:
+    """Prefill TP 1 is SIGKILLed about to send chunk 1 of a request; a new prefill server with another topology
+    (TP 2, or PP 2: two agents per decode rank instead of one) starts at the same bootstrap host:port. The
+    running decode (TP 1, never restarted, no call but SGLang's) fails the requests of the dead server with a
+    reason, then serves the next requests from the new server byte for byte: opened while the prefill was dead
+    (with a secret: the rechecks are sealed), or right after it came back (before the decode could have
+    noticed). The old server's agents are closed once idle."""
     need_sglang()
     monkeypatch.setattr(_rig, "DRIVER", DRV)
     base = scenario()
@@ -90,9 +93,10 @@ def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.M
         if opened == "while_dead":
             go.touch()
             time.sleep(1.0)           # the decode opens the phase-2 rooms while nothing serves the address
-        sc2 = dict(run.sc, gen=2, prefill={"tp": 2})
-        restarted = [run.add("prefill2", "prefill", 0, 0, tp, sc2, env=env) for tp in range(2)]
-        ready_at = _topology_complete(addr, 2, 150, secret.encode() or None)
+        sc2 = dict(run.sc, gen=2, prefill=new)
+        restarted = [run.add("prefill2", "prefill", 0, pp, tp, sc2, env=env)
+                     for pp in range(new.get("pp", 1)) for tp in range(new["tp"])]
+        ready_at = _topology_complete(addr, len(restarted), 150, secret.encode() or None)
         if opened == "after_restart":
             go.touch()
         results = run.wait(240)
@@ -116,7 +120,7 @@ def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.M
         status, dec["failed"], run.log(DEC))
     first = min(dec["success_at"][str(j)] for j in (4, 5, 6))
     found_s = first - max(ready_at, go.stat().st_mtime)
-    print(json.dumps({"opened": opened, "found_after_s": round(found_s, 2),
+    print(json.dumps({"opened": opened, "new": new, "found_after_s": round(found_s, 2),
                       "victim_failed_after_s": round(dec["failed_at"][k] - died["at"], 2)}))
     assert found_s < RECHECK_S + 4.0, f"the new prefill server was found {found_s:.1f} s after it was up"
     assert dec["restarts"] == 1 and dec["retired_open"] == 0, (dec["restarts"], dec["retired_open"])
