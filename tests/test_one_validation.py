@@ -115,6 +115,14 @@ def test_adapter_only_keys_are_validated_by_the_same_machinery() -> None:
         _adapter_settings("sglang").from_env(env={"KVBRIDGE_BACKEND": "loopback", "KVBRIDGE_DEVICE": "tpu"})
     with pytest.raises(ValueError, match="KVBRIDGE_STAGING_MIB"):
         _adapter_settings("sglang").from_env(env={"KVBRIDGE_BACKEND": "loopback", "KVBRIDGE_STAGING_MIB": "nan"})
+    for text in BAD_TEXT:
+        with pytest.raises(ValueError, match="KVBRIDGE_TOPOLOGY_RECHECK_S"):
+            _adapter_settings("sglang").from_env(env={"KVBRIDGE_BACKEND": "loopback",
+                                                      "KVBRIDGE_TOPOLOGY_RECHECK_S": text})
+    ok = _adapter_settings("sglang").from_env(env={"KVBRIDGE_BACKEND": "loopback",
+                                                   "KVBRIDGE_TOPOLOGY_RECHECK_S": "0.5"})
+    assert ok.topology_recheck_s == 0.5
+    assert _adapter_settings("sglang").from_env(env={"KVBRIDGE_BACKEND": "loopback"}).topology_recheck_s == 2.0
     with pytest.raises(ValueError, match="connect_timeout_s"):
         _adapter_settings("vllm").from_extra({"connect_timeout_s": float("nan")}, env={})
     with pytest.raises(ValueError, match="kv_layout"):

@@ -272,6 +272,19 @@ class Run:
             self.kill()
             raise
 
+    def add(self, label: str, role: str, dp: int, pp: int, tp: int, scenario: dict[str, Any],
+            env: dict[str, str] | None = None) -> tuple[str, int, int, int]:
+        """Start one more rank (``role``'s driver over ``scenario``, e.g. a restarted prefill at the same port),
+        known to ``wait``, ``log``, ``result`` and ``kill`` as ``(label, dp, pp, tp)``."""
+        key = (label, dp, pp, tp)
+        assert key not in self.procs, f"{key} was started already"
+        result = self.tmp / f"{label}-dp{dp}-pp{pp}-tp{tp}.json"
+        self.results[key] = result
+        argv = [str(DRIVER), json.dumps(scenario), role, str(dp), str(pp), str(tp), str(result)]
+        self.procs[key] = spawn(argv, {**os.environ, **BASE_ENV, **(env or {})},
+                                self.tmp / f"{label}-dp{dp}-pp{pp}-tp{tp}.log")
+        return key
+
     def ranks(self) -> list[tuple[str, int, int, int]]:
         out = []
         for role in ("prefill", "decode"):

@@ -10,7 +10,10 @@ adapter bad input, abort at chosen stages, and kill / stop a prefill rank at a c
   die:   {pp, tp, k, chunk, how, gen}  the prefill rank (pp, tp) kills (SIGKILL) or stops (SIGSTOP) itself when
                                        about to send chunk ``chunk`` of request k (generation ``gen`` only)
   phase2: n                      the decode runs the last n requests only after the file <result>.go exists
-  gen: 1|2                       which prefill generation this process is (gen 2 serves only phase-2 requests)
+  gen: 1|2                       which generation this process is: a gen-2 prefill serves only phase-2 requests
+                                 (with ``serve_all``: every request), a gen-2 decode runs phase 2 at once
+  dec_die: {k, gen, after_s}     the decode SIGKILLs itself after_s after send_metadata of request k (that gen)
+  pre_delay: {k: seconds}        the prefill waits this long before the first chunk of request k (a slow forward)
   watch_s: seconds               after a failed room turned safe, its destination must stay unchanged this long
 Every adapter call is guarded: an exception escaping one is recorded in out["raised"] (the rank goes on).
 """
@@ -91,7 +94,8 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
     P = model.P
     addr = f"127.0.0.1:{sc['port']}"
     gen = sc.get("gen", 1)
-    reqs = [r for r in _reqs(sc) if r["dp"] == dp and (r["phase"] == 2) == (gen == 2)]
+    serve_all = sc.get("adv", {}).get("serve_all", False)
+    reqs = [r for r in _reqs(sc) if r["dp"] == dp and (serve_all or (r["phase"] == 2) == (gen == 2))]
     out["gen"] = gen
     queue, inflight = [], []
     for r in reqs:
@@ -129,6 +133,7 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
                     _guard(out, f"k {r['k']} abort", snd.abort)
                 start = prefix
                 bounds = [c for c in r["cuts"] if c > prefix] + [r["len"]]
+                time.sleep(float(sc.get("adv", {}).get("pre_delay", {}).get(str(r["k"]), 0.0)))
                 for ci, end in enumerate(bounds):
                     last = ci == len(bounds) - 1
                     stop = end if last else end - end % P
@@ -250,6 +255,12 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                            state or None, decode_prefix_len=r["prefix"])
                     pending.remove(r)
                     transfer.append(r)
+                    die = sc.get("adv", {}).get("dec_die")
+                    if die and die["k"] == r["k"] and die.get("gen", 1) == sc.get("gen", 1):
+                        time.sleep(float(die.get("after_s", 0.0)))     # the request leaves (its agent sends it)
+                        out["died"] = {"k": r["k"], "at": time.time()}
+                        D.flush(out)
+                        os.kill(os.getpid(), signal.SIGKILL)
                     if r["dec"].get("abort") == "after_meta":
                         _guard(out, f"k {r['k']} abort", r["rx"].abort)
             for r in list(transfer):
@@ -258,6 +269,7 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                     out["errors"] += D.verify(sc, pools, model, r)
                     out["verified"].append(r["k"])
                     out["status"][str(r["k"])] = "success"
+                    out.setdefault("success_at", {})[str(r["k"])] = time.time()
                     _guard(out, f"k {r['k']} clear", r["rx"].clear)
                     transfer.remove(r)
                 elif poll is _RAISED or poll == KVPoll.Failed:
@@ -289,7 +301,12 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                 watch.remove(item)
 
     watch: list[Any] = []
-    run_phase([r for r in reqs if r["phase"] == 1])
+    if sc.get("gen", 1) == 2:                 # a restarted decode: the phase-2 requests, at once
+        run_phase([r for r in reqs if r["phase"] == 2])
+        out["phase1_done"] = True
+        reqs = [r for r in reqs if r["phase"] == 2]
+    else:
+        run_phase([r for r in reqs if r["phase"] == 1])
     end = time.monotonic() + sc.get("safe_wait_s", 10)
     while (pending_safe or watch) and time.monotonic() < end:
         resolve_safe()
@@ -299,7 +316,7 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
     out["phase1_done"] = True
     out["unsafe"] = [r["k"] for r in pending_safe]
     D.flush(out)
-    if sc.get("adv", {}).get("phase2"):
+    if sc.get("adv", {}).get("phase2") and sc.get("gen", 1) == 1:
         go = D.RESULT + ".go"
         end = time.monotonic() + 120
         while not os.path.exists(go) and time.monotonic() < end:
@@ -324,6 +341,10 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
                 if s not in used_slot and not (buf[2][s] == 0xEE).all():
                     out["errors"].append(f"state {buf[0]} layer {buf[1]} slot {s} (no request's) was written")
     out["progress_threads_alive"] = all(_alive(a) for a in mgr.agents.values())
+    end = time.monotonic() + 3 * mgr.settings.topology_recheck_s + 2.0     # retired agents close once idle
+    while mgr.retired and time.monotonic() < end:
+        time.sleep(0.05)
+    out["restarts"], out["retired_open"] = mgr.restarts, len(mgr.retired)
     mgr.close()
 
 

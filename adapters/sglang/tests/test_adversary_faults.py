@@ -1,5 +1,5 @@
 """Adversarial: a prefill rank SIGKILLed / SIGSTOPped mid-transfer, one PP stage killed (a prefill server restarted
-at the same bootstrap address is not found again by a running decode: see README, limits)."""
+at the same bootstrap address: test_restart.py)."""
 
 from __future__ import annotations
 

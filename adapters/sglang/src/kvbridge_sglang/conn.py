@@ -229,6 +229,14 @@ class KVBridgeKVManager(BaseKVManager):
         self.agents: dict[tuple[str, int, int], TransferAgent] = {}   # decode: (bootstrap, dp, pp) -> agent
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         self.topologies: dict[str, Topology] = {}
+        # decode: each prefill server's life (its bootstrap server's epoch) the cached topology is of; agents
+        # of a server that was replaced at its address since (with why), closed once their rooms are cleared;
+        # ``restarts`` counts replacements, so a receiver notices one with a single comparison
+        self.epochs: dict[str, str] = {}
+        self.retired: dict[TransferAgent, tuple[str, float]] = {}     # agent -> (why, when)
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.failure_records: dict[int, str] = {}
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.bootstrap_addr = _own_bootstrap(server_args)
@@ -309,29 +317,122 @@ class KVBridgeKVManager(BaseKVManager):
 
     # ------------------------------------------------------------------ decode
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Fetch the prefill server's topology (once complete) and fill ``prefill_info_table``."""
+        """Fetch the prefill server's topology (once complete) and fill ``prefill_info_table``. Cached per
+        address; a watcher thread fetches it again every ``KVBRIDGE_TOPOLOGY_RECHECK_S`` and notices a server
+        restarted at the same address (see ``_recheck``)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         try:
-            topo = Topology.parse(bootstrap.fetch(bootstrap_addr, secret=self.settings.secret, timeout_s=2.0))
+            answer = bootstrap.fetch(bootstrap_addr, secret=self.settings.secret, timeout_s=2.0)
+            topo = Topology.parse(answer)
         except Exception as exc:   # noqa: BLE001 - the scheduler retries
             log.debug("kvbridge-sglang: topology of %s not available: %s", bootstrap_addr, exc)
             return False
         if topo is None:
             return False
+        self._check_topology(bootstrap_addr, topo)
+        with self._lock:
+            if self.epochs.get(bootstrap_addr, None) not in (None, str(answer.get("epoch", ""))):
+                self._retire(bootstrap_addr, self.epochs[bootstrap_addr], str(answer.get("epoch", "")))
+            self._install(bootstrap_addr, topo, str(answer.get("epoch", "")))
+        self._watch()
+        return True
+
+    def _check_topology(self, bootstrap_addr: str, topo: Topology) -> None:
         if topo.page_size != self.page_size:
             raise KVBridgeError(f"prefill at {bootstrap_addr} has page size {topo.page_size}, this decode "
                                 f"{self.page_size}")
         if self.pp_size > 1 and self.pp_size != topo.pp_size:
             raise KVBridgeError(f"decode PP {self.pp_size} reads from prefill PP {topo.pp_size}: decode PP must be 1 "
                                 "or equal to the prefill's")
+
+    def _install(self, bootstrap_addr: str, topo: Topology, epoch: str) -> None:
+        """Cache a complete topology of the server's life ``epoch`` (call with the lock held)."""
+        self.topologies[bootstrap_addr] = topo
+        self.epochs[bootstrap_addr] = epoch
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=topo.tp_size, attn_cp_size=1, dp_size=topo.dp_size, pp_size=topo.pp_size,
+            page_size=topo.page_size, kv_cache_dtype=topo.kv_cache_dtype,
+            follow_bootstrap_room=topo.follow_bootstrap_room)
+
+    def _retire(self, bootstrap_addr: str, old: str, new: str) -> None:
+        """The prefill server at ``bootstrap_addr`` was replaced (epoch ``old`` -> ``new``): forget its topology
+        and retire its agents; their receivers fail, or reopen on the new server (``KVBridgeKVReceiver.poll``).
+        Call with the lock held."""
+        why = (f"the prefill server at {bootstrap_addr} was restarted (bootstrap server life {old[:8] or '?'} -> "
+               f"{new[:8] or '?'})")
+        now = time.monotonic()
+        for key in [k for k in self.agents if k[0] == bootstrap_addr]:
+            self.retired[self.agents.pop(key)] = (why, now)
+        self.topologies.pop(bootstrap_addr, None)
+        self.prefill_info_table.pop(bootstrap_addr, None)
+        self.epochs[bootstrap_addr] = new
+        self.restarts += 1
+        log.warning("kvbridge-sglang: %s: its requests in flight fail, new ones go to the new server", why)
+
+    def _watch(self) -> None:
         with self._lock:
-            self.topologies[bootstrap_addr] = topo
-            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-                attn_tp_size=topo.tp_size, attn_cp_size=1, dp_size=topo.dp_size, pp_size=topo.pp_size,
-                page_size=topo.page_size, kv_cache_dtype=topo.kv_cache_dtype,
-                follow_bootstrap_room=topo.follow_bootstrap_room)
-        return True
+            if self._watcher is not None or self._closed:
+                return
+            self._watcher = threading.Thread(target=self._watch_loop, name="kvbridge-sglang-topology", daemon=True)
+        self._watcher.start()
+
+    def _watch_loop(self) -> None:
+        """Every ``topology_recheck_s``: each known prefill server's topology again (``_recheck``), and the
+        retired agents whose rooms are all cleared closed. One failure is logged; the thread never dies."""
+        while not self._stop.wait(self.settings.topology_recheck_s):
+            for addr in list(self.epochs):
+                try:
+                    self._recheck(addr)
+                except Exception:
+                    log.exception("kvbridge-sglang: rechecking the prefill server at %s failed", addr)
+            self._close_retired(idle_only=True)
+
+    def _recheck(self, bootstrap_addr: str) -> None:
+        """Fetch the server's topology again. Another server life (it restarted at the same host:port, maybe
+        with another topology) retires what this decode holds of the old one and caches the new topology once
+        complete. An unreachable server changes nothing (a dead server's rooms fail by kvbridge's own peer
+        timeout or proof of its exit)."""
+        try:
+            answer = bootstrap.fetch(bootstrap_addr, secret=self.settings.secret,
+                                     timeout_s=min(2.0, self.settings.topology_recheck_s))
+        except Exception as exc:   # noqa: BLE001 - down or restarting: try again next time
+            log.debug("kvbridge-sglang: rechecking %s: %s", bootstrap_addr, exc)
+            return
+        epoch = str(answer.get("epoch", ""))
+        try:
+            topo = Topology.parse(answer)
+            if topo is not None:
+                self._check_topology(bootstrap_addr, topo)
+        except Exception as exc:   # noqa: BLE001 - SGLang's own call raises it to the scheduler
+            log.error("kvbridge-sglang: the prefill server at %s now answers an unusable topology: %s",
+                      bootstrap_addr, exc)
+            topo = None
+        with self._lock:
+            known = self.epochs.get(bootstrap_addr)
+            if known is None:
+                return
+            cached = self.topologies.get(bootstrap_addr)
+            if epoch != known or (cached is not None and topo is not None and cached.bootstrap != topo.bootstrap):
+                self._retire(bootstrap_addr, known, epoch)
+                cached = None
+            if cached is None and topo is not None:
+                self._install(bootstrap_addr, topo, epoch)
+
+    def _close_retired(self, *, idle_only: bool) -> None:
+        """Close retired agents; ``idle_only``: those without rooms (one may still be fenced) retired at least one
+        recheck interval ago (a receiver that took the agent just before it was retired has opened its room)."""
+        settle = time.monotonic() - self.settings.topology_recheck_s
+        with self._lock:
+            done = [a for a, (_, at) in self.retired.items()
+                    if not idle_only or (at < settle and (a.decode is None or not a.decode.rooms))]
+            for agent in done:
+                del self.retired[agent]
+        for agent in done:
+            try:
+                agent.close()
+            except Exception:
+                log.exception("kvbridge-sglang: closing retired agent %s", agent.name)
 
     def decode_stages(self, bootstrap_addr: str, dp_rank: int) -> list[tuple[Stage, TransferAgent]]:
         """The agent of every prefill PP stage this decode rank reads from (built and handshaking on first use)."""
@@ -402,6 +503,10 @@ class KVBridgeKVManager(BaseKVManager):
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        self._close_retired(idle_only=False)
         agents = [self.agent] if self.agent is not None else []
         agents += list(self.agents.values())
         for agent in agents:         # drain: rooms in flight finish (or fail cleanly), the peers hear it
@@ -607,6 +712,8 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         self.conclude_state: int | None = None
         self.bootstrap_infos: list[Stage] = []
         self.prefill_dp_rank: int | None = None
+        self._restarts = mgr.restarts       # prefill server replacements seen (the manager's count)
+        self._reopen_by: float | None = None   # set while waiting to reopen on a restarted prefill server
         if not why and mgr._receivers.get(self.bootstrap_room) is not None:
             why = f"bootstrap_room {self.bootstrap_room} is in use by another request on this rank"
         if why:                      # fails alone; the room's live receiver stays the one SGLang's release asks
@@ -622,12 +729,61 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         self.prefill_dp_rank = int(prefill_dp_rank)
         if self._failed:
             return
+        self._open()
+
+    def _open(self) -> None:
+        """Open the room on the agent of every prefill stage this rank reads from."""
+        assert self.prefill_dp_rank is not None
+        self._restarts = self.kv_mgr.restarts       # before: a replacement from now on is noticed by poll()
         try:
             for stage, agent in self.kv_mgr.decode_stages(self.bootstrap_addr, self.prefill_dp_rank):
                 self._parts.append((stage, agent, agent.receiver(self.bootstrap_room, stage.instance)))
                 self.bootstrap_infos.append(stage)
         except Exception as exc:   # noqa: BLE001 - the request fails with the reason, the scheduler goes on
             self._fail(f"kvbridge-sglang could not open the room: {type(exc).__name__}: {exc}")
+
+    def _server_replaced(self) -> None:
+        """The prefill server this room was opened on was replaced at its address (the manager retired its
+        agents). A room that never reached it (every stage still bootstrapping, no metadata given) is opened
+        again on the new server; any other fails with the reason (its old rooms are the old server's)."""
+        mgr = self.kv_mgr
+        self._restarts = mgr.restarts
+        if self._failed or not self._parts:
+            return
+        with mgr._lock:
+            current = {id(a) for a in mgr.agents.values()}
+            stale = [a for _, a, _ in self._parts if id(a) not in current]
+            why = next((mgr.retired[a][0] for a in stale if a in mgr.retired),
+                       f"the prefill server at {self.bootstrap_addr} was restarted")
+        if not stale:
+            return
+        if not self._metadata and all(r.poll() == KVBridgePoll.Bootstrapping for _, _, r in self._parts):
+            for _, _, receiver in self._parts:       # nothing requested: no writer, safe at once
+                receiver.abort(why)
+                receiver.clear()
+            self._parts.clear()
+            self.bootstrap_infos.clear()
+            self._reopen_by = time.monotonic() + mgr.settings.bootstrap_timeout_s
+            log.info("kvbridge-sglang: room %d had not reached the prefill server yet (%s): opening it on the new "
+                     "one", self.bootstrap_room, why)
+            return
+        self._fail(f"{why}; this request was in flight on the old server")
+
+    def _reopen(self) -> None:
+        """Open the room on the new server once its topology is complete (bounded by the bootstrap timeout)."""
+        assert self._reopen_by is not None
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is not None:
+            self._reopen_by = None
+            if info.dp_size == 1:       # the new server may have another DP size: route as SGLang's loop does
+                self.prefill_dp_rank = 0
+            elif info.follow_bootstrap_room:
+                self.prefill_dp_rank = self.bootstrap_room % info.dp_size
+            self._open()
+        elif time.monotonic() > self._reopen_by:
+            self._reopen_by = None
+            self._fail(f"the prefill server at {self.bootstrap_addr} was restarted and did not publish all its ranks "
+                       f"within {self.kv_mgr.settings.bootstrap_timeout_s} s")
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: list[Any] | None = None,
                       decode_prefix_len: int | None = None,
@@ -655,6 +811,12 @@ class KVBridgeKVReceiver(BaseKVReceiver):
             self._fail(f"send_metadata: {type(exc).__name__}: {exc}")
 
     def poll(self) -> int:
+        if self._failed and not self._parts:
+            return int(KVPoll.Failed)
+        if self.kv_mgr.restarts != self._restarts:
+            self._server_replaced()
+        if self._reopen_by is not None and not self._failed:
+            self._reopen()
         if self._failed and not self._parts:
             return int(KVPoll.Failed)
         if not self._parts:

@@ -16,6 +16,8 @@ this adapter only changes some defaults to SGLang's and adds the keys SGLang nee
 | ``KVBRIDGE_HOST`` | SGLang's ``--host``, else 127.0.0.1 | address the ranks' control links bind |
 | ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
 | ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
+| ``KVBRIDGE_TOPOLOGY_RECHECK_S`` | 2 | decode: how often each prefill server's topology is fetched again (a server |
+| | | restarted at the same address is found within this long) |
 
 Every other agent option keeps kvbridge's default (the table in kvbridge's README, "Configuration").
 """
@@ -43,11 +45,13 @@ _ALIASES = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_s",
 
 
 class SGLangOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """What only this adapter reads (``KVBRIDGE_HOST``, ``KVBRIDGE_SWA_WINDOW``, ``KVBRIDGE_DEVICE``)."""
+    """What only this adapter reads (``KVBRIDGE_HOST``, ``KVBRIDGE_SWA_WINDOW``, ``KVBRIDGE_DEVICE``,
+    ``KVBRIDGE_TOPOLOGY_RECHECK_S``)."""
 
     host: str = "127.0.0.1"
     swa_window: Annotated[int, msgspec.Meta(gt=0)] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    topology_recheck_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 2.0
 
 
 def default_backend() -> str:
@@ -84,11 +88,13 @@ class Settings(AdapterSettings):
         host = env.get("KVBRIDGE_HOST") or getattr(server_args, "host", None) or "127.0.0.1"
         own = {"host": "127.0.0.1" if host in ("0.0.0.0", "::") else str(host),
                "swa_window": env.get("KVBRIDGE_SWA_WINDOW") or None, "device": env.get("KVBRIDGE_DEVICE") or "auto"}
+        if env.get("KVBRIDGE_TOPOLOGY_RECHECK_S"):
+            own["topology_recheck_s"] = env["KVBRIDGE_TOPOLOGY_RECHECK_S"]
         try:
             agent = load_settings(env=env, check_backend=False, defaults=defaults, sources=sources, **aliased)
             options = parse_options(SGLangOptions, own, "kvbridge-sglang setting",
                                     {"swa_window": "KVBRIDGE_SWA_WINDOW", "device": "KVBRIDGE_DEVICE",
-                                     "host": "KVBRIDGE_HOST"})
+                                     "host": "KVBRIDGE_HOST", "topology_recheck_s": "KVBRIDGE_TOPOLOGY_RECHECK_S"})
         except SettingsError as exc:
             raise SettingsError(f"kvbridge-sglang: {exc}") from None
         return cls(agent=agent, options=options)
@@ -109,6 +115,10 @@ class Settings(AdapterSettings):
     @property
     def device(self) -> str:
         return self.options.device
+
+    @property
+    def topology_recheck_s(self) -> float:
+        return self.options.topology_recheck_s
 
     @property
     def staging_bytes(self) -> int:
