@@ -33,6 +33,7 @@ SLOW = (
     "adapters/sglang/tests/test_sglang_ranks.py",           # 154 s
     "tests/test_netns.py",                                  # 153 s
     "adapters/vllm/tests/test_connector_adversary.py",      # 115 s
+    "adapters/sglang/tests/test_restart.py",                # 75-128 s on a loaded host
     "tests/test_trace_probe.py",                            # 140 s
     "tests/test_demo_engines.py",                           # 121 s
     "adapters/vllm/tests/test_vllm_e2e_adversary.py",       # 85 s
