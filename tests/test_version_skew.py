@@ -351,16 +351,20 @@ def test_decode_refuses_a_version_4_prefill_naming_both_versions(bootstrap: str,
 # ---------------------------------------------------------------------------------------------- in one process
 
 
-def _pair_at(version: int) -> tuple[TransferAgent, TransferAgent, list[np.ndarray], list[np.ndarray]]:
+def _handshake_at(version: int, prefill_config: AgentConfig | None = None,
+                  decode_config: AgentConfig | None = None) -> tuple[TransferAgent, TransferAgent, Any,
+                                                                       list[np.ndarray], list[np.ndarray]]:
     """A prefill and a decode of this release over an in-process link, the decode's Hello in ``version``: what a
-    peer of that version would negotiate. Driven by hand (``progress()``); the caller closes both."""
+    peer of that version would send. Driven by hand (``progress()``) until the handshake ends; the caller closes
+    both."""
     from test_agent import kv_buffers, kv_layout
 
     hub = LocalHub()
     src, dst = kv_buffers(kv_layout(1, 0)), kv_buffers(kv_layout(1, 0))
     pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": src}, role=Role.PREFILL, link=hub.link("p0"),
-                        instance="inst", name="p0")
-    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": dst}, role=Role.DECODE, link=hub.link("d0"), name="d0")
+                        instance="inst", name="p0", config=prefill_config or AgentConfig())
+    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": dst}, role=Role.DECODE, link=hub.link("d0"), name="d0",
+                        config=decode_config or AgentConfig())
     with dec.context.lock:
         shake = dec.peers.begin("inst", {0: "p0"}, [0])
         shake.targets["p0"].version = version
@@ -369,8 +373,66 @@ def _pair_at(version: int) -> tuple[TransferAgent, TransferAgent, list[np.ndarra
         dec.progress()
         if shake.done or shake.refused is not None:
             break
+    return pre, dec, shake, src, dst
+
+
+def _pair_at(version: int) -> tuple[TransferAgent, TransferAgent, list[np.ndarray], list[np.ndarray]]:
+    """:func:`_handshake_at`, accepted."""
+    pre, dec, shake, src, dst = _handshake_at(version)
     assert shake.done, shake.refused
     return pre, dec, src, dst
+
+
+def test_a_prefill_whose_minimum_is_6_refuses_a_hello_in_5_naming_the_setting() -> None:
+    """``min_protocol_version=6`` (a fully upgraded cluster): a decode speaking the previous release's protocol
+    is refused at the handshake with both versions and the setting named; no peer is added on either side."""
+    pre, dec, shake, _, _ = _handshake_at(PREVIOUS_VERSION, prefill_config=AgentConfig(min_protocol_version=6))
+    try:
+        assert not shake.done and shake.refused is not None
+        assert "protocol 5 is below this prefill's min_protocol_version 6" in str(shake.refused), shake.refused
+        assert pre.peer_versions() == {} and dec.peer_versions() == {}
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_decode_whose_minimum_is_6_does_not_fall_back_on_a_refusal_in_5() -> None:
+    """Without a secret anyone can send a refusal in 5 (what an old prefill answers); a decode at the default
+    minimum says Hello again in 5, one at ``min_protocol_version=6`` does not: its handshake ends with the
+    reason, its Hello stays in 6, and no peer of version 5 is ever added."""
+    for minimum, falls_back in ((PREVIOUS_VERSION, True), (6, False)):
+        hub = LocalHub()
+        from test_agent import kv_buffers, kv_layout
+
+        dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
+                            link=hub.link("d0"), name="d0", config=AgentConfig(min_protocol_version=minimum))
+        try:
+            with dec.context.lock:
+                shake = dec.peers.begin("inst", {0: "p0"}, [0])
+            forger = wire.Codec(sender="p0", address="p0", incarnation=7)
+            refusal = wire.Welcome(version=6, agent="p0", address="p0", accepted=False, reason="speaks 5 only")
+            dec.handle_frame(forger.encode(refusal, to="d0", to_incarnation=dec.incarnation, version=5))
+            dec.progress()
+            assert (shake.targets["p0"].version == PREVIOUS_VERSION) is falls_back
+            if falls_back:
+                assert shake.refused is None
+            else:
+                assert shake.refused is not None and "below this agent's min_protocol_version 6" in str(
+                    shake.refused), shake.refused
+            assert dec.peer_versions() == {}
+        finally:
+            dec.close()
+
+
+def test_min_protocol_version_is_validated_on_every_path() -> None:
+    from kvbridge.settings import SettingsError, load_settings
+
+    for bad in (4, 7, 5.5, True, "6"):
+        with pytest.raises(ValueError, match="min_protocol_version"):
+            AgentConfig(min_protocol_version=bad)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="min_protocol_version"):
+        load_settings(env={"KVBRIDGE_MIN_PROTOCOL_VERSION": "4"})
+    assert load_settings(env={"KVBRIDGE_MIN_PROTOCOL_VERSION": "6"}).agent_config().min_protocol_version == 6
 
 
 def test_a_pair_at_5_moves_bytes_without_6s_features() -> None:

@@ -46,6 +46,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.protocol.wire import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "AdapterSettings", "Settings", "SettingsError", "env_defaults", "load_settings",
            "options_rows", "options_table", "parse_options", "parse_size"]
@@ -112,6 +113,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     writer_exit_grace_s: Annotated[float, _doc(
         "after that connection's EOF, how long writes the dead process posted may still land (s)", ge=0,
         le=_MAX_S)] = 0.5
+    min_protocol_version: Annotated[int, _doc(
+        "refuse peers that speak an older protocol than this, at the handshake, with both versions named; the "
+        "default accepts the previous release's (a rolling upgrade); set it to the current version once every "
+        "instance runs this release, so nothing (a forged refusal without a secret included) can make a pair "
+        "fall back", ge=MIN_PROTOCOL_VERSION, le=PROTOCOL_VERSION)] = MIN_PROTOCOL_VERSION
     clock_window_s: Annotated[float, _doc(
         "with a secret: a bootstrap request (publish, lookup, watch) whose timestamp is further than this from "
         "the bootstrap server's clock is refused as stale (a replay); both sides log the measured offset once a "
@@ -187,7 +193,7 @@ class AdapterSettings:
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
 AGENT_KEYS = ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s", "secret",
               "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "checksums",
-              "prove_writer_death", "writer_exit_grace_s", "backend_options")
+              "prove_writer_death", "writer_exit_grace_s", "min_protocol_version", "backend_options")
 
 
 def _as_text(value: Any) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvbridge.protocol.wire import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentConfig:
@@ -32,6 +34,8 @@ class AgentConfig:
     writer_exit_grace_s: float = 0.5       # after that EOF, how long writes the dead process posted may still land
     checksums: bool = False                # decode: ask every prefill rank for per-destination digests and
     #                                        verify each write against them (host memory; ``kvbridge.digests``)
+    min_protocol_version: int = MIN_PROTOCOL_VERSION   # refuse peers below this protocol version (raise it to
+    #                                        the current one once every instance is upgraded: no fallback then)
     backend_options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -46,6 +50,10 @@ class AgentConfig:
         if self.heartbeat_interval_s >= self.peer_timeout_s:
             raise ValueError(f"AgentConfig.heartbeat_interval_s={self.heartbeat_interval_s} must be below "
                              f"peer_timeout_s={self.peer_timeout_s} (a peer would be judged dead between beats)")
+        if (isinstance(self.min_protocol_version, bool) or not isinstance(self.min_protocol_version, int)
+                or not MIN_PROTOCOL_VERSION <= self.min_protocol_version <= PROTOCOL_VERSION):
+            raise ValueError(f"AgentConfig.min_protocol_version={self.min_protocol_version!r} must be an integer "
+                             f"from {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION} (the versions this release speaks)")
         if not 0 <= self.writer_exit_grace_s < float("inf"):
             raise ValueError(f"AgentConfig.writer_exit_grace_s={self.writer_exit_grace_s} must be >= 0 and finite")
         if self.staging_piece_bytes <= 0:

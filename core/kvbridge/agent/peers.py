@@ -367,7 +367,12 @@ class PeerTable:
         if not welcome.accepted and self._speak_older(targets, welcome, env):
             return
         reason = ""
-        if not welcome.accepted or welcome.layout is None:
+        minimum = self._ctx.config.min_protocol_version
+        if env.version < minimum:
+            reason = (f"prefill {welcome.agent} at {env.address} speaks protocol {env.version}, below this "
+                      f"agent's min_protocol_version {minimum} (this release speaks {PROTOCOL_VERSION})"
+                      + ("" if welcome.accepted else f"; it refused our Hello: {welcome.reason}"))
+        elif not welcome.accepted or welcome.layout is None:
             reason = f"prefill {welcome.agent} refused the handshake: {welcome.reason}"
         else:
             try:
@@ -399,8 +404,8 @@ class PeerTable:
         previous release, which cannot read our Hello and refuses every other version (it names only its own:
         the frame's). Say Hello again in its version, once per target; True when that is what happens."""
         lower = [t for t in targets if env.version < t.version]
-        if not lower:
-            return False
+        if not lower or env.version < self._ctx.config.min_protocol_version:
+            return False                                    # below our minimum: the refusal stands
         for target in lower:
             target.version = env.version
         log.warning("%s: prefill %s at %s speaks protocol %d (refused our %d: %s); saying Hello again in %d",
@@ -425,6 +430,9 @@ class PeerTable:
         if not same and not self._hellos.take():
             raise Dropped(f"Hello from {hello.agent}: more than {_NEW_PEERS_PER_S:.0f} new peers per second")
         reason = refusal(self._ctx, hello)
+        if not reason and env.version < ctx.config.min_protocol_version:
+            reason = (f"protocol {env.version} is below this prefill's min_protocol_version "
+                      f"{ctx.config.min_protocol_version} (it speaks {PROTOCOL_VERSION}); upgrade the decode")
         if not reason:
             try:
                 check_remote_buffers(hello.layout, info)
