@@ -289,3 +289,14 @@ def test_frames_sealed_with_another_local_users_secret_have_no_effect(tmp_path: 
         w.room(31)
     finally:
         w.close()
+
+
+def test_a_home_it_cannot_write_says_what_to_do(tmp_path: Path) -> None:
+    """A container with a read-only home and no XDG_RUNTIME_DIR: the engine is refused with the ways out."""
+    home = tmp_path / "ro-home"
+    home.mkdir()
+    blocker = home / ".cache"
+    blocker.write_text("a file where the directory would be")
+    with pytest.raises(LocalSecretError, match=r"local secret directory .*ro-home/\.cache/kvbridge: .*"
+                                               r"KVBRIDGE_SECRET_FILE.*KVBRIDGE_SECRET.*KVBRIDGE_ALLOW_INSECURE=1"):
+        load_settings(env={}).with_local_secret("127.0.0.1", env={"HOME": str(home)})

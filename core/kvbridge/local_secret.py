@@ -75,7 +75,8 @@ def default_path(env: Mapping[str, str] | None = None) -> Path:
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
         return Path(runtime) / "kvbridge" / "secret"
-    return Path(os.path.expanduser("~")) / ".cache" / "kvbridge" / "secret"
+    home = env.get("HOME", "")
+    return Path(home if os.path.isabs(home) else os.path.expanduser("~")) / ".cache" / "kvbridge" / "secret"
 
 
 def secret_path(configured: str, env: Mapping[str, str] | None = None) -> Path:
@@ -223,7 +224,12 @@ def local_secret(*, configured: str, allow_insecure: bool, secret_file: str, add
     if configured or allow_insecure or not all_local(addresses):
         return None
     path = secret_path(secret_file, env)
-    text = read_or_create(path)
+    try:
+        text = read_or_create(path)
+    except LocalSecretError as exc:
+        raise LocalSecretError(f"{exc}. Other ways: another file ({FILE_ENV}, secret_file=), a secret of your "
+                               "own (KVBRIDGE_SECRET, secret=) on every part, or none on loopback "
+                               "(KVBRIDGE_ALLOW_INSECURE=1 on every part)") from None
     with _logged_lock:
         first = str(path) not in _logged
         _logged.add(str(path))
