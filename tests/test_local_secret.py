@@ -300,3 +300,34 @@ def test_a_home_it_cannot_write_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(LocalSecretError, match=r"local secret directory .*ro-home/\.cache/kvbridge: .*"
                                                r"KVBRIDGE_SECRET_FILE.*KVBRIDGE_SECRET.*KVBRIDGE_ALLOW_INSECURE=1"):
         load_settings(env={}).with_local_secret("127.0.0.1", env={"HOME": str(home)})
+
+
+def test_an_empty_file_left_by_a_crashed_creator_is_refused_in_bounded_time(tmp_path: Path) -> None:
+    path = _file(tmp_path, 0o600, "")
+    started = time.monotonic()
+    with pytest.raises(LocalSecretError, match="stays empty: delete it"):
+        read_or_create(path)
+    assert time.monotonic() - started < ls._WAIT_S + 2
+
+
+def test_bootstrap_requests_sealed_with_another_local_users_secret_are_refused(tmp_path: Path) -> None:
+    from kvbridge.discovery import DiscoveryError
+    from kvbridge.zmq_link import ZmqBootstrap
+
+    mine = settings_for(tmp_path / "me" / "secret").with_local_secret("127.0.0.1").agent_config().secret
+    theirs = settings_for(tmp_path / "them" / "secret").with_local_secret("127.0.0.1").agent_config().secret
+    server = BootstrapServer(secret=mine).start()
+    own = ZmqBootstrap(server.address, secret=mine, timeout_s=2.0)
+    forgers = [ZmqBootstrap(server.address, secret=key, timeout_s=1.0) for key in (theirs, None)]
+    try:
+        own.publish("inst", 1, 0, "tcp://127.0.0.1:5555")
+        for forger in forgers:
+            with pytest.raises((DiscoveryError, TimeoutError, OSError)):
+                forger.publish("inst", 1, 0, "tcp://127.0.0.1:1")
+            assert forger.lookup("inst") is None             # the answer is not theirs to read
+        info = own.lookup("inst")
+        assert info is not None and info.addresses == {0: "tcp://127.0.0.1:5555"}
+    finally:
+        for client in (own, *forgers):
+            client.close()
+        server.close()
