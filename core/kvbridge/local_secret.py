@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvbridge.addresses import is_loopback
-from kvbridge.settings import SettingsError
+from kvbridge.errors import InsecureSetup
 
 __all__ = ["FILE_ENV", "LocalSecretError", "all_local", "default_path", "read_or_create", "secret_path"]
 
@@ -45,8 +45,9 @@ _logged: set[str] = set()
 _logged_lock = threading.Lock()
 
 
-class LocalSecretError(SettingsError):
-    """The host-local secret file cannot be used safely (the message names the path and why)."""
+class LocalSecretError(InsecureSetup):
+    """The host-local secret file cannot be used safely (the message names the path and why): the engine does
+    not start rather than run without a secret."""
 
 
 def is_local_address(address: str) -> bool:

@@ -143,7 +143,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         """These settings, with the host-local secret (:mod:`kvbridge.local_secret`) as ``secret`` when none is
         set, ``allow_insecure`` is off and every one of ``addresses`` (what the caller binds and advertises:
         hosts, ``host:port``, ``tcp://`` or ``ipc://`` endpoints) is this host's own; else unchanged. Raises
-        ``LocalSecretError`` (a SettingsError) when that file is unsafe (another owner, mode, symbolic link)."""
+        ``LocalSecretError`` (an ``InsecureSetup``) when that file is unsafe (another owner, mode, symlink)."""
         from kvbridge.local_secret import local_secret
 
         text = local_secret(configured=self.secret, allow_insecure=self.allow_insecure,
