@@ -62,6 +62,7 @@ OTHER_ENV = frozenset({
     "KVBRIDGE_SWA_WINDOW", "KVBRIDGE_STAGING_MIB", "KVBRIDGE_HEARTBEAT_S", "KVBRIDGE_TOPOLOGY_RECHECK_S",
 })
 T = TypeVar("T")
+_A = TypeVar("_A", bound="AdapterSettings")
 
 
 class SettingsError(KVBridgeError, ValueError):
@@ -94,7 +95,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
                                              le=_MAX_S)] = 120.0
     secret: Annotated[str, _doc("shared secret: HMAC on every control frame (empty: none; see Security)")] = ""
     allow_insecure: Annotated[bool, _doc(
-        "ZmqLink/BootstrapServer: bind a non-loopback address without a secret (refused otherwise; logged)")] = False
+        "ZmqLink/BootstrapServer: bind a non-loopback address without a secret (refused otherwise; logged); "
+        "on one host: no local secret file either")] = False
+    secret_file: Annotated[str, _doc(
+        "no secret set and every address loopback: the secret file this user's ranks on this host share, made "
+        "if absent (mode 0600); empty: `$XDG_RUNTIME_DIR/kvbridge/secret`, else `~/.cache/kvbridge/secret`")] = ""
     staging_bytes: Annotated[int, _doc(
         "staging area (host, or on the GPU of CUDA buffers); 0: off", ge=0, le=_MAX_BYTES)] = 32 << 20
     staging: Annotated[Literal["auto", "always", "never"], _doc(
@@ -139,6 +144,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         values["secret"] = self.secret.encode() if self.secret else None
         values["backend_options"] = {k: _as_text(v) for k, v in self.backend_options.items()}
         return AgentConfig(**values)
+
+    def with_local_secret(self, *addresses: str, env: Mapping[str, str] | None = None) -> Settings:
+        """These settings, with the host-local secret (:mod:`kvbridge.local_secret`) as ``secret`` when none is
+        set, ``allow_insecure`` is off and every one of ``addresses`` (what the caller binds and advertises:
+        hosts, ``host:port``, ``tcp://`` or ``ipc://`` endpoints) is this host's own; else unchanged. Raises
+        ``LocalSecretError`` (an ``InsecureSetup``) when that file is unsafe (another owner, mode, symlink)."""
+        from kvbridge.local_secret import local_secret
+
+        text = local_secret(configured=self.secret, allow_insecure=self.allow_insecure,
+                            secret_file=self.secret_file, addresses=addresses, env=env)
+        return self if text is None else msgspec.structs.replace(self, secret=text)
 
     def registry(self, **build: Any) -> Any:
         """A plugin registry for the agent: with the metrics plugin and the exporter on ``metrics_port`` when
@@ -188,6 +204,19 @@ class AdapterSettings:
     def agent_config(self) -> Any:
         """The ``AgentConfig`` of ``agent``."""
         return self.agent.agent_config()
+
+    def local_addresses(self) -> tuple[str, ...]:
+        """Every address this engine's parts bind or advertise (an adapter's own keys); none here."""
+        return ()
+
+    def with_local_secret(self: _A, *more: str) -> _A:
+        """These settings with the host-local secret when no secret is set and :meth:`local_addresses` (and
+        ``more``) are all this host's own (:meth:`Settings.with_local_secret`); else unchanged."""
+        import dataclasses
+
+        addresses = (*self.local_addresses(), *more)
+        agent = self.agent.with_local_secret(*addresses)
+        return self if agent is self.agent else dataclasses.replace(self, agent=agent)
 
 
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).

@@ -118,6 +118,11 @@ def _parallel(args: KVArgs, server_args: Any) -> dict[str, int]:
             "pp_rank": int(getattr(args, "pp_rank", 0) or 0)}
 
 
+def _server_host(server_args: Any) -> str:
+    """SGLang's ``--host`` (where the prefill's HTTP bootstrap server binds)."""
+    return str(getattr(server_args, "host", None) or "127.0.0.1")
+
+
 def _own_bootstrap(server_args: Any) -> str:
     """``host:port`` of this prefill server's bootstrap server."""
     host = port = None
@@ -207,7 +212,8 @@ class KVBridgeKVManager(BaseKVManager):
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
-        self.settings = Settings.from_env(server_args)
+        # no secret configured and everything on loopback: this user's secret file on this host (secure by default)
+        self.settings = Settings.from_env(server_args).with_local_secret(_server_host(server_args))
         par = _parallel(args, server_args)
         self.attn_tp_size, self.attn_tp_rank = par["attn_tp_size"], par["attn_tp_rank"]
         self.attn_dp_size, self.attn_dp_rank = par["attn_dp_size"], par["attn_dp_rank"]
@@ -870,7 +876,7 @@ class KVBridgeKVBootstrapServer(BaseKVBootstrapServer):
     """Started by SGLang on the prefill instance at ``--disaggregation-bootstrap-port``."""
 
     def __init__(self, host: str, port: int) -> None:
-        settings = Settings.from_env()
+        settings = Settings.from_env().with_local_secret(host or "127.0.0.1")   # decided as the KV manager does
         self.host, self.port = host, int(port)
         self.server = TopologyServer(host or "127.0.0.1", self.port, secret=settings.secret,
                                      allow_insecure=settings.allow_insecure)

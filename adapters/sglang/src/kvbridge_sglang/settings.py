@@ -99,6 +99,11 @@ class Settings(AdapterSettings):
             raise SettingsError(f"kvbridge-sglang: {exc}") from None
         return cls(agent=agent, options=options)
 
+    def local_addresses(self) -> tuple[str, ...]:
+        """What the ranks' links bind; the adapter adds SGLang's ``--host`` (where the prefill's bootstrap
+        server binds) with ``with_local_secret(host)``, on both roles so that they decide alike."""
+        return (self.options.host,)
+
     # -- what the connector reads besides AdapterSettings' ---------------------------------------------------
     @property
     def secret(self) -> bytes | None:

@@ -130,7 +130,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = vllm_config.kv_transfer_config
         assert config is not None
-        self.settings = Settings.from_extra(config.kv_connector_extra_config)
+        # no secret configured and everything on loopback: this user's secret file on this host (secure by default)
+        self.settings = Settings.from_extra(config.kv_connector_extra_config).with_local_secret()
         self.produce = bool(config.is_kv_producer)
         self.consume = bool(config.is_kv_consumer)
         self.instance = self.settings.instance or f"vllm-{config.engine_id}"

@@ -116,6 +116,11 @@ class Settings(AdapterSettings):
     def dump_dir(self) -> str:
         return self.options.dump_dir
 
+    def local_addresses(self) -> tuple[str, ...]:
+        """What the ranks' links bind and the bootstrap server they use: all loopback, with no secret set,
+        means one host, and the connector takes the host-local secret (``with_local_secret``)."""
+        return (self.options.host, self.options.bootstrap)
+
     def remap_to_shm(self) -> bool:
         return self.backend == "loopback" if self.options.shm_remap is None else self.options.shm_remap
 
