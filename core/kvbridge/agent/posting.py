@@ -24,6 +24,7 @@ from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
+from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.backends.base import ComponentTransfer
 from kvbridge.digests import digest_items
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
@@ -84,6 +85,7 @@ class Poster:
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
         self._no_staging: set[str] = set()      # peers whose staging area the engine cannot reach
+        self.unconfirmed = Unconfirmed()        # notices the backend took, sent again ahead of our Goodbye
 
     # ------------------------------------------------------------------ validation and pairing
     def prepare(self, room: SendRoom, comp_index: int, pages: np.ndarray, last: bool,
@@ -163,7 +165,7 @@ class Poster:
         notice = _with(notice, nbytes=plan.total_nbytes, staged=False, offset=0)
         frame = ctx.codec.encode(notice, to=peer.address, to_incarnation=peer.incarnation)
         if len(plan) == 0:
-            self.notify(peer, frame)
+            self.notify(peer, frame, room.room)
             return
         if peer.info is None:
             raise AssertionError(f"peer {peer.agent} has no registered buffers")
@@ -419,10 +421,14 @@ class Poster:
                          piece.src, piece.dst, p.notice, None)
         log.debug("%s: room %d %s piece %d went as descriptors", ctx.name, room.room, comp.name, p.notice.chunk)
 
-    def notify(self, peer: Peer, frame: bytes) -> None:
-        """Hand an encoded notice to the backend; the control link carries it when the engine cannot."""
+    def notify(self, peer: Peer, frame: bytes, room: int) -> None:
+        """Hand an encoded notice to the backend; the control link carries it when the engine cannot. One the
+        backend took is kept until it cannot matter (:mod:`kvbridge.agent.unconfirmed`): our Goodbye must not
+        overtake it."""
         ctx = self._ctx
-        if not ctx.calls.notify_completion(peer.agent, frame):
+        if ctx.calls.notify_completion(peer.agent, frame):
+            self.unconfirmed.keep(peer.agent, peer.incarnation, room, frame, ctx.codec.last_seq(peer.address))
+        else:
             ctx.send_frame(peer.address, frame, "notice")
 
 

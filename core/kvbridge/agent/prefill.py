@@ -179,6 +179,7 @@ class PrefillSide(RoomTable[SendRoom]):
             raise Dropped(f"transfer request for room {req.room} from {req.agent}, which never shook hands")
         if not peer.alive:      # departed (goodbye, declared gone, exited): a late frame of a dead incarnation
             raise Dropped(f"transfer request for room {req.room} from {req.agent}, which is {peer.state.value}")
+        self._poster.unconfirmed.forget_room(req.agent, req.room)   # notices of an earlier use of the number
         if room is not None and room.state is SendState.FAILED and req.agent not in room.requests:
             self._refuse_late(peer, req, room.reason)     # it failed (bootstrap timeout...) before this request
             return
@@ -296,6 +297,7 @@ class PrefillSide(RoomTable[SendRoom]):
 
     def on_abort(self, abort: Abort, env: Envelope) -> None:
         ctx = self._ctx
+        self._poster.unconfirmed.forget_room(abort.agent, abort.room)     # the decode is done with that room
         room = self.rooms.get(abort.room)
         ack = Abort(room=abort.room, agent=ctx.name, reason=abort.reason, quiesced=True)
         if room is None:   # nothing was written for it: confirm now, fail the sender if it comes later
@@ -486,7 +488,7 @@ class PrefillSide(RoomTable[SendRoom]):
         item.step(WriteEvent.COMPLETE if result is not None and result.state is HandleState.DONE else WriteEvent.ERROR)
         if result is not None and result.state is HandleState.DONE:
             if room.status is not KVPoll.Failed and peer is not None:
-                self._poster.notify(peer, item.frame)
+                self._poster.notify(peer, item.frame, room.room)
         else:
             self._fail(room, f"{ctx.backend_name} write of {item.notice.component} chunk {item.notice.chunk} to "
                              f"{item.peer} failed: {reason}")
@@ -558,6 +560,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self._remember_abort(room_id, f"bootstrap timeout: the decode's request waited {timeout} s for sender()")
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
+        self._poster.unconfirmed.forget(peer.agent)
         owed = self._owed.setdefault((peer.agent, peer.incarnation), OrderedDict())
         for room in self.rooms.values():
             if peer.agent in room.requests:
@@ -595,6 +598,19 @@ class PrefillSide(RoomTable[SendRoom]):
                 if peer is not None and peer.alive:
                     self._peers.post(peer, StatusPush(room=room_id, agent=self._ctx.name, status=KVPoll.Failed,
                                                       reason=f"prefill {self._ctx.name} is draining ({reason})"))
+
+    def resend_unconfirmed(self) -> int:
+        """Before our Goodbye: send again over the control link every notice the backend took that a live decode
+        may not have read yet (:mod:`kvbridge.agent.unconfirmed`); the link is ordered, so they arrive before
+        the Goodbye. Returns how many frames went."""
+        ctx, sent = self._ctx, 0
+        for peer in list(self._peers.peers.values()):
+            if not peer.alive:
+                continue
+            for frame in self._poster.unconfirmed.frames(peer.agent, peer.incarnation, ctx.codec.last_seq(peer.address)):
+                ctx.send_frame(peer.address, frame, "notice (again, before goodbye)")
+                sent += 1
+        return sent
 
     def unsettled(self) -> int:
         """Rooms not yet over: live, or with a write still reading our pages or an acknowledgement owed."""

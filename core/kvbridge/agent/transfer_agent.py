@@ -589,6 +589,10 @@ class TransferAgent:
             self._thread.join(timeout=5)
         ctx = self.context
         with ctx.lock:
+            if self.prefill is not None:    # the notices the backend took go again over the link, before the goodbye
+                again = self.prefill.resend_unconfirmed()
+                if again:
+                    log.debug("%s: sent %d notices again over the control link before its goodbye", self.name, again)
             self.peers.say_goodbye()
             self.buffers.deregister_all(self.name)
         ctx.calls.close()

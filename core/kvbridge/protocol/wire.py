@@ -407,6 +407,11 @@ class Codec:
     def version_for(self, address: str, incarnation: int) -> int:
         return self._versions.get((address, incarnation), PROTOCOL_VERSION)
 
+    def last_seq(self, to: str) -> int:
+        """The sequence number of the latest frame encoded for the agent at ``to`` (0: none yet)."""
+        with self._seq_lock:
+            return self._seq.get(to, 0)
+
     def encode(self, message: Message, *, to: str = "", to_incarnation: int = 0, version: int | None = None) -> bytes:
         """One frame for the agent listening at ``to`` (its incarnation if known), in ``version`` (default: the
         version negotiated with that peer incarnation, else ours)."""

@@ -67,6 +67,21 @@ class SimNet:
             d.due = world.now + world.rng.uniform(0.0, linger)
         return len(lingering)
 
+    def closed(self, uid: str) -> int:
+        """The process closed its backend (a drain, a clean shutdown): nothing it posted is in flight, but a
+        notification it handed over and that has not arrived yet comes late (up to 3 s) or never, as with an
+        engine whose agent is released before its notifications leave (NIXL). Gone from now on."""
+        world = self.world
+        late = [d for d in world.pending.values() if d.kind == NOTIFY and d.src == uid]
+        for d in late:
+            if world.rng.random() < 0.5:
+                del world.pending[d.id]
+                world.log(f"lose  {d.src}->{d.dst} {d.label} (its backend closed)")
+            else:
+                d.due = world.now + world.rng.uniform(1.0, 3.0)
+        self.state[uid] = GONE
+        return len(late)
+
     def reap(self, uid: str) -> int:
         """The killed writer's posted writes can no longer land (its NIC is reset): drop them; gone from now."""
         dropped = [d for d in self.world.pending.values() if d.kind == LAND and d.payload.writer == uid]
@@ -170,7 +185,7 @@ class SimBackend:
         return self.net.state.get(endpoint.decode(errors="replace")) == GONE
 
     def close(self) -> None:
-        return None
+        self.net.closed(self.uid)
 
 
 def pending_handles(net: SimNet) -> int:

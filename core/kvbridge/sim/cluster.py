@@ -137,5 +137,12 @@ class Cluster:
         proc.agent, proc.status = None, DEAD
         self.world.log(f"kill  {proc.name} gen={proc.gen} ({lingering} of its writes still in flight)")
 
+    def stop(self, proc: Proc) -> None:
+        """A planned shutdown of a drained process: ``close()`` (its goodbye, its backend closed), then gone."""
+        assert proc.agent is not None
+        proc.agent.close()
+        proc.agent, proc.status = None, DEAD
+        self.world.log(f"stop  {proc.name} gen={proc.gen} (drained, closed)")
+
     def live(self) -> list[Proc]:
         return [p for p in self.procs if p.status == UP]

@@ -51,6 +51,7 @@ class Side:
     sent: int = 0                 # chunks sent (prefill)
     status: KVPoll = KVPoll.Bootstrapping
     terminal_at: float | None = None
+    succeeded: bool = False       # a prefill side that reached Success (its writes all landed and notified)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -125,6 +126,24 @@ class Engine:
     def open_requests(self) -> list[Request]:
         return [r for r in self.requests if r.is_open()]
 
+    def stopped(self, proc: Proc) -> None:
+        """``proc`` (a prefill rank) drained and closes: what its rooms reached is remembered, then its sides go."""
+        assert proc.agent is not None and proc.agent.prefill is not None
+        for req in self.requests:
+            room = proc.agent.prefill.rooms.get(req.room)
+            side = req.sides[proc.name]
+            if room is not None and side.gen == proc.gen and room.status is KVPoll.Success:
+                side.succeeded = True
+        self.lose(proc)
+
+    def planned_goodbye(self, req: Request, proc: Proc, reason: str) -> None:
+        """A decode room failed because a prefill said goodbye although every prefill rank of the request
+        reached Success (every write landed and was notified): a planned shutdown must not fail it."""
+        prefills = [s for s in req.sides.values() if self.cluster.by_name[s.proc].role is Role.PREFILL]
+        if "said goodbye" in reason and prefills and all(s.succeeded for s in prefills):
+            self.world.violate(f"planned shutdown: room {req.room} on {proc.name} failed ({reason}) although every "
+                               "prefill rank of it reached Success")
+
     def lose(self, proc: Proc) -> None:
         """``proc`` died: its sides of every request are gone with it (its memory too)."""
         for req in self.requests:
@@ -180,6 +199,7 @@ class Engine:
         assert rooms is not None
         # the quiet tail reads room state without a progress step per room (the loop progresses every agent)
         status = side.status = rooms.status(req.room) if polite else sender.poll()
+        side.succeeded = side.succeeded or status is KVPoll.Success
         if status in (KVPoll.Success, KVPoll.Failed):
             if side.terminal_at is None:
                 side.terminal_at = self.world.now
@@ -231,6 +251,8 @@ class Engine:
                 if status is KVPoll.Success:
                     self.successes += 1
                     self.verify(req, side, proc)
+                else:
+                    self.planned_goodbye(req, proc, rooms.get(req.room).reason)
             if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
                 return None
             receiver.clear()

@@ -19,6 +19,9 @@ class SimHub:
         self.world = world
         self.links: dict[str, SimLink] = {}
         self.instances: dict[str, InstanceInfo] = {}
+        #: frames between two processes arrive in the order sent (a ZMQ link's per-peer order; off by default:
+        #: the sweep reorders them, which the protocol tolerates; a drain's goodbye relies on the order)
+        self.ordered = False
         world.deliver_frame = self._deliver
 
     def link(self, address: str) -> SimLink:
@@ -42,6 +45,17 @@ class SimHub:
             world.schedule(FRAME, src, dst, label + " (dup)", frame)
 
     def _deliver(self, item: Delivery) -> None:
+        if self.ordered:              # frames sent earlier between the same two processes arrive first
+            world = self.world
+            before = [d for d in world.pending.values()
+                      if d.kind == FRAME and d.src == item.src and d.dst == item.dst and d.id < item.id]
+            for d in sorted(before, key=lambda d: d.id):
+                del world.pending[d.id]
+                world.log(f"frame {d.src}->{d.dst} {d.label} (in order, before #{item.id})")
+                self._put(d)
+        self._put(item)
+
+    def _put(self, item: Delivery) -> None:
         link = self.links.get(item.dst)
         if link is not None and not link.closed:    # like a network: frames to a gone address are lost
             link.inbox.append(item.payload)

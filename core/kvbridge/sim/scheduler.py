@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.agent import AgentConfig
 from kvbridge.agent.config import HELLO_RESEND_S
+from kvbridge.protocol.wire import Role
 from kvbridge.sim.backend import KILLED
 from kvbridge.sim.cluster import DEAD, PAUSED, UP, Cluster, Proc
 from kvbridge.sim.engine import CLEARED, LOST, Engine
@@ -19,6 +20,10 @@ TOPOLOGIES = ((1, 1), (2, 2), (2, 1), (1, 2), (4, 2))
 CONFIG = AgentConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0, bootstrap_timeout_s=4.0, waiting_timeout_s=4.0,
                      staging_bytes=0)
 FAULTS = ("pause", "kill", "partition", "drop", "dup", "write_fail")
+#: faults a test pins (``faults=``), never drawn by a seed (so every seed's schedule stays what it was): "drain"
+#: drains a prefill rank and closes it once drained (its goodbye, its backend's late notifications); its
+#: schedules keep the control link's per-peer order, as ZMQ does
+PINNED_FAULTS = ("drain",)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -71,13 +76,16 @@ class Simulation:
                              staging=s.staging if s.staging_bytes else "never", staging_bytes=s.staging_bytes,
                              staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20)
         self.cluster = Cluster(self.world, s.pt, s.dt, config)
-        self.engine = Engine(self.cluster, lossless=not s.faults & {"drop", "kill", "pause", "partition"})
+        # a drained rank's closed backend loses or delays notifications: no schedule with it is lossless
+        self.engine = Engine(self.cluster, lossless=not s.faults & {"drop", "kill", "pause", "partition", "drain"})
         self.fences = Fences(self.cluster, self.engine.opened_by)
         self.config = self.cluster.config
         self.events = 0
         # plain writes are checked page by page as they land; only a staged scatter (the decode's own copy
         # out of its staging area, in progress()) needs the frozen-pages comparison
         self.staged = s.staging_bytes > 0
+        self.draining: list[Proc] = []      # prefill ranks draining, closed once drained
+        self.cluster.hub.ordered = "drain" in s.faults
 
     # ------------------------------------------------------------------ running
     def run(self) -> Result:
@@ -172,6 +180,7 @@ class Simulation:
                     self._record(None)
             else:
                 self._record(self._fault())
+        self._stop_drained()
         dt = rng.expovariate(1 / 0.03) if rng.random() < 0.9 else rng.uniform(0.3, 1.5)
         world.now += dt
         self._record(f"tick  +{dt:.3f}")
@@ -190,9 +199,10 @@ class Simulation:
                 proc.status = UP
                 self.world.log(f"resume {proc.name}")
 
-    def _deliver(self, item: Delivery, *, faults: bool) -> str:
+    def _deliver(self, item: Delivery, *, faults: bool) -> str | None:
         world, net = self.world, self.cluster.net
-        del world.pending[item.id]
+        if world.pending.pop(item.id, None) is None:
+            return None                 # delivered already, ahead of a later frame of its link (``ordered``)
         where = f"{item.src}->{item.dst} {item.label}"
         if item.kind == FRAME:
             assert world.deliver_frame is not None
@@ -218,6 +228,8 @@ class Simulation:
             options += ["kill", "restart", "reap"]
         if "partition" in s.faults:
             options += ["partition", "heal"]
+        if "drain" in s.faults:
+            options += ["drain", "restart"]         # a drained rank comes back (a rolling restart)
         if not options:
             return None
         what = rng.choice(options)
@@ -254,6 +266,15 @@ class Simulation:
             return None
         if what == "reap":
             return self._reap(rng.random() < 0.5)
+        if what == "drain":
+            idle = [p for p in cluster.live() if p.role is Role.PREFILL and p not in self.draining]
+            if not idle:
+                return None
+            proc = rng.choice(idle)
+            assert proc.agent is not None
+            proc.agent.begin_drain("sim: drain")
+            self.draining.append(proc)
+            return f"DRAIN {proc.name}"
         if what == "partition":
             names = [p.name for p in cluster.procs]
             group = sorted(rng.sample(names, rng.randint(1, len(names) - 1)))
@@ -279,6 +300,23 @@ class Simulation:
                     other.agent.declare_gone(proc.name)
             text += ", declared gone"
         return text
+
+    def _stop_drained(self) -> None:
+        """Close each draining prefill rank whose rooms are all over (``drained``, read without a progress step)."""
+        for proc in list(self.draining):
+            agent = proc.agent
+            if proc.status == DEAD or agent is None:
+                self.draining.remove(proc)       # killed meanwhile
+                continue
+            if proc.status != UP:
+                continue
+            with agent.context.lock:
+                settled = agent._side().unsettled() == 0
+            if settled:
+                self.draining.remove(proc)
+                self.engine.stopped(proc)
+                self.cluster.stop(proc)
+                self._record(None)
 
     # ------------------------------------------------------------------ quiet tail
     def bound(self) -> float:
@@ -310,6 +348,7 @@ class Simulation:
                 assert proc.agent is not None
                 proc.agent.progress()
                 proc.dirty = self.staged
+            self._stop_drained()
             self.engine.watch_timeouts()
             for req in self.engine.open_requests():
                 for name in sorted(req.sides):
