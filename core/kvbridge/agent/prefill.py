@@ -607,7 +607,8 @@ class PrefillSide(RoomTable[SendRoom]):
         for peer in list(self._peers.peers.values()):
             if not peer.alive:
                 continue
-            for frame in self._poster.unconfirmed.frames(peer.agent, peer.incarnation, ctx.codec.last_seq(peer.address)):
+            latest = ctx.codec.last_seq(peer.address)
+            for frame in self._poster.unconfirmed.frames(peer.agent, peer.incarnation, latest):
                 ctx.send_frame(peer.address, frame, "notice (again, before goodbye)")
                 sent += 1
         return sent

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="print the event trace even when it passes")
     parser.add_argument("--schedules", type=int, default=0, help="run this many schedules")
     parser.add_argument("--start-seed", type=int, default=0)
-    parser.add_argument("--faults", help="pin the fault profile (comma-separated, e.g. kill,pause; 'none'; 'drain' only when pinned)")
+    parser.add_argument("--faults", help="pin the fault profile (comma-separated, e.g. kill,pause; 'none'; "
+                                         "'drain' is drawn only when pinned)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes for --schedules (0: every core)")
     args = parser.parse_args(argv)
     faults = None if args.faults is None else frozenset(f for f in args.faults.split(",") if f and f != "none")
