@@ -599,6 +599,11 @@ class PrefillSide(RoomTable[SendRoom]):
                     self._peers.post(peer, StatusPush(room=room_id, agent=self._ctx.name, status=KVPoll.Failed,
                                                       reason=f"prefill {self._ctx.name} is draining ({reason})"))
 
+    @property
+    def unconfirmed(self) -> int:
+        """Notices the backend took that our Goodbye would send again (tests, diagnostics)."""
+        return len(self._poster.unconfirmed)
+
     def resend_unconfirmed(self) -> int:
         """Before our Goodbye: send again over the control link every notice the backend took that a live decode
         may not have read yet (:mod:`kvbridge.agent.unconfirmed`); the link is ordered, so they arrive before

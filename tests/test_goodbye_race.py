@@ -1,0 +1,113 @@
+"""A prefill that closes right after its last write fails no room on the decode (issue 26), over real backends.
+
+Seen once in a loaded ``kvbridge demo`` over NIXL: the prefill's write completed locally, it said Goodbye over
+the control link and released its NIXL agent before the decode had read the write's notification; the decode
+failed the room after the goodbye's grace ("is gone (said goodbye)"), every byte having landed. Before its
+Goodbye a prefill now sends again, over the control link, every notice its backend took
+(:mod:`kvbridge.agent.unconfirmed`); the simulator's ``drain`` schedules check it deterministically
+(``tests/test_sim.py``). Here, real processes: a child (``tests/_goodbyerig.py``) starts a fresh prefill agent
+per room and closes it the moment its room is Success; the decode (this process) must see every room Success
+and byte-exact. Many rooms, bounded in count and time; the numbers are printed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _churnrig import Child
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.protocol.wire import KVPoll, Role
+from kvbridge.registry import Registry
+from kvbridge.testkit.kvmodel import NUM_PAGES, KVPool
+from kvbridge.zmq_link import BootstrapServer, ZmqLink
+
+pytestmark = pytest.mark.kvbridge_multiprocess
+
+RIG = Path(__file__).resolve().parent / "_goodbyerig.py"
+ROOMS = int(os.environ.get("KVBRIDGE_GOODBYE_ROOMS", "40"))
+TIME_S = float(os.environ.get("KVBRIDGE_GOODBYE_TIME_S", "60"))
+BOUND_S = 20.0
+PAGES = 6
+_AVAILABLE = Registry.build().backend_names()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["loopback", "nixl", "mooncake"])
+def test_a_prefill_closing_right_after_its_last_write_fails_no_room(backend: str) -> None:
+    if backend not in _AVAILABLE:
+        pytest.skip(f"backend {backend!r} is not installed")
+    if backend == "nixl":
+        import kvbridge_nixl
+
+        if not kvbridge_nixl.probe().available:
+            pytest.skip("nixl not usable here")
+    server = BootstrapServer().start()
+    pool = KVPool(1, 0, memory="shm", role="decode")
+    config = AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=5.0, bootstrap_timeout_s=BOUND_S,
+                         waiting_timeout_s=BOUND_S, staging_bytes=0)
+    decode = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.DECODE,
+                           link=ZmqLink(bootstrap=server.address), backend=backend, name="goodbye-decode",
+                           config=config)
+    decode.start(0.002)
+    child = Child(f"goodbye-{backend}", RIG)
+    outcomes: dict[str, int] = {}
+    failures: list[str] = []
+    closes: list[float] = []
+    again = 0
+    try:
+        child.wait("spawned", 60)
+        child.send(backend=backend, bootstrap=server.address, peer_timeout_s=5.0, bound_s=BOUND_S,
+                   resend=os.environ.get("KVBRIDGE_GOODBYE_NO_FIX", "") != "1")
+        child.wait("ready", 60)
+        started = time.monotonic()
+        room = 0
+        while room < ROOMS and time.monotonic() - started < TIME_S:
+            room += 1
+            instance = f"goodbye-{uuid.uuid4().hex[:8]}"
+            rng = np.random.default_rng([room, 0x6B])
+            src, dst = rng.permutation(NUM_PAGES)[:PAGES], rng.permutation(NUM_PAGES)[:PAGES]
+            positions, seed = np.arange(PAGES), 7000 + room
+            pool.fill(seed, 200)
+            child.send(cmd="room", instance=instance, room=room, seed=seed, src=src.tolist(),
+                       positions=positions.tolist())
+            child.wait("up", BOUND_S, room=room)
+            decode.connect(instance, BOUND_S)
+            receiver = decode.receiver(room, instance)
+            receiver.send_metadata({k.name: dst for k in pool.kinds})
+            deadline = time.monotonic() + BOUND_S
+            while receiver.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            status, reason = receiver.poll(), receiver.failure_reason or ""
+            sent = child.wait("room", BOUND_S * 2, room=room)
+            closes.append(sent["close_s"])
+            again += sent["again"]
+            assert sent["status"] == "Success", f"room {room}: the prefill side did not finish: {sent}"
+            outcomes[status.name] = outcomes.get(status.name, 0) + 1
+            if status is not KVPoll.Success:
+                failures.append(f"room {room}: {status.name} ({reason})")
+            else:
+                problems = pool.check(seed, 200, dst, positions)
+                assert not problems, f"room {room}: wrong bytes:\n  " + "\n  ".join(problems[:10])
+                assert receiver.nbytes == pool.expected_nbytes(PAGES)
+            while not receiver.safe_to_reuse and time.monotonic() < deadline + BOUND_S:
+                time.sleep(0.002)
+            assert receiver.safe_to_reuse, f"room {room}: never safe to reuse ({status.name}: {reason})"
+            receiver.clear()
+        took = time.monotonic() - started
+        print(f"\n{backend}: {room} rooms in {took:.1f} s, each prefill closed right after its last write: "
+              f"{outcomes}; close() took median {np.median(closes) * 1e3:.1f} ms, max {max(closes) * 1e3:.1f} ms; "
+              f"{again} notices sent again over the link before the goodbyes")
+        assert room >= min(ROOMS, 5), f"only {room} rooms in {TIME_S} s"
+        assert not failures, f"{len(failures)} of {room} rooms failed:\n  " + "\n  ".join(failures[:10])
+    finally:
+        assert child.close(30) == 0, child.stderr()
+        child.kill()
+        decode.close()
+        pool.close()
+        server.close()
