@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.demo.run import EXIT_MISMATCH, EXIT_OK, EXIT_TRANSFER, Summary
+from kvbridge.demo.run import EXIT_MISMATCH, EXIT_OK, EXIT_TERMINATED, EXIT_TRANSFER, Summary
 from kvbridge.registry import Registry
 
 pytestmark = pytest.mark.kvbridge_multiprocess
@@ -78,7 +78,13 @@ def test_exit_codes_of_a_summary() -> None:
     assert Summary(requests=2, verified=2, crashed=["decode rank 0 was killed"]).exit_code == EXIT_TRANSFER
     assert Summary(requests=2, mismatched=["request 0: 3 bytes differ"],
                    failed=["request 1: x"]).exit_code == EXIT_MISMATCH
-    assert len({EXIT_OK, EXIT_MISMATCH, 2, EXIT_TRANSFER, 64}) == 5
+    assert len({EXIT_OK, EXIT_MISMATCH, 2, EXIT_TRANSFER, 64, EXIT_TERMINATED}) == 6
+    # SIGTERM cut the run: 143 only when every request started finished byte-exact
+    assert Summary(requests=5, verified=3, refused=2).exit_code == EXIT_TERMINATED
+    assert Summary(requests=5, verified=2, refused=2, failed=["request 2: x"]).exit_code == EXIT_TRANSFER
+    mismatch = Summary(requests=5, verified=2, refused=2, mismatched=["request 2: 1 bytes differ"])
+    assert mismatch.exit_code == EXIT_MISMATCH
+    assert Summary(requests=5, verified=2, refused=2).exit_code == EXIT_TRANSFER       # one started, never finished
 
 
 def test_piped_output_has_no_carriage_return() -> None:
@@ -180,6 +186,53 @@ def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
         time.sleep(0.1)                                 # (an exited child may linger until it is reaped)
     for rank in ranks:                                  # every rank is gone, and so are its segments
         assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the demo"
+        assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish() -> None:
+    """SIGTERM to the launcher mid-run: the requests some rank had started finish and are verified byte by
+    byte, every rank drains (its report: nothing failed, nothing unsafe) and exits, the rest are counted as
+    refused, the launcher exits 143, and no rank, fork server or /dev/shm segment is left."""
+    proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
+                             "--decode-tp", "2", "--timeout", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:                          # the first request verified: every rank is working
+            if re.search(r"\] [1-9]\d*/3000 requests", line):
+                break
+        else:
+            pytest.fail(f"the demo never made progress: {proc.stderr.read() if proc.stderr else ''}")
+        ranks = _ranks(proc.pid)
+        server = [c for c in _children(proc.pid) if b"forkserver" in _cmdline(c)]
+        assert len(ranks) == 4, ranks
+        termed = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - termed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"\nSIGTERM -> exit in {took:.2f} s\n{out}")
+    assert proc.returncode == EXIT_TERMINATED, out + err
+    assert "SIGTERM: draining every rank" in err, err
+    done = re.search(r"requests +(\d+)/3000 completed, (\d+) failed, (\d+) refused", out)
+    verified = re.search(r"verified: (\d+)/3000 byte-exact", out)
+    assert done and verified, out
+    completed, failed, refused = map(int, done.groups())
+    assert failed == 0 and completed >= 1 and refused >= 1 and completed + refused == 3000, out
+    assert int(verified.group(1)) == completed, out            # every completed request was byte-checked
+    drained = re.findall(r"drained (prefill|decode) rank (\d): \{'success': \d+, 'failed': (\d+), 'unsafe': (\d+)\}",
+                         out)
+    assert len(drained) == 4 and all(f == "0" and u == "0" for *_, f, u in drained), out
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in ranks + server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in ranks + server:
+        assert not _running(pid), f"process {pid} outlived the demo"
+    for rank in ranks:
         assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
 
 

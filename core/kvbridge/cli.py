@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -76,8 +77,12 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.errors import KVBridgeError, PluginError
     from kvbridge.settings import load_settings
 
-    def stop(signum: int, _frame: Any) -> NoReturn:
-        raise SystemExit(128 + signum)        # run_demo's cleanup stops and reaps every rank
+    drain = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        if drain.is_set():
+            raise SystemExit(128 + signum)    # the second one: run_demo's cleanup stops and reaps every rank
+        drain.set()                           # the first one: run_demo drains every rank (EXIT_TERMINATED)
 
     signal.signal(signal.SIGTERM, stop)
     try:
@@ -86,7 +91,7 @@ def _demo(args: argparse.Namespace) -> int:
         summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
                            dump=args.dump, metrics_port=args.metrics_port or settings.metrics_port,
-                           settings_file=args.config)
+                           settings_file=args.config, drain_on=drain)
     except PluginError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
@@ -17,7 +18,7 @@ import numpy as np
 
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.ranks import rank_context
-from kvbridge.demo.worker import WorkerConfig, reap_segments, run_worker
+from kvbridge.demo.worker import Gate, WorkerConfig, reap_segments, run_worker
 from kvbridge.errors import PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.protocol.wire import Role
 from kvbridge.registry import Registry
@@ -31,6 +32,8 @@ EXIT_MISMATCH = 1        # a byte differs from the reference (verification failu
 EXIT_UNAVAILABLE = 2     # a backend or state type is not installed or cannot run here
 EXIT_TRANSFER = 3        # a request failed, a rank died, or the run timed out
 EXIT_USAGE = 64          # the command line is wrong (EX_USAGE): unknown flag, bad value, TP sizes the model forbids
+EXIT_TERMINATED = 143    # SIGTERM (128 + 15): every rank drained, every request started finished byte-exact, the
+#                          rest were refused (a failure or mismatch among them still gives 3 or 1)
 
 
 @dataclass(kw_only=True)
@@ -45,18 +48,23 @@ class Summary:
     transfers: list[float] = field(default_factory=list)      # per (request, prefill rank): first chunk -> Success
     wall_s: float = 0.0
     crashed: list[str] = field(default_factory=list)
+    refused: int = 0             # never started: the run was cut by SIGTERM (``Gate``)
+    drained: list[str] = field(default_factory=list)      # each rank's drain report, after a SIGTERM
 
     @property
     def ok(self) -> bool:
-        return self.verified == self.requests and not (self.failed or self.mismatched or self.crashed)
+        return self.verified == self.requests - self.refused and not (self.failed or self.mismatched or self.crashed)
 
     @property
     def exit_code(self) -> int:
         """EXIT_MISMATCH when any byte differed (it outranks everything), else EXIT_TRANSFER when a request
-        failed, a rank died or the run did not finish, else EXIT_OK."""
+        failed, a rank died or the run did not finish, else EXIT_TERMINATED when SIGTERM cut the run (every
+        request started finished byte-exact), else EXIT_OK."""
         if self.mismatched:
             return EXIT_MISMATCH
-        return EXIT_OK if self.ok else EXIT_TRANSFER
+        if not self.ok:
+            return EXIT_TRANSFER
+        return EXIT_TERMINATED if self.refused else EXIT_OK
 
 
 def default_backend() -> str:
@@ -95,13 +103,16 @@ def check_backend(backend: str, registry: Registry | None = None) -> None:
 def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requests: int, seed: int,
              window: int = 4, region_pages: int = 24, timeout_s: float = 300.0, dump: str | None = None,
              out: TextIO = sys.stdout, err: TextIO | None = None, metrics_port: int = 0,
-             progress: bool | None = None, settings_file: str | None = None) -> Summary:
+             progress: bool | None = None, settings_file: str | None = None,
+             drain_on: threading.Event | None = None) -> Summary:
     """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
     UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing,
     the settings (``settings_file``, ``KVBRIDGE_*``: the ranks' agent options) are invalid, or the TP sizes do
     not fit the preset. A rank that dies stops the run at once: the others are stopped, every
     process is reaped and its shared-memory segments removed. ``progress``: a bar (default: on a terminal
-    only; elsewhere a line per tenth of the run)."""
+    only; elsewhere a line per tenth of the run). ``drain_on`` (the CLI sets it on SIGTERM): once set, the run
+    stops after the requests some rank already started (:class:`~kvbridge.demo.worker.Gate`), those finish and
+    are verified, every rank drains its agent and exits; the rest count as refused (``EXIT_TERMINATED``)."""
     err = err if err is not None else sys.stderr
     settings = load_settings(settings_file, check_backend=False)    # the ranks' agent settings, checked here
     registry = Registry.build()
@@ -124,9 +135,10 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     ctx = rank_context(backend)   # forkserver: the heavy imports happen once, not in every rank
     results: mp.Queue = ctx.Queue()
     go = ctx.Event()          # set once every rank is up: no prefill room's bootstrap clock runs before that
+    gate = Gate.make(ctx, requests)   # the shutdown's cut, shared with every rank
     configs = [replace(base, role=Role.PREFILL, rank=r) for r in range(prefill_tp)]
     configs += [replace(base, role=Role.DECODE, rank=r) for r in range(decode_tp)]
-    procs = [ctx.Process(target=run_worker, args=(c, results, go), name=f"{c.role.value}{c.rank}", daemon=True)
+    procs = [ctx.Process(target=run_worker, args=(c, results, go, gate), name=f"{c.role.value}{c.rank}", daemon=True)
              for c in configs]
     ranks = {p.name: f"{c.role.value} rank {c.rank}" for p, c in zip(procs, configs)}
     summary = Summary(requests=requests)
@@ -151,7 +163,13 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
         ready: set[str] = set()
         exited_at: dict[str, float] = {}
         next_look = time.monotonic() + _POLL_S
+        draining = False
         while len(finished) < len(procs):
+            if drain_on is not None and drain_on.is_set() and not draining:
+                draining = True
+                cut = gate.close()
+                print(f"kvbridge demo: SIGTERM: draining every rank; the {cut} requests started finish, the other "
+                      f"{requests - cut} are refused (SIGTERM again: stop at once)", file=err, flush=True)
             try:
                 msg = results.get(timeout=_POLL_S)
             except queue.Empty:
@@ -185,6 +203,8 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                         deadline = time.monotonic() + timeout_s + 30
                 elif kind == "finished":
                     finished.add(f"{msg[1]}{msg[2]}")
+                elif kind == "drained":
+                    summary.drained.append(f"{msg[1]} rank {msg[2]}: {msg[3]}")
             now = time.monotonic()
             if msg is not None and now < next_look:
                 continue          # a steady stream of results must not hide a dead rank: look every _POLL_S
@@ -203,6 +223,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
                                        f"({len(ready)} of {len(procs)} ready)")
                 break
         summary.wall_s = time.perf_counter() - started
+        summary.refused = requests - gate.limit        # a rank's own SIGTERM may have cut the run too
     except BaseException:
         summary.crashed.append("interrupted")
         raise
@@ -249,7 +270,16 @@ def _dead(summary: Summary, err: TextIO, what: str) -> None:
 
 def _stop(procs: list[Any], grace_s: float) -> None:
     """Join the ranks for ``grace_s``, then SIGTERM the rest and SIGKILL what is left after _STOP_GRACE_S:
-    no rank outlives the run."""
+    no rank outlives the run. ``grace_s == 0`` (a rank died): SIGKILL at once (a rank drains on SIGTERM, and
+    there is nothing left to drain for)."""
+    if grace_s == 0:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=5)
+        return
     deadline = time.monotonic() + grace_s
     for p in procs:
         if p.pid is not None:
@@ -331,7 +361,8 @@ class Progress:
 def _print_summary(s: Summary, out: TextIO) -> None:
     lat = np.array(s.latencies) * 1000 if s.latencies else np.zeros(1)
     gbps = s.bytes / s.wall_s / 1e9 if s.wall_s else 0.0
-    print(f"  requests     {len(s.latencies)}/{s.requests} completed, {len(s.failed)} failed", file=out)
+    refused = f", {s.refused} refused (SIGTERM: the ranks drained)" if s.refused else ""
+    print(f"  requests     {len(s.latencies)}/{s.requests} completed, {len(s.failed)} failed{refused}", file=out)
     xfer = np.array(s.transfers) * 1000 if s.transfers else np.zeros(1)
     print(f"  bytes        {s.bytes / 1e6:.1f} MB moved; run took {s.wall_s:.2f} s ({gbps:.2f} GB/s including "
           "computing and checking the reference pattern of every byte)", file=out)
@@ -341,5 +372,7 @@ def _print_summary(s: Summary, out: TextIO) -> None:
           "(decode asks -> decode has it all; includes the prefill computing its pages)", file=out)
     print(f"  descriptors  {s.descriptors} ({s.descriptors / max(1, s.requests):.1f} per request)", file=out)
     print(f"  verified: {s.verified}/{s.requests} byte-exact", file=out)
+    for line in s.drained:
+        print(f"  drained {line}", file=out)
     for line in (s.crashed + s.failed + s.mismatched)[:10]:
         print(f"  ! {line}", file=out)

@@ -42,7 +42,7 @@ from kvbridge.registry import Registry
 from kvbridge.settings import load_settings
 from kvbridge.zmq_link import ZmqLink
 
-__all__ = ["INSTANCE", "SEGMENT_PREFIX", "WorkerConfig", "allocate_items", "make_requests", "pool_items",
+__all__ = ["INSTANCE", "SEGMENT_PREFIX", "Gate", "WorkerConfig", "allocate_items", "make_requests", "pool_items",
            "reap_segments", "request_items", "run_worker", "state_indices"]
 
 INSTANCE = "prefill"
@@ -120,12 +120,58 @@ def state_indices(preset: Preset, request: RequestShape, items: dict[str, np.nda
     return {m.name: (items[m.name], m.span(request)[0]) for m in preset.components if not m.chunked}
 
 
-def run_worker(cfg: WorkerConfig, results: Any, go: Any = None) -> None:
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """Which requests the ranks may still start, shared by the launcher and every rank (a shutdown's cut).
+
+    Every rank runs the same schedule, and a request needs every rank: so a shutdown stops the *run* at one
+    index for all of them. Before starting request ``i`` a rank asks :meth:`admit`, which records the highest
+    index any rank started; :meth:`close` (the launcher's SIGTERM, or a rank's own) sets the cut to it, so every
+    request some rank already started is still started by the others and finishes, and none after it starts
+    anywhere (the summary counts those as refused). Made by :meth:`make` before the ranks start (multiprocessing
+    values travel to a rank only with its process object)."""
+
+    lock: Any
+    cut: Any          # multiprocessing Value('q'): requests below this index may start
+    started: Any      # multiprocessing Value('q'): one more than the highest index a rank started
+
+    @classmethod
+    def make(cls, ctx: Any, requests: int) -> Gate:
+        return cls(ctx.Lock(), ctx.Value("q", requests, lock=False), ctx.Value("q", 0, lock=False))
+
+    def admit(self, index: int) -> bool:
+        """May a rank start request ``index``? (Recorded as started when it may.)"""
+        with self.lock:
+            if index >= self.cut.value:
+                return False
+            self.started.value = max(self.started.value, index + 1)
+            return True
+
+    def close(self) -> int:
+        """Stop the run after the requests some rank already started; returns the cut (idempotent)."""
+        with self.lock:
+            self.cut.value = min(self.cut.value, self.started.value)
+            return int(self.cut.value)
+
+    @property
+    def limit(self) -> int:
+        with self.lock:
+            return int(self.cut.value)
+
+
+def run_worker(cfg: WorkerConfig, results: Any, go: Any = None, gate: Gate | None = None) -> None:
     """Process entry point; every outcome (also a crash) is reported on ``results``. ``go`` (an event the
     launcher sets once every rank reported ready): wait for it before the first request, so that a rank that
     starts late (importing the engine takes tens of seconds on a loaded host) does not eat the other side's
-    bootstrap timeout: a prefill room times out ``bootstrap_timeout_s`` after its sender() was made."""
+    bootstrap timeout: a prefill room times out ``bootstrap_timeout_s`` after its sender() was made.
+
+    ``gate``: the run's shutdown cut (:class:`Gate`). SIGTERM to this rank closes it too (an orchestrator that
+    signals the whole process group); a rank whose run was cut drains its agent (``agent.drain``, the settings'
+    ``drain_timeout_s``: its peers hear a Goodbye) and reports ``("drained", role, rank, report)``."""
     _die_with_parent()
+    term = threading.Event()
+    if gate is not None:
+        signal.signal(signal.SIGTERM, lambda *_: term.set())     # acted on by the request loop, never in here
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # one INFO line per agent otherwise (NIXL spells it WARN)
     configure_logging(os.environ.get("KVBRIDGE_LOG") or "WARNING",
                       fmt=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
@@ -153,8 +199,19 @@ def run_worker(cfg: WorkerConfig, results: Any, go: Any = None) -> None:
             agent.connect(INSTANCE, timeout_s=cfg.timeout_s)   # repeats its Hello until answered
         requests = make_requests(cfg.seed, cfg.requests, preset.page_size, cfg.region_pages)
         step = _prefill_request if cfg.role is Role.PREFILL else _decode_request
-        _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results),
-                    idle=lambda: agent.link_wait(0.001))
+
+        def admit(index: int) -> bool:
+            if gate is None:
+                return True
+            if term.is_set():
+                gate.close()
+            return gate.admit(index)
+
+        done = _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results),
+                           idle=lambda: agent.link_wait(0.001), admit=admit)
+        if done < len(requests):        # the run was cut (SIGTERM): nothing is in flight here any more
+            report = agent.drain(load_settings(cfg.settings_file, check_backend=False).drain_timeout_s, "SIGTERM")
+            results.put(("drained", cfg.role.value, cfg.rank, report))
         if cfg.dump and cfg.role is Role.DECODE:
             _dump(cfg, pool, requests)
         results.put(("finished", cfg.role.value, cfg.rank))
@@ -207,15 +264,21 @@ def _die_with(pidfd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any) -> None:
+def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any,
+                admit: Any = None) -> int:
     """Drive up to ``window`` requests at once; between rounds, wait for the next control frame (up to 1 ms)
-    instead of spinning: several rank processes share few cores."""
+    instead of spinning: several rank processes share few cores. ``admit(index)`` says whether a request may
+    still start (a shutdown's cut; False is final: no later one starts). Returns how many requests ran."""
     active: dict[int, Iterator[None]] = {}
     done: set[int] = set()
     nxt = 0
+    limit = len(requests)
     deadline = time.monotonic() + cfg.timeout_s
-    while nxt < len(requests) or active:
-        while nxt < len(requests) and len(active) < cfg.window and (nxt < cfg.window or nxt - cfg.window in done):
+    while nxt < limit or active:
+        while nxt < limit and len(active) < cfg.window and (nxt < cfg.window or nxt - cfg.window in done):
+            if admit is not None and not admit(nxt):
+                limit = nxt
+                break
             active[nxt] = start(requests[nxt])
             nxt += 1
         for index, gen in list(active.items()):
@@ -227,6 +290,7 @@ def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idl
         if time.monotonic() > deadline:
             raise TimeoutError(f"run did not finish in {cfg.timeout_s} s ({len(done)} of {len(requests)} done)")
         idle()
+    return limit
 
 
 def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
