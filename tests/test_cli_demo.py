@@ -190,8 +190,10 @@ def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish() -> None:
-    """SIGTERM to the launcher mid-run: the requests some rank had started finish and are verified byte by
+@pytest.mark.parametrize("target", ["launcher", "rank"])
+def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish(target: str) -> None:
+    """SIGTERM to the launcher mid-run (or to one rank only, as an orchestrator that signals the whole
+    process group reaches it first): the requests some rank had started finish and are verified byte by
     byte, every rank drains (its report: nothing failed, nothing unsafe) and exits, the rest are counted as
     refused, the launcher exits 143, and no rank, fork server or /dev/shm segment is left."""
     proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
@@ -208,7 +210,7 @@ def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish() -> None:
         server = [c for c in _children(proc.pid) if b"forkserver" in _cmdline(c)]
         assert len(ranks) == 4, ranks
         termed = time.monotonic()
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid if target == "launcher" else ranks[-1], signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
         took = time.monotonic() - termed
     finally:
@@ -217,7 +219,7 @@ def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish() -> None:
             proc.wait()
     print(f"\nSIGTERM -> exit in {took:.2f} s\n{out}")
     assert proc.returncode == EXIT_TERMINATED, out + err
-    assert "SIGTERM: draining every rank" in err, err
+    assert ("SIGTERM: draining every rank" in err) == (target == "launcher"), err
     done = re.search(r"requests +(\d+)/3000 completed, (\d+) failed, (\d+) refused", out)
     verified = re.search(r"verified: (\d+)/3000 byte-exact", out)
     assert done and verified, out
