@@ -12,6 +12,7 @@ once, and answer ``room`` with the status, how long the close took and how many 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 import time
@@ -51,10 +52,14 @@ def _serve(job: dict[str, Any]) -> None:
     pool = KVPool(1, 0, role="prefill")
     config = AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=job["peer_timeout_s"],
                          bootstrap_timeout_s=job["bound_s"], waiting_timeout_s=job["bound_s"], staging_bytes=0)
+    from kvbridge.registry import Registry
+
+    Registry.build().create_backend(job["backend"], name="warm-up", options={}).close()   # its imports (NIXL: torch)
     _say("ready")
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
+            faulthandler.dump_traceback_later(job["bound_s"] * 0.9)     # a stuck room shows where, on stderr
             agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.PREFILL,
                                   link=ZmqLink(bootstrap=job["bootstrap"]), backend=job["backend"],
                                   instance=cmd["instance"], config=config)
@@ -66,6 +71,7 @@ def _serve(job: dict[str, Any]) -> None:
                 started = time.monotonic()
                 agent.close()                           # at once: no wait for the decode
                 took = time.monotonic() - started
+            faulthandler.cancel_dump_traceback_later()
             _say("room", room=cmd["room"], status=status, reason=reason, close_s=took, again=kept)
     finally:
         pool.close()
