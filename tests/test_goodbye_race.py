@@ -34,8 +34,8 @@ from kvbridge.zmq_link import BootstrapServer, ZmqLink
 pytestmark = pytest.mark.kvbridge_multiprocess
 
 RIG = Path(__file__).resolve().parent / "_goodbyerig.py"
-ROOMS = int(os.environ.get("KVBRIDGE_GOODBYE_ROOMS", "30"))
-TIME_S = float(os.environ.get("KVBRIDGE_GOODBYE_TIME_S", "60"))
+ROOMS = int(os.environ.get("KVBRIDGE_GOODBYE_ROOMS", "20"))
+TIME_S = float(os.environ.get("KVBRIDGE_GOODBYE_TIME_S", "45"))
 BOUND_S = 20.0
 PAGES = 6
 LATE_S = 1.5                  # > the goodbye's grace (kvbridge.agent.config.GOODBYE_GRACE_S)
