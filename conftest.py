@@ -38,7 +38,7 @@ SLOW = (
     "tests/test_demo_engines.py",                           # 121 s
     "adapters/vllm/tests/test_vllm_e2e_adversary.py",       # 85 s
     "tests/test_rolling_restart.py",                        # 115 s
-    "tests/test_goodbye_race.py",                           # ~100-180 s (6 cases, 20 rooms each, real processes)
+    "tests/test_goodbye_race.py",                           # ~40 s (3 cases, 10 rooms each, real processes)
     "plugins/mooncake/tests/test_conformance.py",           # 82 s
     "adapters/vllm/tests/test_worker_adversary.py",         # 79 s
     "tests/test_soak.py",                                   # 80 s
