@@ -165,6 +165,23 @@ class _Peer:
     maps: list[mmap.mmap]
     translate: dict[str, np.ndarray]   # component -> per-region (remote base, local base) uint64 pairs
     checked_generation: int = -1        # the target's registration generation its regions were last checked at
+    sending: int = 0                    # sends between their peer look-up and the end of their copy
+    retired: bool = False               # removed, replaced or backend closed: no new send finds it
+
+    def retire(self) -> list[mmap.mmap]:
+        """Mark the peer gone (caller holds the backend lock); the maps to close now: all of them when no
+        send is copying through them, else none (the last send to finish closes them)."""
+        self.retired = True
+        if self.sending:
+            return []
+        maps, self.maps = self.maps, []
+        return maps
+
+    def send_done(self) -> list[mmap.mmap]:
+        """A send finished (caller holds the backend lock); the maps to close now, if it was the last one
+        of a retired peer."""
+        self.sending -= 1
+        return self.retire() if self.retired else []
 
     @property
     def local(self) -> bool:
@@ -258,8 +275,8 @@ class LoopbackBackend:
             self._peers[peer.name] = _Peer(info=peer, proof=endpoint.proof,
                                            target=None if target is None else weakref.ref(target),
                                            maps=maps, translate=translate, checked_generation=generation)
-        if old is not None:
-            _close_maps(old.maps)
+            stale = old.retire() if old is not None else []
+        _close_maps(stale)
         return peer.name
 
     def _proven_local(self, endpoint: _Endpoint) -> LoopbackBackend | None:
@@ -335,21 +352,32 @@ class LoopbackBackend:
         return pairs
 
     def remove_peer(self, peer_id: str) -> None:
+        """Forget the peer and unmap its segments: now, or when the last send copying into them ends (an
+        unmapped destination under a running copy would crash the process)."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
-        if peer is not None:
-            _close_maps(peer.maps)
+            maps = peer.retire() if peer is not None else []
+        _close_maps(maps)
 
     # -- transfers
     def send_component(self, transfer: ComponentTransfer) -> Any:
         if self._closed:
             raise RegionError("loopback backend is closed")
-        plan = transfer.plan
         with self._lock:
             peer = self._peers.get(transfer.peer)
             registered = any(reg is transfer.src for reg in self._registered.get(transfer.component, []))
-        if peer is None:
-            raise RegionError(f"unknown peer {transfer.peer!r}; add_peer first")
+            if peer is None:
+                raise RegionError(f"unknown peer {transfer.peer!r}; add_peer first")
+            peer.sending += 1                # its maps stay until this send is over, whoever removes it
+        try:
+            return self._send(transfer, peer, registered)
+        finally:
+            with self._lock:
+                maps = peer.send_done()
+            _close_maps(maps)
+
+    def _send(self, transfer: ComponentTransfer, peer: _Peer, registered: bool) -> Poll:
+        plan = transfer.plan
         if not registered:
             raise RegionError(f"source buffers of {transfer.component!r} are not registered with this backend")
         check_within(plan.src_addr, plan.nbytes, transfer.src.regions, f"source ({transfer.component})")
@@ -442,8 +470,8 @@ class LoopbackBackend:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             self._registered.clear()
-        for peer in peers:
-            _close_maps(peer.maps)
+            maps = [m for peer in peers for m in peer.retire()]
+        _close_maps(maps)
         with _MAILBOX_LOCK:
             _MAILBOXES.pop(self._proof, None)
             _LOCAL.pop(self._proof, None)
@@ -482,10 +510,13 @@ def _checked_regions(peer: str, buffers: RemoteBuffers) -> list[tuple[int, int]]
 
 
 def _close_maps(maps: list[mmap.mmap]) -> None:
+    """Unmap and close each (its descriptor too). Nothing here keeps an export of a map (the address is
+    taken through a ctypes object freed at once), so a BufferError means someone else holds a view: that
+    mapping then goes when the view is collected."""
     for mapped in maps:
         try:
             mapped.close()
-        except BufferError:  # a numpy view still alive; the mapping goes when it is collected
+        except BufferError:
             pass
 
 
