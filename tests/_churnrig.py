@@ -1,7 +1,10 @@
 """The churn/soak rig: one long-lived prefill process and short-lived decode processes, over ZMQ.
 
-``python tests/_churnrig.py`` imports kvbridge, says ``spawned`` and waits for its job (one JSON line on
-stdin), so the test can start the next decode process while the current one runs. After the job every
+``python tests/_churnrig.py [BACKEND]`` imports what a rank of ``BACKEND`` imports (kvbridge's agent, link and
+kit, the engine's Python module: :data:`PRELOAD`), says ``spawned`` and waits for its job (one JSON line on
+stdin), so the test can start the next decode process while the current one runs and its imports are off
+the critical path (they were not before 2026-11: ``spawned`` came before any kvbridge import, and a NIXL
+decode then imported torch and NIXL inside the timed restart). After the job every
 stdin line is a command; the child answers ``CHURNRIG {json}`` lines on stdout and exits when stdin closes
 (or on ``exit``).
 
@@ -35,6 +38,13 @@ from _childproc import TaggedChild
 _TAG = "CHURNRIG "
 HERE = Path(__file__).resolve()
 INSTANCE = "churn-prefill"
+#: imported before ``spawned``: always, and per backend (what creating its engine imports)
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "": ("numpy", "kvbridge.agent", "kvbridge.protocol.wire", "kvbridge.testkit.kvmodel", "kvbridge.testkit.pools",
+         "kvbridge.zmq_link", "kvbridge.registry"),
+    "nixl": ("nixl._api", "kvbridge_nixl.backend"),
+    "mooncake": ("mooncake.engine",),
+}
 
 # ============================================================================ parent side
 
@@ -42,11 +52,12 @@ INSTANCE = "churn-prefill"
 class Child(TaggedChild):
     """One rank process; events are read by a thread; every wait is bounded."""
 
-    def __init__(self, label: str, script: Path = HERE) -> None:
+    def __init__(self, label: str, script: Path = HERE, backend: str = "") -> None:
         self._cond = threading.Condition()
         self._items: list[dict[str, Any]] = []
         self._closed = False
-        super().__init__(label, script, _TAG, env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
+        super().__init__(label, script, _TAG, argv=[backend] if backend else [],
+                         env_defaults={"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"})
 
     def _event(self, item: dict[str, Any]) -> None:
         with self._cond:
@@ -290,9 +301,22 @@ def _decode(job: dict[str, Any]) -> None:
                 sys.stderr.write(f"closing {type(item).__name__} failed: {exc}\n")
 
 
-def run_job(job_handler: Any) -> int:
-    """A rig child's entry point: say ``spawned``, read the job (one JSON line), run ``job_handler(job)``; an
-    exception is reported as an ``error`` event and exit code 1."""
+def preload(backend: str) -> None:
+    """Import :data:`PRELOAD` for ``backend`` (a module that fails to import is left to the job to report)."""
+    import importlib
+
+    for name in (*PRELOAD[""], *PRELOAD.get(backend, ())):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the job's own import says why, where the test sees it
+            pass
+
+
+def run_job(job_handler: Any, backend: str = "") -> int:
+    """A rig child's entry point: preload ``backend``'s imports (if named), say ``spawned``, read the job (one
+    JSON line), run ``job_handler(job)``; an exception is reported as an ``error`` event and exit code 1."""
+    if backend:
+        preload(backend)
     _say("spawned")
     line = sys.stdin.readline()
     if not line:
@@ -310,7 +334,8 @@ def run_job(job_handler: Any) -> int:
 
 
 def _main() -> int:
-    return run_job(lambda job: _prefill(job) if job["role"] == "prefill" else _decode(job))
+    return run_job(lambda job: _prefill(job) if job["role"] == "prefill" else _decode(job),
+                   sys.argv[1] if len(sys.argv) > 1 else "")
 
 
 if __name__ == "__main__":

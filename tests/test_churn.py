@@ -79,7 +79,7 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
     t0 = time.monotonic()
 
     def spawn(label: str) -> Child:
-        child = Child(label)
+        child = Child(label, backend=backend)      # imports the engine before "spawned": overlapped with a restart
         children.append(child)
         pids.add(child.pid)
         return child
@@ -109,17 +109,21 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
             dst = rng.permutation(NUM_PAGES)[:REQUEST_PAGES]
             positions = np.arange(REQUEST_PAGES)
             room, seed = 7000 + i, 1000 + i
+            t_start = time.monotonic()
             decode.wait("spawned", 60)
+            t_spawned = time.monotonic()
             decode.send(role="decode", room=room, seed=seed, dst=dst.tolist(), positions=positions.tolist(), **common)
             # the prefill opens the room once the decode's request is on its way (held as an early request): the
             # room's bootstrap clock must not run while a loaded host imports the decode's engine (it did, 30 s)
             decode.wait("ready", BOUND_S * 4)
+            t_ready = time.monotonic()
             prefill.send(cmd="room", room=room, seed=seed, src=src.tolist(), positions=positions.tolist())
             result = decode.wait("result", BOUND_S + 10)
             assert not result["problems"], f"restart {i}: wrong bytes:\n  " + "\n  ".join(result["problems"])
             sent = prefill.wait("room", BOUND_S * 2 + 10)
             assert sent["status"] == "Success" and sent["safe"], f"restart {i}: prefill room {sent}"
             assert decode.wait("done", BOUND_S + 10)["safe"], f"restart {i}: decode room never safe to reuse"
+            t_done = time.monotonic()
             if i % 2 == 0:
                 decode.send(cmd="close")
                 assert decode.close(15) == 0, f"restart {i}: decode did not exit cleanly:\n{decode.stderr()}"
@@ -128,7 +132,9 @@ def test_decode_restarts_leave_the_prefill_flat(backend: str) -> None:
             decode.kill()                                         # reaps a killed process's segments
             sample = stats()
             samples.append(sample)
-            print(_row(i, sample), flush=True)
+            t_left = time.monotonic()
+            print(_row(i, sample) + f" | s: start {t_spawned - t_start:.1f} agent+connect {t_ready - t_spawned:.1f} "
+                  f"room {t_done - t_ready:.1f} leave {t_left - t_done:.1f}", flush=True)
             if i + 1 == WARMUP:
                 baseline, waited = _quiesce(prefill, time.monotonic())
                 baseline["segments"] = shm_segments(SHM_PREFIX, pids)[0]
