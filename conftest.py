@@ -20,7 +20,7 @@ import pytest
 # the slowest tests). The vLLM modules (CPU engines whose OpenMP threads spin) are spread between CPU-light ones so
 # that the three workers rarely run two of them at once.
 SLOW = (
-    "tests/test_churn.py",                                  # 565 s
+    "tests/test_churn.py",                                  # 565 s before its rig started decodes ahead (~150 s now)
     "tests/test_sim.py",                                    # 481 s (10,000 schedules, CPU-bound)
     "adapters/vllm/tests/test_vllm_serve_proxy.py",         # 202 s
     "tests/test_fault_matrix.py",                           # 204 s
