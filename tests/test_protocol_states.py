@@ -72,11 +72,14 @@ def test_every_room_state_can_fail_and_a_finished_room_keeps_its_state() -> None
 def test_poll_is_a_projection_of_every_state() -> None:
     assert set(SEND_POLL) == set(SendState) and set(RECV_POLL) == set(RecvState)
     assert RECV_POLL[RecvState.FENCING] is RECV_POLL[RecvState.FAILED] is KVPoll.Failed
+    assert SEND_POLL[SendState.FAILING] is SEND_POLL[SendState.FAILED] is KVPoll.Failed
+    assert {SEND_POLL[s] for s in states.SAFE_SEND} == {KVPoll.Success, KVPoll.Failed}
 
 
 def test_terminal_states_have_no_way_back() -> None:
     """Success and Failed never lead to a live state; a departed peer is never revived; a done write stays."""
     assert _reachable(SEND_ROOM, SendState.SUCCESS) == {SendState.SUCCESS}
+    assert _reachable(SEND_ROOM, SendState.FAILING) == {SendState.FAILING, SendState.FAILED}
     assert _reachable(SEND_ROOM, SendState.FAILED) == {SendState.FAILED}
     assert _reachable(RECV_ROOM, RecvState.FENCING) == {RecvState.FENCING, RecvState.FAILED}
     assert _reachable(PEER, PeerState.DEPARTED) == {PeerState.DEPARTED, PeerState.RETIRED}
@@ -88,6 +91,8 @@ def test_terminal_states_have_no_way_back() -> None:
     (SEND_ROOM, SendState.BOOTSTRAPPING, SendEvent.SEND),
     (SEND_ROOM, SendState.SUCCESS, SendEvent.SEND),
     (SEND_ROOM, SendState.WAITING_FOR_INPUT, SendEvent.DRAINED),
+    (SEND_ROOM, SendState.FAILING, SendEvent.SEND),
+    (SEND_ROOM, SendState.FAILED, SendEvent.DRAINED),
     (RECV_ROOM, RecvState.FAILED, RecvEvent.NOTICE),
     (RECV_ROOM, RecvState.BOOTSTRAPPING, RecvEvent.COVERED),
     (RECV_ROOM, RecvState.SUCCESS, RecvEvent.NOTICE),
@@ -208,6 +213,60 @@ def test_a_failed_rooms_safe_event_waits_for_its_fence(pair: tuple[TransferAgent
     _spin(pre, dec)
     later = [e.kind for e in dec.events()]
     assert RoomEventKind.SAFE_TO_REUSE in [k for k, _ in first] + later and receiver.safe_to_reuse
+
+
+def test_a_prefill_room_is_never_safe_before_its_safe_event(pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """A decode's abort handled by a frame (as a progress thread or ``link_wait`` does, no progress step after
+    it) fails a prefill room with nothing in flight: it is safe to reuse at once, so SAFE_TO_REUSE must be queued
+    with FAILED in that same transition. It used to come at the next progress step: an engine beside a progress
+    thread saw the room safe before its event (simulator: 24 of seeds 0-199, e.g. seed 7)."""
+    pre, dec = pair
+    assert pre.prefill is not None
+    pre.sender(11)
+    receiver = dec.receiver(11, "inst")
+    receiver.send_metadata({"kv": np.array([1, 2])})
+    _spin(pre, dec)
+    pre.events()                                            # READY: taken
+    receiver.abort("the engine gave up")                    # posts the Abort; the decode's own events: not ours
+    for frame in pre.link.recv(0.0):
+        pre.handle_frame(frame)                             # no progress step after it
+    with pre.context.lock:
+        queued = [e.kind for e in pre.context.events.take()]
+        room = pre.prefill.rooms[11]
+        assert room.status is KVPoll.Failed and not room.busy
+        assert pre.prefill.safe_to_reuse(11)
+    assert queued == [RoomEventKind.FAILED, RoomEventKind.SAFE_TO_REUSE]
+    assert room.state is SendState.FAILED
+
+
+def test_a_failing_prefill_room_is_safe_with_its_event_once_its_last_write_ends(
+        pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """A prefill room that fails with a write in flight is FAILING (Failed, not safe, no SAFE_TO_REUSE) until
+    that write ends; then FAILED, safe and its event come in one step."""
+    pre, dec = pair
+    assert pre.prefill is not None
+    pre.sender(12)
+    receiver = dec.receiver(12, "inst")
+    receiver.send_metadata({"kv": np.array([1, 2])})
+    _spin(pre, dec)
+    pre.events()
+    room = pre.prefill.rooms[12]
+    with pre.context.lock:
+        pre.prefill.send(12, np.array([3, 4]), True, {})      # the side's send: no progress step after it
+        assert room.busy
+        pre.prefill._fail(room, "a local reason")
+        assert room.state is SendState.FAILING and not pre.prefill.safe_to_reuse(12)
+        assert [e.kind for e in pre.context.events.take()] == [RoomEventKind.FAILED]
+    for _ in range(100):
+        pre.progress()
+        with pre.context.lock:
+            kinds = [e.kind for e in pre.context.events.take()]
+            if kinds:
+                assert kinds == [RoomEventKind.SAFE_TO_REUSE] and room.state is SendState.FAILED
+                assert pre.prefill.safe_to_reuse(12)
+                return
+            assert not pre.prefill.safe_to_reuse(12)
+    pytest.fail("the failing room's write never ended")
 
 
 def test_a_cleared_rooms_events_are_dropped(pair: tuple[TransferAgent, TransferAgent]) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from kvbridge.agent.decode import DecodeSide, RecvRoom
 from kvbridge.agent.prefill import PrefillSide
+from kvbridge.protocol.events import RoomEventKind, RoomEvents
 from kvbridge.protocol.wire import KVPoll
 from kvbridge.sim import run_seed
 from kvbridge.sim.backend import KILLED, SimBackend
@@ -45,7 +46,8 @@ FIXED = [KnownBug(52, "request after its room ended"), KnownBug(736, "decode jud
          KnownBug(1443, "a timeout judged when the engine looked, after the prefill cleared (checker race)"),
          # issue 26: a drained prefill's Goodbye overtook the notice its backend still held, then the backend
          # closed (NIXL releases its agent): the decode failed a room whose every byte had landed
-         KnownBug(2, "a planned shutdown's goodbye overtook the backend's last notice", faults=frozenset({"drain"}))]
+         KnownBug(2, "a planned shutdown's goodbye overtook the backend's last notice", faults=frozenset({"drain"})),
+         KnownBug(7, "a failed prefill room safe to reuse before its SAFE_TO_REUSE event (event check)")]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 
 
@@ -158,6 +160,17 @@ def test_catches_goodbye_before_backend_notices(plant: Callable[[object, str, ob
     """Prefill says goodbye without sending again the notices its backend took (the issue 26 race)."""
     plant(PrefillSide, "resend_unconfirmed", lambda self: 0)
     _first_failure(range(100), "planned shutdown", frozenset({"drain"}))
+
+
+def test_catches_a_state_change_without_its_event(plant: Callable[[object, str, object], None]) -> None:
+    """A room's FINISHED event is lost: the engine sees Success that no event announced."""
+    emit = RoomEvents.emit
+
+    def lossy(self: RoomEvents, room: int, kind: RoomEventKind, reason: str = "") -> None:
+        if kind is not RoomEventKind.FINISHED:
+            emit(self, room, kind, reason)
+    plant(RoomEvents, "emit", lossy)
+    _first_failure(range(50), "without the event FINISHED")
 
 
 @pytest.mark.parametrize("bug", FIXED, ids=lambda b: f"seed{b.seed}")

@@ -19,6 +19,7 @@ from kvbridge.errors import Draining, GeometryError, KVBridgeError, ProtocolErro
 from kvbridge.planner import check_indices
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
+    SAFE_SEND,
     SEND_ROOM,
     PeerState,
     SendEvent,
@@ -152,9 +153,10 @@ class PrefillSide(RoomTable[SendRoom]):
             self._fail(self.get(room), reason)
 
     def safe_to_reuse(self, room: int) -> bool:
+        """A projection of the room's state (Success, or Failed and drained): its SAFE_TO_REUSE event was emitted
+        by the transition that made it true."""
         with self._ctx.lock:
-            state = self.get(room)
-            return state.status in (KVPoll.Success, KVPoll.Failed) and not state.busy
+            return self.get(room).state in SAFE_SEND
 
     def clear(self, room: int) -> None:
         with self._ctx.lock:
@@ -180,7 +182,7 @@ class PrefillSide(RoomTable[SendRoom]):
         if not peer.alive:      # departed (goodbye, declared gone, exited): a late frame of a dead incarnation
             raise Dropped(f"transfer request for room {req.room} from {req.agent}, which is {peer.state.value}")
         self._poster.unconfirmed.forget_room(req.agent, req.room)   # notices of an earlier use of the number
-        if room is not None and room.state is SendState.FAILED and req.agent not in room.requests:
+        if room is not None and room.status is KVPoll.Failed and req.agent not in room.requests:
             self._refuse_late(peer, req, room.reason)     # it failed (bootstrap timeout...) before this request
             return
         try:
@@ -456,10 +458,8 @@ class PrefillSide(RoomTable[SendRoom]):
                 self._pump(room)
             if room.busy:
                 continue
-            if room.state is SendState.TRANSFERRING and room.last_sent:
+            if (room.state is SendState.TRANSFERRING and room.last_sent) or room.state is SendState.FAILING:
                 self._step(room, SendEvent.DRAINED)
-            if room.state in (SendState.SUCCESS, SendState.FAILED):
-                self._ctx.events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
             for address, incarnation in room.must_confirm.values():
                 self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
                                               quiesced=True), incarnation=incarnation)
@@ -517,16 +517,21 @@ class PrefillSide(RoomTable[SendRoom]):
             log.error("%s", illegal)
             self._fail(room, illegal)
             return
-        if room.state is not before and room.state is SendState.WAITING_FOR_INPUT:
-            self._ctx.events.emit(room.room, RoomEventKind.READY)
-        elif room.state is not before and room.state is SendState.SUCCESS:
-            self._ctx.events.emit(room.room, RoomEventKind.FINISHED)
-        elif room.state is not before and room.state is SendState.FAILED:
-            self._ctx.events.emit(room.room, RoomEventKind.FAILED, room.reason)
+        if room.state is before:
+            return
+        events = self._ctx.events         # emitted with the transition, under the lock: poll() never sees it first
+        if room.state is SendState.WAITING_FOR_INPUT:
+            events.emit(room.room, RoomEventKind.READY)
+        elif room.state is SendState.SUCCESS:
+            events.emit(room.room, RoomEventKind.FINISHED)
+        elif room.state is SendState.FAILING:
+            events.emit(room.room, RoomEventKind.FAILED, room.reason)
+        if room.state in SAFE_SEND:
+            events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
 
     def _fail(self, room: SendRoom, reason: str) -> None:
-        if room.state in (SendState.FAILED, SendState.SUCCESS):
-            self._step(room, SendEvent.FAIL)   # Success and Failed keep their state (and the first reason)
+        if room.state in (SendState.FAILING, SendState.FAILED, SendState.SUCCESS):
+            self._step(room, SendEvent.FAIL)   # these keep their state (and the first reason)
             return
         room.reason = reason
         room.held.clear()                      # never posted: nothing of them was read or written
@@ -538,6 +543,8 @@ class PrefillSide(RoomTable[SendRoom]):
                                                   reason=reason))
                 room.must_confirm[agent] = (peer.address, peer.incarnation)   # Abort(quiesced) once drained
         self._active.add(room.room)
+        if not room.busy:                      # nothing reads its pages: safe now, not at the next progress step
+            self._step(room, SendEvent.DRAINED)
 
     def tick(self, now: float) -> None:
         if now < self._next_timeouts:

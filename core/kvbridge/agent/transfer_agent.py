@@ -273,9 +273,11 @@ class TransferAgent:
         return Receiver(self.decode, self.poll_progress, self.layout, room)
 
     def events(self) -> list[RoomEvent]:
-        """Rooms that finished, failed or became safe to reuse since the last call (each event once per room,
-        a room's in order); one progress step first unless the progress thread runs. Instead of polling every
-        room: ``for e in agent.events(): ...``. Events of cleared rooms are dropped."""
+        """Rooms that became ready (prefill: every decode request came), finished, failed or became safe to reuse
+        since the last call (each event once per room, a room's in order); one progress step first unless the
+        progress thread runs. Instead of polling every room: ``for e in agent.events(): ...``. An event is queued
+        by the transition that makes it true, so a state a handle's ``poll()``/``safe_to_reuse`` shows was
+        announced by then. Events of cleared rooms are dropped."""
         self.poll_progress()
         with self.context.lock:
             return self.context.events.take()

@@ -14,6 +14,7 @@ byte against the reference.
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import select
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from kvbridge.errors import TransferError
 from kvbridge.geometry import PoolLayout
 from kvbridge.hostpool import SEGMENT_PREFIX, HostPool, reap_segments
 from kvbridge.logs import configure_logging
+from kvbridge.protocol.events import RoomEvent
+from kvbridge.protocol.states import strict
 from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.settings import load_settings
@@ -46,6 +49,7 @@ __all__ = ["INSTANCE", "SEGMENT_PREFIX", "Gate", "WorkerConfig", "allocate_items
            "reap_segments", "request_items", "run_worker", "state_indices"]
 
 INSTANCE = "prefill"
+log = logging.getLogger("kvbridge.demo")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,7 +212,7 @@ def run_worker(cfg: WorkerConfig, results: Any, go: Any = None, gate: Gate | Non
             return gate.admit(index)
 
         done = _run_window(cfg, requests, lambda r: step(cfg, agent, preset, pool, r, results),
-                           idle=lambda: agent.link_wait(0.001), admit=admit)
+                           idle=lambda: agent.link_wait(0.001), events=agent.events, admit=admit)
         if done < len(requests):        # the run was cut (SIGTERM): nothing is in flight here any more
             report = agent.drain(load_settings(cfg.settings_file, check_backend=False).drain_timeout_s, "SIGTERM")
             results.put(("drained", cfg.role.value, cfg.rank, report))
@@ -264,28 +268,75 @@ def _die_with(pidfd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idle: Any,
-                admit: Any = None) -> int:
-    """Drive up to ``window`` requests at once; between rounds, wait for the next control frame (up to 1 ms)
-    instead of spinning: several rank processes share few cores. ``admit(index)`` says whether a request may
-    still start (a shutdown's cut; False is final: no later one starts). Returns how many requests ran."""
-    active: dict[int, Iterator[None]] = {}
+@dataclass(frozen=True, slots=True)
+class Until:
+    """What a request's step waits for: its room's next event (``TransferAgent.events()``). ``ready`` reads the
+    room's state without acting (the sweep's check that no change came without its event); ``what`` names it."""
+
+    what: str
+    ready: Callable[[], bool]
+
+
+Wait = Until | float | None      # a step yields an Until, or a time.monotonic() deadline (pacing between chunks)
+SWEEP_S = 0.25                   # how often the driver checks that no waiting room moved on without its event
+
+
+class EventMissed(RuntimeError):
+    """A room's state moved on without the event that should have said so (raised under KVBRIDGE_STRICT_STATES)."""
+
+
+def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Callable[[RequestShape], Iterator[Wait]],
+                idle: Callable[[], None], events: Callable[[], list[RoomEvent]],
+                admit: Callable[[int], bool] | None = None) -> int:
+    """Drive up to ``window`` requests at once. A step waiting on its room runs again only once the room has an
+    event (or its pacing deadline passed): the driver takes the agent's events once a round instead of polling
+    every room. Between rounds it waits for the next control frame (up to 1 ms) instead of spinning: several rank
+    processes share few cores. ``admit(index)`` says whether a request may still start (a shutdown's cut; False
+    is final: no later one starts). Returns how many requests ran.
+
+    Every ``SWEEP_S`` the waiting rooms are read (``Until.ready``) *before* that round's events are taken: a
+    change a read sees was made with its event queued (the core emits it in the same transition), so that take
+    holds it. One without is a bug: raised under ``KVBRIDGE_STRICT_STATES`` (as in the tests), else logged, and
+    the step is woken all the same. (Reading after the take and running the step first, as an earlier driver
+    did, was wrong: a step that saw its room done cleared it, and the clear dropped the event queued meanwhile.)"""
+    active: dict[int, Iterator[Wait]] = {}
+    waits: dict[int, Wait] = {}
+    woken: set[int] = set()                 # rooms with an event their step has not run for yet
     done: set[int] = set()
     nxt = 0
     limit = len(requests)
     deadline = time.monotonic() + cfg.timeout_s
+    next_sweep = time.monotonic() + SWEEP_S
     while nxt < limit or active:
         while nxt < limit and len(active) < cfg.window and (nxt < cfg.window or nxt - cfg.window in done):
             if admit is not None and not admit(nxt):
                 limit = nxt
                 break
-            active[nxt] = start(requests[nxt])
+            active[nxt], waits[nxt] = start(requests[nxt]), None
             nxt += 1
+        now = time.monotonic()
+        moved: list[tuple[int, str]] = []
+        if now >= next_sweep:
+            next_sweep = now + SWEEP_S
+            moved = [(requests[i].room, w.what) for i, w in waits.items() if isinstance(w, Until) and w.ready()]
+        woken.update(event.room for event in events())
+        for room, what in moved:
+            if room not in woken:
+                _missed(f"room {room} moved on from {what} without an event")
+                woken.add(room)
         for index, gen in list(active.items()):
+            room, wait = requests[index].room, waits[index]
+            if isinstance(wait, Until):
+                if room not in woken:
+                    continue
+                woken.discard(room)
+            elif wait is not None and now < wait:
+                continue
             try:
-                next(gen)
+                waits[index] = next(gen)
             except StopIteration:
-                del active[index]
+                del active[index], waits[index]
+                woken.discard(room)
                 done.add(index)
         if time.monotonic() > deadline:
             raise TimeoutError(f"run did not finish in {cfg.timeout_s} s ({len(done)} of {len(requests)} done)")
@@ -293,12 +344,21 @@ def _run_window(cfg: WorkerConfig, requests: list[RequestShape], start: Any, idl
     return limit
 
 
+def _missed(what: str) -> None:
+    if strict():
+        raise EventMissed(what)
+    log.warning("demo: %s (the sweep caught it)", what)
+
+
 def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
-                     request: RequestShape, results: Any) -> Generator[None, None, None]:
+                     request: RequestShape, results: Any) -> Generator[Wait, None, None]:
     sender = agent.sender(request.room)
     metrics.room_state("prefill", None, "bootstrapping")
+    ready = Until("READY", lambda: sender.poll() != KVPoll.Bootstrapping)
+    done = Until("DONE", lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed))
+    safe = Until("SAFE", lambda: sender.safe_to_reuse)
     while (status := sender.poll()) == KVPoll.Bootstrapping:
-        yield
+        yield ready
     metrics.room_state("prefill", "bootstrapping", "transferring")
     every = request_items(cfg, preset, request)
     items = every[preset.chunked.name]
@@ -317,16 +377,15 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
                 sender.send(chunk, last=last, state=state if last else None)
             except TransferError:       # the room failed meanwhile (peer died, abort): stop sending
                 break
-            resume = time.monotonic() + cfg.pace_s
-            while time.monotonic() < resume:
-                yield
+            if cfg.pace_s:
+                yield time.monotonic() + cfg.pace_s
         while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
-            yield
+            yield done
         transfer_s = time.perf_counter() - started
     else:
         transfer_s = 0.0
     while not sender.safe_to_reuse:
-        yield
+        yield safe
     metrics.room_state("prefill", "transferring", None)
     metrics.observe_room("prefill", status == KVPoll.Success, transfer_s, sender.failure_reason or "")
     nbytes, descriptors = sender.stats
@@ -336,7 +395,7 @@ def _prefill_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, po
 
 
 def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, pool: HostPool,
-                    request: RequestShape, results: Any) -> Generator[None, None, None]:
+                    request: RequestShape, results: Any) -> Generator[Wait, None, None]:
     every = request_items(cfg, preset, request)
     for model in preset.components:
         for buf in pool.buffers[model.name]:
@@ -346,8 +405,9 @@ def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, poo
     indices: dict[str, Any] = {preset.chunked.name: every[preset.chunked.name], **state_indices(preset, request, every)}
     receiver.send_metadata(indices, prefix_len=request.prefix_pages * preset.page_size)
     metrics.room_state("decode", None, "waiting")
+    done = Until("DONE", lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
     while (status := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
-        yield
+        yield done
     latency = time.perf_counter() - started
     metrics.room_state("decode", "waiting", None)
     metrics.observe_room("decode", status == KVPoll.Success, latency, receiver.failure_reason or "")
@@ -355,8 +415,9 @@ def _decode_request(cfg: WorkerConfig, agent: TransferAgent, preset: Preset, poo
     if status == KVPoll.Success:
         bad = sum(m.verify(pool.buffers[m.name], cfg.tp_size, cfg.rank, request, every[m.name])
                   for m in preset.components)
+    safe = Until("SAFE", lambda: receiver.safe_to_reuse)
     while not receiver.safe_to_reuse:
-        yield
+        yield safe
     results.put(("received", cfg.rank, request.index, status == KVPoll.Success, bad, latency, receiver.nbytes,
                  receiver.failure_reason))
     if cfg.dump:

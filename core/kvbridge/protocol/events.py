@@ -3,8 +3,9 @@
 A prefill room reports ``READY`` once every decode request it serves arrived (``send()`` may go). A room reports
 ``FINISHED`` (Success) or ``FAILED`` (with the reason) once, and ``SAFE_TO_REUSE`` once when nothing more can
 land in (decode) or be read from (prefill) its pages. They are emitted by the state
-machines' transitions (``kvbridge.protocol.states``) and drained by :meth:`TransferAgent.events`, the way
-vLLM's connector reports finished request ids per step:
+machines' transitions (``kvbridge.protocol.states``), under the agent lock in the same step as the state change,
+so a state that ``poll()`` or ``safe_to_reuse`` shows was announced by then (the simulator checks it). They are
+drained by :meth:`TransferAgent.events`, the way vLLM's connector reports finished request ids per step:
 
     for event in agent.events():
         if event.kind is RoomEventKind.SAFE_TO_REUSE:

@@ -103,30 +103,35 @@ class SendState(enum.Enum):
     WAITING_FOR_INPUT = "waiting_for_input"  # every request arrived: the engine may send
     TRANSFERRING = "transferring"            # chunks sent; writes queued or in flight, or more chunks to come
     SUCCESS = "success"                      # the last chunk was sent and every write completed and was notified
-    FAILED = "failed"                        # failed (reason kept); writes may still be in flight
+    FAILING = "failing"                      # failed (reason kept); writes still in flight or queued read the pages
+    FAILED = "failed"                        # failed, and no write of it is in flight or queued any more
 
 
 class SendEvent(enum.Enum):
     REQUESTS_COMPLETE = "requests_complete"  # the last expected decode request was accepted
     HOLD = "hold"                            # send(from_start=True) before every request came: chunk held
     SEND = "send"                            # the engine's chunk was validated and posted or queued
-    DRAINED = "drained"                      # the last chunk was sent and no write is queued or in flight
+    DRAINED = "drained"                      # no write is queued or in flight (after the last chunk, or failing)
     FAIL = "fail"                            # a bad request, a failed write, a dead peer, an abort, a timeout
 
 
 SEND_ROOM: Machine[SendState, SendEvent] = Machine("send room", {
     (SendState.BOOTSTRAPPING, SendEvent.REQUESTS_COMPLETE): SendState.WAITING_FOR_INPUT,
     (SendState.BOOTSTRAPPING, SendEvent.HOLD): SendState.BOOTSTRAPPING,
-    (SendState.BOOTSTRAPPING, SendEvent.FAIL): SendState.FAILED,
+    (SendState.BOOTSTRAPPING, SendEvent.FAIL): SendState.FAILING,
     (SendState.WAITING_FOR_INPUT, SendEvent.SEND): SendState.TRANSFERRING,
-    (SendState.WAITING_FOR_INPUT, SendEvent.FAIL): SendState.FAILED,
+    (SendState.WAITING_FOR_INPUT, SendEvent.FAIL): SendState.FAILING,
     (SendState.TRANSFERRING, SendEvent.SEND): SendState.TRANSFERRING,
     (SendState.TRANSFERRING, SendEvent.DRAINED): SendState.SUCCESS,
-    (SendState.TRANSFERRING, SendEvent.FAIL): SendState.FAILED,
+    (SendState.TRANSFERRING, SendEvent.FAIL): SendState.FAILING,
     # a decode's abort (or a dead peer) after every write landed and was notified: the room stays Success,
     # the decode gets its acknowledgement all the same
     (SendState.SUCCESS, SendEvent.FAIL): SendState.SUCCESS,
-    (SendState.FAILED, SendEvent.FAIL): SendState.FAILED,            # the first reason is kept
+    # failing drains at once when nothing is in flight or queued (the same step as FAIL), else when the last
+    # write ends: safe to reuse, and its SAFE_TO_REUSE event, come with this transition and no later
+    (SendState.FAILING, SendEvent.DRAINED): SendState.FAILED,
+    (SendState.FAILING, SendEvent.FAIL): SendState.FAILING,          # the first reason is kept
+    (SendState.FAILED, SendEvent.FAIL): SendState.FAILED,
 })
 
 SEND_POLL: Mapping[SendState, KVPoll] = {
@@ -134,8 +139,12 @@ SEND_POLL: Mapping[SendState, KVPoll] = {
     SendState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
     SendState.TRANSFERRING: KVPoll.Transferring,
     SendState.SUCCESS: KVPoll.Success,
+    SendState.FAILING: KVPoll.Failed,
     SendState.FAILED: KVPoll.Failed,
 }
+
+#: a send room in these states is safe to reuse: no write reads its source pages any more
+SAFE_SEND = frozenset({SendState.SUCCESS, SendState.FAILED})
 
 
 # ------------------------------------------------------------------------------------------- receive room

@@ -4,6 +4,11 @@ A request has one side per rank. A prefill side opens a Sender, fills its source
 pattern, sends random chunks (the last with ``last=True``) and clears once safe. A decode side opens a
 Receiver, grants random destination pages, sends metadata, verifies every byte against the independent
 reference on Success, and clears (handing its pages back) only once ``safe_to_reuse``.
+
+Every room state an engine observes must have been announced by its room event (``TransferAgent.events()``)
+by then: an engine that waits on events instead of polling would otherwise miss it. The engine looks twice per
+action: once without a progress step (as an engine beside a progress thread sees it, after frames were handled
+elsewhere) and once through the handle (which progresses first); each time the queued events are taken first.
 """
 
 from __future__ import annotations
@@ -91,6 +96,11 @@ class Request:
         return any(s.state not in (CLEARED, LOST) for s in self.sides.values())
 
 
+# what an engine may conclude from a state it observes, and the event that must have said so
+_NEEDS: dict[KVPoll, RoomEventKind] = {KVPoll.Success: RoomEventKind.FINISHED, KVPoll.Failed: RoomEventKind.FAILED}
+_PAST_BOOTSTRAP = (KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
+
+
 class Engine:
     """Every request of the world; ``act`` performs one engine action on one side."""
 
@@ -103,6 +113,8 @@ class Engine:
         self.by_room: dict[int, Request] = {}
         self.next_room = self.world.rng.getrandbits(40) << 8
         self.successes = 0
+        # the room events each process incarnation announced, by room: {(proc, gen): {room: kinds}}
+        self.announced: dict[tuple[str, int], dict[int, set[RoomEventKind]]] = {}
 
     # ------------------------------------------------------------------ requests
     def new_request(self) -> Request:
@@ -197,18 +209,22 @@ class Engine:
         assert isinstance(sender, Sender) and side.pages is not None
         rooms = proc.agent.prefill
         assert rooms is not None
+        self.observe(proc, req.room, rooms.status(req.room), rooms.safe_to_reuse(req.room))
         # the quiet tail reads room state without a progress step per room (the loop progresses every agent)
         status = side.status = rooms.status(req.room) if polite else sender.poll()
         side.succeeded = side.succeeded or status is KVPoll.Success
         if status in (KVPoll.Success, KVPoll.Failed):
             if side.terminal_at is None:
                 side.terminal_at = self.world.now
-            if not (rooms.safe_to_reuse(req.room) if polite else sender.safe_to_reuse):
+            safe = rooms.safe_to_reuse(req.room) if polite else sender.safe_to_reuse
+            self.observe(proc, req.room, status, safe)
+            if not safe:
                 return None
             sender.clear()
             self._free(proc, side)
             side.state = CLEARED
             return f"{proc.name} clear sender room={req.room} ({status.name})"
+        self.observe(proc, req.room, status, False)
         if not polite and self.world.rng.random() < 0.03:
             sender.abort("sim: prefill aborts")
             return f"{proc.name} abort sender room={req.room}"
@@ -244,6 +260,7 @@ class Engine:
             return f"{proc.name} meta room={req.room} pages={pages.tolist()}"
         rooms = proc.agent.decode
         assert rooms is not None
+        self.observe(proc, req.room, rooms.status(req.room), rooms.safe_to_reuse(req.room))
         status = side.status = rooms.status(req.room) if polite else receiver.poll()
         if status in (KVPoll.Success, KVPoll.Failed):
             if side.terminal_at is None:
@@ -253,34 +270,68 @@ class Engine:
                     self.verify(req, side, proc)
                 else:
                     self.planned_goodbye(req, proc, rooms.get(req.room).reason)
-            if not (rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse):
+            safe = rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse
+            self.observe(proc, req.room, status, safe)
+            if not safe:
                 return None
             receiver.clear()
             self._free(proc, side)
             side.state = CLEARED
             return f"{proc.name} clear receiver room={req.room} ({status.name})"
+        self.observe(proc, req.room, status, False)
         if not polite and self.world.rng.random() < 0.03:
             receiver.abort("sim: decode aborts")
             return f"{proc.name} abort receiver room={req.room}"
         return None
 
     def watch_timeouts(self) -> None:
-        """Check each decode room that failed by timeout the moment it failed (its FAILED event), not when the
-        engine looks at it: by then the prefill may have cleared its side after the decode's abort."""
-        if not self.lossless:
-            return
+        """Take every live process's room events (see :meth:`take_events`)."""
         for proc in self.cluster.procs:
-            if proc.status != UP or proc.agent is None or proc.agent.decode is None:
-                continue
-            if not proc.agent.context.events.queued():
-                continue
-            with proc.agent.context.lock:
-                events = proc.agent.context.events.take()        # no progress step: the schedule stays the same
-            for event in events:
-                if event.kind is RoomEventKind.FAILED and event.reason.startswith(TIMEOUTS):
-                    req = next((r for r in self.requests if r.room == event.room), None)
-                    if req is not None:
-                        self.silent_wait(req, proc, event.reason)
+            if proc.status == UP and proc.agent is not None:
+                self.take_events(proc)
+
+    def take_events(self, proc: Proc) -> dict[int, set[RoomEventKind]]:
+        """Take ``proc``'s queued room events (no progress step: the schedule stays the same) into the rooms'
+        announced kinds. In a schedule that loses nothing, a decode room that failed by timeout is checked the
+        moment it failed (its FAILED event), not when the engine looks at it: by then the prefill may have
+        cleared its side after the decode's abort."""
+        assert proc.agent is not None
+        announced = self.announced.setdefault((proc.name, proc.gen), {})
+        if not proc.agent.context.events.queued():
+            return announced
+        with proc.agent.context.lock:
+            events = proc.agent.context.events.take()
+        for event in events:
+            kinds = announced.setdefault(event.room, set())
+            if event.kind in kinds:
+                self.world.violate(f"room {event.room} on {proc.name}: event {event.kind.name} announced twice")
+            kinds.add(event.kind)
+            if {RoomEventKind.FINISHED, RoomEventKind.FAILED} <= kinds:
+                self.world.violate(f"room {event.room} on {proc.name}: announced both FINISHED and FAILED")
+            if (self.lossless and proc.agent.decode is not None and event.kind is RoomEventKind.FAILED
+                    and event.reason.startswith(TIMEOUTS)):
+                req = self.by_room.get(event.room)
+                if req is not None and event.room in proc.agent.decode.rooms:
+                    self.silent_wait(req, proc, event.reason)
+        return announced
+
+    def observe(self, proc: Proc, room: int, status: KVPoll, safe: bool) -> None:
+        """The engine of ``proc`` sees ``room`` in ``status`` (``safe``: safe to reuse): every conclusion it may
+        draw from that must have been announced by the room's event by now (an engine that waits on
+        ``events()`` instead of polling every room would otherwise wait for nothing)."""
+        kinds = self.take_events(proc).get(room, set())
+        missing = []
+        need = _NEEDS.get(status)
+        if need is not None and need not in kinds:
+            missing.append(need.name)
+        if proc.role is Role.PREFILL and status in _PAST_BOOTSTRAP and RoomEventKind.READY not in kinds:
+            missing.append(RoomEventKind.READY.name)
+        if safe and RoomEventKind.SAFE_TO_REUSE not in kinds:
+            missing.append(RoomEventKind.SAFE_TO_REUSE.name)
+        if missing:
+            self.world.violate(f"room {room} on {proc.name}: the engine saw it {status.name}"
+                               f"{' and safe to reuse' if safe else ''} without the event {', '.join(missing)} "
+                               f"(announced: {sorted(k.name for k in kinds) or 'none'})")
 
     def silent_wait(self, req: Request, proc: Proc, reason: str) -> None:
         """A decode room timed out in a schedule that loses nothing: a violation when some prefill rank it waits

@@ -191,7 +191,8 @@ def bench_control(requests: int = 300, tokens: int = 128) -> dict[str, float]:
 
 def bench_poll(rooms: int = 1600, rounds: int = 5) -> dict[str, float]:
     """Cost of polling ``rooms`` in-flight decode rooms once each, as an engine's scheduler step does:
-    with the progress thread running (poll reads kept state) and without it (poll runs one progress step)."""
+    with the progress thread running (poll reads kept state) and without it (poll runs one progress step);
+    and of one ``events()`` call instead, which learns the same per step (the rooms that changed)."""
     from kvbridge.agent import LocalHub, Role, TransferAgent
 
     layout = control_layout()
@@ -214,6 +215,7 @@ def bench_poll(rooms: int = 1600, rounds: int = 5) -> dict[str, float]:
                 dec.start(0.001)
             best = min(_timed(lambda: [r.poll() for r in receivers]) for _ in range(rounds))
             result[f"poll_all_ms_{mode}"] = best
+            result[f"events_ms_{mode}"] = min(_timed(dec.events) for _ in range(rounds))
         for receiver in receivers:
             receiver.abort("benchmark over")
     return result
@@ -279,6 +281,8 @@ def main_control() -> int:
     print(f"polling {p['rooms']:.0f} in-flight decode rooms once each: {p['poll_all_ms_thread']:.2f} ms with the "
           f"progress thread (poll reads kept state), {p['poll_all_ms_no_thread']:.2f} ms without it (each poll "
           "runs one progress step)")
+    print(f"  one events() call instead (the rooms that changed): {p['events_ms_thread']:.3f} ms with the progress "
+          f"thread, {p['events_ms_no_thread']:.3f} ms without it")
     return 0
 
 
