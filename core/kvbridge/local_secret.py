@@ -163,13 +163,7 @@ def _create(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     excl = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(tmp, excl, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_private(os.open(tmp, excl, 0o600), body)
         try:
             os.link(tmp, path, follow_symlinks=False)
         except FileExistsError:
@@ -192,6 +186,11 @@ def _create_in_place(path: Path, body: bytes, excl: int) -> None:
         fd = os.open(path, excl, 0o600)
     except FileExistsError:
         return
+    _write_private(fd, body)
+
+
+def _write_private(fd: int, body: bytes) -> None:
+    """Write ``body`` to the new file ``fd`` (mode 0600 whatever the umask), sync and close it."""
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, body)
