@@ -11,6 +11,7 @@ succeeds byte for byte; nothing lands outside the pages the requests own.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from _rig import Run, need_sglang
 from test_adversary_faults import _victim
 
+from kvbridge.settings import Settings
 from kvbridge_sglang import bootstrap
 
 DRV = Path(__file__).with_name("adversary_driver.py")
@@ -96,7 +98,9 @@ def test_prefill_restarted_at_same_address(tmp_path: Path, monkeypatch: pytest.M
         sc2 = dict(run.sc, gen=2, prefill=new)
         restarted = [run.add("prefill2", "prefill", 0, pp, tp, sc2, env=env)
                      for pp in range(new.get("pp", 1)) for tp in range(new["tp"])]
-        ready_at = _topology_complete(addr, len(restarted), 150, secret.encode() or None)
+        # without a configured secret the ranks seal with this host's local secret file (kvbridge.local_secret)
+        sealing = secret or Settings().with_local_secret(addr, env={**os.environ, **env}).secret
+        ready_at = _topology_complete(addr, len(restarted), 150, sealing.encode() or None)
         if opened == "after_restart":
             go.touch()
         results = run.wait(240)
