@@ -586,7 +586,9 @@ def _wire(spec: str, delay_s: float, loss: float, lifetime_s: float, stats_file:
                 pass                                             # the device is down: the packet is lost
         if now >= next_stats:
             next_stats = now + 1.0
-            stats_path.write_text(json.dumps(counters))
+            tmp = stats_path.with_name(stats_path.name + ".tmp")     # a reader never sees a half-written file
+            tmp.write_text(json.dumps(counters))
+            os.replace(tmp, stats_path)
 
 
 # ============================================================================ entry

@@ -215,8 +215,11 @@ def test_delay_and_loss_stay_byte_exact(backend: str) -> None:
             cluster.room(room, 16 if room % 2 else 11, chunks=3)
             cluster.exact(room, timeout_s=60)
         took = time.monotonic() - started
-        time.sleep(1.2)                                            # the wire writes its counters once a second
-        stats = net.stats()
+        # the wire writes its counters once a second (later on a loaded host): wait for a write after the rooms
+        deadline = time.monotonic() + 15.0
+        time.sleep(1.2)
+        while not (stats := net.stats()).get("dropped_loss") and time.monotonic() < deadline:
+            time.sleep(0.5)
         sys.stdout.write(f"\n[{backend}] delay 10 ms + 0.1 % loss: 8 requests in {took:.1f} s, wire {stats}\n")
         assert stats.get("dropped_loss", 0) >= 1, f"the wire dropped nothing, so loss was not exercised: {stats}"
         assert stats.get("dropped_foreign", 0) == 0, stats
