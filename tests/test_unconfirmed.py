@@ -84,6 +84,25 @@ def _run(world: Any, cluster: Any, until: Callable[[], bool], *, drop_notices: b
         world.now += 0.01
     raise AssertionError("the world did not get there in 500 steps")
 
+def _written_with_lost_notice(world: Any, cluster: Any, room: int, *, src: list[int], dst: list[int],
+                              fill: int) -> tuple[Any, Any, Any, Any]:
+    """p0 writes ``src`` (filled with ``fill``) into d0's ``dst`` for ``room``; the write lands and the
+    prefill's room succeeds, but the backend's notice is lost for good. (p0, d0, sender, receiver)."""
+    p, d = cluster.by_name["p0"], cluster.by_name["d0"]
+    _run(world, cluster, lambda: not d.agent.peers.handshakes)
+    sender = p.agent.sender(room)
+    for buf in p.buffers:
+        buf[src] = fill
+    receiver = d.agent.receiver(room, INSTANCE)
+    receiver.send_metadata({"kv": np.array(dst)})
+    _run(world, cluster, lambda: sender.poll() >= KVPoll.WaitingForInput)
+    sender.send(np.array(src), last=True)
+    _run(world, cluster, lambda: sender.poll() is KVPoll.Success, drop_notices=True)
+    for item in [item for item in world.pending.values() if item.kind == NOTIFY]:
+        del world.pending[item.id]
+    return p, d, sender, receiver
+
+
 
 @pytest.mark.parametrize("planted", [False, True], ids=["as-built", "planted-no-forget"])
 def test_a_copy_never_completes_a_later_request_that_reused_the_room_number(
@@ -97,18 +116,7 @@ def test_a_copy_never_completes_a_later_request_that_reused_the_room_number(
         monkeypatch.setattr(Unconfirmed, "forget_room", lambda self, agent, room: None)
     world, cluster = _world()
     try:
-        p, d = cluster.by_name["p0"], cluster.by_name["d0"]
-        _run(world, cluster, lambda: not d.agent.peers.handshakes)
-        sender = p.agent.sender(7)
-        for buf in p.buffers:
-            buf[[0, 1]] = 0x5A
-        receiver = d.agent.receiver(7, INSTANCE)
-        receiver.send_metadata({"kv": np.array([2, 3])})
-        _run(world, cluster, lambda: sender.poll() >= KVPoll.WaitingForInput)
-        sender.send(np.array([0, 1]), last=True)
-        _run(world, cluster, lambda: sender.poll() is KVPoll.Success, drop_notices=True)
-        for item in [item for item in world.pending.values() if item.kind == NOTIFY]:
-            del world.pending[item.id]                        # the backend's notice is lost for good
+        p, d, sender, receiver = _written_with_lost_notice(world, cluster, 7, src=[0, 1], dst=[2, 3], fill=0x5A)
         assert receiver.poll() is not KVPoll.Success and p.agent.prefill is not None
         assert p.agent.prefill.unconfirmed == 1
         receiver.abort("the engine gave up")
@@ -138,18 +146,7 @@ def test_the_notice_a_closed_backend_lost_still_reaches_the_decode_before_the_go
         monkeypatch.setattr(PrefillSide, "resend_unconfirmed", lambda self: 0)
     world, cluster = _world()
     try:
-        p, d = cluster.by_name["p0"], cluster.by_name["d0"]
-        _run(world, cluster, lambda: not d.agent.peers.handshakes)
-        sender = p.agent.sender(11)
-        for buf in p.buffers:
-            buf[[4, 5]] = 0x3C
-        receiver = d.agent.receiver(11, INSTANCE)
-        receiver.send_metadata({"kv": np.array([6, 1])})
-        _run(world, cluster, lambda: sender.poll() >= KVPoll.WaitingForInput)
-        sender.send(np.array([4, 5]), last=True)
-        _run(world, cluster, lambda: sender.poll() is KVPoll.Success, drop_notices=True)
-        for item in [item for item in world.pending.values() if item.kind == NOTIFY]:
-            del world.pending[item.id]
+        p, d, sender, receiver = _written_with_lost_notice(world, cluster, 11, src=[4, 5], dst=[6, 1], fill=0x3C)
         p.agent.close()
         _run(world, cluster, lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed))
         if planted:
