@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -153,19 +154,36 @@ def _ranks(pid: int) -> list[int]:
             out.append(child)
     return sorted(out)
 
-
-@pytest.mark.timeout(240)
-def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
+def _busy_demo() -> subprocess.Popen[str]:
+    """A 3000-request loopback demo (2 -> 2) that has verified its first request: every rank is working."""
     proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
                              "--decode-tp", "2", "--timeout", "200"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if re.search(r"\] [1-9]\d*/3000 requests", line):
+            return proc
+    proc.kill()
+    proc.wait()
+    pytest.fail(f"the demo never made progress: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def _assert_gone(pids: list[int], ranks: list[int], alive: Callable[[int], bool] = _running) -> None:
+    """No one of ``pids`` is ``alive`` (within 5 s: an exited child may linger until it is reaped) and no
+    /dev/shm segment of the ``ranks`` is left."""
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:
+        assert not alive(pid), f"process {pid} outlived the demo"
+    for rank in ranks:
+        assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
+    proc = _busy_demo()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:                          # the first request verified: every rank is working
-            if re.search(r"\] [1-9]\d*/3000 requests", line):
-                break
-        else:
-            pytest.fail(f"the demo never made progress: {proc.stderr.read() if proc.stderr else ''}")
         ranks = _ranks(proc.pid)
         assert len(ranks) == 4, ranks
         victim = ranks[-1]
@@ -181,12 +199,7 @@ def test_a_rank_killed_mid_demo_ends_the_run_within_seconds() -> None:
     assert proc.returncode == EXIT_TRANSFER, out + err
     assert re.search(rf"(prefill|decode) rank \d \(pid {victim}\) was killed by SIGKILL \(signal 9\)", err), err
     assert re.search(rf"! (prefill|decode) rank \d \(pid {victim}\) was killed by SIGKILL", out), out
-    deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{rank}").exists() for rank in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)                                 # (an exited child may linger until it is reaped)
-    for rank in ranks:                                  # every rank is gone, and so are its segments
-        assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived the demo"
-        assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+    _assert_gone(ranks, ranks, alive=lambda pid: Path(f"/proc/{pid}").exists())    # not even a zombie
 
 
 @pytest.mark.timeout(240)
@@ -196,16 +209,8 @@ def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish(target: str
     process group reaches it first): the requests some rank had started finish and are verified byte by
     byte, every rank drains (its report: nothing failed, nothing unsafe) and exits, the rest are counted as
     refused, the launcher exits 143, and no rank, fork server or /dev/shm segment is left."""
-    proc = subprocess.Popen([*CMD, "demo", "--backend", "loopback", "--requests", "3000", "--prefill-tp", "2",
-                             "--decode-tp", "2", "--timeout", "200"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+    proc = _busy_demo()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:                          # the first request verified: every rank is working
-            if re.search(r"\] [1-9]\d*/3000 requests", line):
-                break
-        else:
-            pytest.fail(f"the demo never made progress: {proc.stderr.read() if proc.stderr else ''}")
         ranks = _ranks(proc.pid)
         server = [c for c in _children(proc.pid) if b"forkserver" in _cmdline(c)]
         assert len(ranks) == 4, ranks
@@ -229,13 +234,7 @@ def test_sigterm_drains_every_rank_and_the_requests_in_flight_finish(target: str
     drained = re.findall(r"drained (prefill|decode) rank (\d): \{'success': \d+, 'failed': (\d+), 'unsafe': (\d+)\}",
                          out)
     assert len(drained) == 4 and all(f == "0" and u == "0" for *_, f, u in drained), out
-    deadline = time.monotonic() + 5
-    while any(_running(pid) for pid in ranks + server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in ranks + server:
-        assert not _running(pid), f"process {pid} outlived the demo"
-    for rank in ranks:
-        assert not [n for n in os.listdir("/dev/shm") if f"-{rank}-" in n and n.startswith("kvbridge-demo-")]
+    _assert_gone(ranks + server, ranks)
 
 
 @pytest.mark.timeout(240)
