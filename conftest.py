@@ -76,3 +76,23 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(SLOW)}
     items.sort(key=lambda item: rank.get(_module(item), len(SLOW)))        # stable: file order kept otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """With ``KVBRIDGE_CPU_LOG=path``: append each test's CPU seconds (this process and the children it reaped
+    meanwhile) and wall seconds to ``path``, to find where a CI run's CPU goes (the 2-core host is CPU-bound)."""
+    import os
+    import time
+
+    path = os.environ.get("KVBRIDGE_CPU_LOG")
+    if not path:
+        return (yield)
+    before, start = os.times(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        after = os.times()
+        cpu = sum(after[:4]) - sum(before[:4])
+        with open(path, "a") as log:
+            log.write(f"{cpu:.2f}\t{time.monotonic() - start:.2f}\t{item.nodeid}\n")
