@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 # The three venvs take ~8 GB (.venv 1.8, .venv-vllm 2.9, .venv-sglang 3.1) plus pip's temporary unpacking: say
 # so up front instead of failing half-way with "No space left on device" (a CI run once did, 43 s in).
 export PIP_NO_CACHE_DIR=1          # wheels are installed once; a cache would double the disk they take
-# No byte-compiling at install (--no-compile; pip reads PIP_COMPILE=0 as that): the three venvs hold ~20,000
-# modules, the tests import a few thousand, and Python compiles those on first import. Saves minutes of CPU.
-export PIP_COMPILE=0
+# pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (as on the CI host) Python
+# never caches what it compiles, and every test process would compile torch, vLLM or SGLang again (a run without
+# compiled wheels took minutes longer).
 if [ ! -d .venv-sglang ]; then
   free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
   if [ "${free_kib:-0}" -lt $((9 * 1024 * 1024)) ]; then
