@@ -402,6 +402,11 @@ class DecodeSide(RoomTable[RecvRoom]):
             # the same name never wrote here and cannot vouch for the old writer
             raise Dropped(f"abort of room {abort.room} from {env.sender!r} naming {abort.agent!r} (incarnation "
                           f"{env.incarnation:#x}), which is not a writer of the room")
+        if env.version >= 6 and abort.nonce != room.nonce:
+            # a late answer about an earlier request that used this room number (a retry): it says nothing of
+            # this request's writes, so it neither fails nor fences the room (protocol 5 names no request)
+            raise Dropped(f"abort of room {abort.room} from {abort.agent!r} names another request of that room (an "
+                          "earlier one that used the same number)")
         if abort.quiesced:
             room.quiesced.add(abort.agent)
         self._fail(room, f"aborted by prefill {abort.agent}: {abort.reason}")
@@ -575,7 +580,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                 room.quiesced.add(agent)
                 continue
             if self._peers.get(agent) is peer:     # a replaced incarnation: only its exit (or the engine) fences
-                self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason))
+                self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason, nonce=room.nonce))
         self._fenced_if_quiet(room)
 
     def tick(self, now: float) -> None:

@@ -18,8 +18,8 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
-# 3: layers, offsets
+# 6: Welcome names the writer's liveness listener, Abort names the request's nonce; 5: digests, credits
+# name the request; 4: staging rings; 3: layers, offsets
 PROTOCOL_VERSION = 6
 #: the oldest version this release still speaks (the previous release's): an agent negotiates the lower of the
 #: two at the handshake and refuses anything older, naming both versions (docs/integrity.md, "Version skew")
@@ -105,14 +105,16 @@ class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbi
 
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Version 5 differs only in the Welcome, which has no ``liveness`` (a 5 decoder refuses unknown fields);
-    every other message is the same at 5 and 6."""
+    Version 5 differs only in the Welcome, which has no ``liveness``, and the Abort, which has no ``nonce`` (a 5
+    decoder refuses unknown fields); every other message is the same at 5 and 6."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
     if version < 6 and isinstance(message, Welcome):
         fields = {f: getattr(message, f) for f in _WelcomeV5.__struct_fields__}
         return _WelcomeV5(**{**fields, "version": version})
+    if version < 6 and isinstance(message, Abort):
+        return _AbortV5(**{f: getattr(message, f) for f in _AbortV5.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
         return msgspec.structs.replace(message, version=version)
     return message
@@ -185,7 +187,19 @@ class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
-    """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight."""
+    """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight. ``nonce``: the
+    request it is about (``TransferRequest.nonce``; 0 from a peer of protocol 5): an acknowledgement of an
+    earlier request that used the same room number must not fence the next one."""
+
+    room: int
+    agent: str
+    reason: str
+    quiesced: bool = False
+    nonce: int = 0
+
+
+class _AbortV5(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
+    """An Abort as protocol 5 spells it (no ``nonce``)."""
 
     room: int
     agent: str

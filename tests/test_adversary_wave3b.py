@@ -1,0 +1,103 @@
+"""Adversarial review, wave 3 (second pass): fault combinations against the fence, the retry of a room
+number, and the protocol-version handshake (issue 26 item 10). Each test reproduces what broke before its fix."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from test_agent import hand_pair  # the agent tests' small dense-KV pool
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll
+
+PAGES = np.array([1, 2, 3], np.int64)
+
+
+class Held:
+    """Frames to one address of an in-process hub, held while ``on`` and handed over one by one."""
+
+    def __init__(self, hub: LocalHub, address: str) -> None:
+        self.on, self.frames, self._address = False, [], address
+        self._deliver: Callable[[str, bytes], None] = hub._deliver
+        hub._deliver = self._intercept         # type: ignore[method-assign]
+
+    def _intercept(self, address: str, frame: bytes) -> None:
+        if self.on and address == self._address:
+            self.frames.append(frame)
+        else:
+            self._deliver(address, frame)
+
+    def release(self, count: int | None = None) -> None:
+        take = self.frames if count is None else self.frames[:count]
+        self.frames = [] if count is None else self.frames[count:]
+        for frame in take:
+            self._deliver(self._address, frame)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    # writes straight into the KV pages (no staging), so a late write shows in the pages themselves
+    pre, dec = hand_pair(AgentConfig(peer_timeout_s=30.0, heartbeat_interval_s=0.02, staging="never"))
+    yield pre, dec
+    pre.close()
+    dec.close()
+
+
+def _spin(*agents: TransferAgent, steps: int = 20) -> None:
+    for _ in range(steps):
+        for agent in agents:
+            agent.progress()
+
+
+def test_a_late_acknowledgement_of_a_failed_request_does_not_fence_its_retry(
+        pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """A request that fails and is retried under the same room number (a router's retry keeps its
+    kv_transfer_params). The decode asks its writer to acknowledge the abort more than once (at the failure,
+    then every heartbeat interval); the prefill, its room already cleared, answers each. The first answer fences
+    the first request; one still on its way when the retry's request went out used to fail the retry and fence it
+    at once: the decode reported safe_to_reuse (and sent the prefill no abort) while the prefill, holding the
+    retry's request, wrote all of it into the decode's pages."""
+    pre, dec = pair
+    held = Held(dec.context.link._hub, "d0")   # type: ignore[attr-defined]
+    first_send, first_recv = pre.sender(1), dec.receiver(1, "inst")
+    first_recv.send_metadata({"kv": PAGES})
+    _spin(pre, dec)
+    assert first_send.poll() is KVPoll.WaitingForInput
+
+    held.on = True                              # the prefill's answers to the decode are slow
+    first_recv.abort("the engine gave up on it")
+    for _ in range(4):                          # the decode asks again every heartbeat interval
+        dec.progress()
+        time.sleep(0.03)
+        dec.progress()
+        pre.progress()
+        if pre.prefill is not None and 1 in pre.prefill.rooms and first_send.safe_to_reuse:
+            first_send.clear()                  # the prefill engine is done with it: later aborts get answers at once
+    pre.progress()
+    while held.frames and not first_recv.safe_to_reuse:
+        held.release(1)
+        dec.progress()
+    assert first_recv.safe_to_reuse and held.frames, "the scenario needs an acknowledgement still on its way"
+    first_recv.clear()
+
+    retry_send, retry_recv = pre.sender(1), dec.receiver(1, "inst")   # the retry, same room number
+    retry_recv.send_metadata({"kv": PAGES})
+    pre.progress()
+    assert retry_send.poll() is KVPoll.WaitingForInput
+    held.release()                              # the late acknowledgements of the first request arrive
+    held.on = False
+    dec.progress()
+    assert retry_recv.poll() is not KVPoll.Failed, retry_recv.failure_reason
+    assert not retry_recv.safe_to_reuse
+
+    for buf in pre.context.buffers.views["kv"]:
+        buf[PAGES] = 0xAB
+    retry_send.send(PAGES, last=True)
+    _spin(pre, dec)
+    assert retry_send.poll() is KVPoll.Success
+    assert retry_recv.poll() is KVPoll.Success
+    assert all((buf[PAGES] == 0xAB).all() for buf in dec.context.buffers.views["kv"])
