@@ -101,3 +101,47 @@ def test_a_late_acknowledgement_of_a_failed_request_does_not_fence_its_retry(
     assert retry_send.poll() is KVPoll.Success
     assert retry_recv.poll() is KVPoll.Success
     assert all((buf[PAGES] == 0xAB).all() for buf in dec.context.buffers.views["kv"])
+
+
+def test_a_late_notice_of_a_failed_request_does_not_count_for_its_retry(
+        pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """The backend carries a notice and is slow to deliver it (NIXL: with the write; the control link may
+    overtake it). The decode gives up on the request, the prefill acknowledges the abort (its write is done), and
+    the engine retries the room number with the same prefill. The first request's notice, delivered now, named
+    every item with ``last``: it used to complete the retry at once, Success over the first request's bytes,
+    while the prefill had not written a byte of the retry (it was still WaitingForInput)."""
+    pre, dec = pair
+    late: list[bytes] = []
+    calls = pre.context.calls
+    carry = calls.notify_completion
+    calls.notify_completion = lambda agent, frame: late.append(frame) is None    # type: ignore[method-assign]
+    first_send, first_recv = pre.sender(1), dec.receiver(1, "inst")
+    first_recv.send_metadata({"kv": PAGES})
+    _spin(pre, dec)
+    for buf in pre.context.buffers.views["kv"]:
+        buf[PAGES] = 0xAA
+    first_send.send(PAGES, last=True)
+    _spin(pre, dec)
+    assert first_send.poll() is KVPoll.Success and late, "the backend took the notice"
+    first_recv.abort("no notice within the engine's patience")
+    _spin(pre, dec)
+    assert first_recv.poll() is KVPoll.Failed and first_recv.safe_to_reuse
+    first_recv.clear()
+    first_send.clear()
+    calls.notify_completion = carry             # type: ignore[method-assign]
+
+    retry_send, retry_recv = pre.sender(1), dec.receiver(1, "inst")
+    retry_recv.send_metadata({"kv": PAGES})
+    _spin(pre, dec)
+    assert retry_send.poll() is KVPoll.WaitingForInput
+    for frame in late:                          # the backend delivers the first request's notice now
+        dec.handle_frame(frame)
+    _spin(pre, dec)
+    assert retry_recv.poll() is KVPoll.WaitingForInput, "a notice of the earlier request counted for the retry"
+
+    for buf in pre.context.buffers.views["kv"]:
+        buf[PAGES] = 0xBB
+    retry_send.send(PAGES, last=True)
+    _spin(pre, dec)
+    assert retry_send.poll() is KVPoll.Success and retry_recv.poll() is KVPoll.Success
+    assert all((buf[PAGES] == 0xBB).all() for buf in dec.context.buffers.views["kv"])

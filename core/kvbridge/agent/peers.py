@@ -216,6 +216,14 @@ class PeerTable:
             peer.step(PeerEvent.FRAME)
         return peer
 
+    def seen_up_to(self, agent: str, incarnation: int) -> int:
+        """The highest sequence number admitted from that incarnation of ``agent``, notices or not (0: none). A
+        sender numbers its frames to us in the order it makes them, so a frame numbered at most this was made
+        before we sent anything that comes after this call."""
+        tops = [w.top for key in ((agent, incarnation, False), (agent, incarnation, True))
+                if (w := self._windows.get(key)) is not None]
+        return max(tops, default=0)
+
     def _revive(self, peer: Peer) -> None:
         """A peer judged dead by silence spoke again in the same incarnation: it is a peer again (its
         failed rooms stay failed)."""

@@ -369,6 +369,11 @@ class ReplayWindow:
         self._top = 0
         self._seen = 0        # bit i: top - i was seen
 
+    @property
+    def top(self) -> int:
+        """The highest sequence number seen (0: none)."""
+        return self._top
+
     def accept(self, seq: int) -> bool:
         if seq <= 0:
             return False
