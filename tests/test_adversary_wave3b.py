@@ -8,11 +8,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from test_agent import hand_pair  # the agent tests' small dense-KV pool
+from test_agent import hand_pair, kv_buffers, kv_layout  # the agent tests' small dense-KV pool
 
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.links import LocalHub
-from kvbridge.protocol.wire import KVPoll
+from kvbridge.protocol import wire
+from kvbridge.protocol.wire import Codec, KVPoll, Role, Welcome
 
 PAGES = np.array([1, 2, 3], np.int64)
 
@@ -145,3 +146,53 @@ def test_a_late_notice_of_a_failed_request_does_not_count_for_its_retry(
     _spin(pre, dec)
     assert retry_send.poll() is KVPoll.Success and retry_recv.poll() is KVPoll.Success
     assert all((buf[PAGES] == 0xBB).all() for buf in dec.context.buffers.views["kv"])
+
+
+def test_a_replayed_refusal_of_the_previous_release_does_not_downgrade_two_new_agents() -> None:
+    """With a secret, a forged refusal in 5 is impossible, but a genuine one can be replayed: a prefill of the
+    previous release refused a decode's Hello in 6 (to incarnation 0, as it cannot read the Hello); both are
+    upgraded and restarted at the same addresses (fresh replay windows), and the captured refusal reaches the new
+    decode while its first Hello is lost. It used to fall back to 5 for good: no liveness proof for that pair.
+    Now the prefill's accepted Welcome in 5 says it speaks 6, and the decode says Hello again in 6."""
+    secret = b"s" * 32
+    cfg = AgentConfig(secret=secret, peer_timeout_s=30.0)
+    old_p0 = Codec(secret, sender="p0", address="p0", incarnation=0x1234567)
+    captured = old_p0.encode(Welcome(version=5, agent="p0", address="p0", accepted=False,
+                                     reason="protocol version differs: prefill speaks 5, decode 6"), to="d0", version=5)
+    hub = LocalHub()
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
+    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
+                        link=hub.link("d0"), config=cfg, name="d0")
+    deliver, lost = hub._deliver, []
+
+    def replay_instead_of_the_first_hello(address: str, frame: bytes) -> None:
+        if address == "p0" and not lost:
+            lost.append(frame)
+            dec.handle_frame(captured)
+            return
+        deliver(address, frame)
+
+    hub._deliver = replay_instead_of_the_first_hello     # type: ignore[method-assign]
+    try:
+        shake = dec.connect_async("inst")
+        for _ in range(3000):
+            pre.progress()
+            dec.progress()
+            if shake.done or shake.refused is not None:
+                break
+            time.sleep(0.001)
+        assert lost and shake.done, shake.refused
+        assert dec.peer_versions() == {"p0": 6} and pre.peer_versions() == {"d0": 6}, "the pair fell back to 5"
+        assert dec.peers.liveness is not None and dec.peers.liveness._keys, "no liveness connection to the writer"
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_a_prefill_of_this_release_notes_its_version_only_where_it_answers_in_an_older_one() -> None:
+    """The note rides in the reason of an accepted Welcome, which protocol 5 leaves unread; a Welcome in 6 has
+    none, and a refusal's reason is never taken for one."""
+    assert wire.noted_version(wire.speaks_note()) == wire.PROTOCOL_VERSION
+    assert wire.noted_version("") == 0 and wire.noted_version("this prefill speaks protocol x") == 0
+    assert wire.noted_version("this prefill speaks protocol 99999999999") == 0

@@ -103,6 +103,22 @@ class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbi
     buffers: tuple[RemoteBuffers, ...] = ()
 
 
+_SPEAKS = "this prefill speaks protocol "
+
+
+def speaks_note() -> str:
+    """The ``reason`` of an accepted Welcome this release sends in an older version (an accepted Welcome of 5
+    leaves it unread): a decode that fell back only because of a refusal in that version learns the refusal was
+    not this prefill's (a replayed or forged one) and says Hello again in its own version."""
+    return f"{_SPEAKS}{PROTOCOL_VERSION}"
+
+
+def noted_version(reason: str) -> int:
+    """The version an accepted Welcome's ``reason`` says its prefill speaks (:func:`speaks_note`), else 0."""
+    number = reason[len(_SPEAKS):] if reason.startswith(_SPEAKS) else ""
+    return int(number) if number.isdigit() and len(number) < 6 else 0
+
+
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
     Version 5 differs only in the Welcome, which has no ``liveness``, and the Abort, which has no ``nonce`` (a 5
