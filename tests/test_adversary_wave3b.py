@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from test_agent import hand_pair, kv_buffers, kv_layout  # the agent tests' small dense-KV pool
 
+from kvbridge import local_secret
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.protocol import wire
@@ -196,3 +198,15 @@ def test_a_prefill_of_this_release_notes_its_version_only_where_it_answers_in_an
     assert wire.noted_version(wire.speaks_note()) == wire.PROTOCOL_VERSION
     assert wire.noted_version("") == 0 and wire.noted_version("this prefill speaks protocol x") == 0
     assert wire.noted_version("this prefill speaks protocol 99999999999") == 0
+
+
+def test_a_local_secret_file_with_a_nul_byte_is_refused_naming_that(tmp_path: Path) -> None:
+    """A corrupt file of 41 characters, one of them NUL, used to be refused as holding "41 characters, fewer than
+    32": a message naming the wrong problem."""
+    path = tmp_path / "kv" / "secret"
+    path.parent.mkdir(mode=0o700)
+    path.write_bytes(b"a" * 40 + b"\0")
+    path.chmod(0o600)
+    with pytest.raises(local_secret.LocalSecretError, match="holds a NUL byte") as err:
+        local_secret.read_or_create(path)
+    assert "fewer than" not in str(err.value)
