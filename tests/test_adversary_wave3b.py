@@ -210,3 +210,38 @@ def test_a_local_secret_file_with_a_nul_byte_is_refused_naming_that(tmp_path: Pa
     with pytest.raises(local_secret.LocalSecretError, match="holds a NUL byte") as err:
         local_secret.read_or_create(path)
     assert "fewer than" not in str(err.value)
+
+
+def test_a_replayed_hello_of_an_earlier_decode_incarnation_retires_the_live_one() -> None:
+    """DOCUMENTS (docs/integrity.md, Version skew): a Hello names recipient incarnation 0, so with a secret one
+    captured from an earlier incarnation of a decode is accepted by a prefill that never saw it (restarted: replay
+    windows are per process). The prefill takes it for a restart, retires the live incarnation and fails its
+    rooms; the live decode drops the Welcome meant for its predecessor and hears of it only at its peer timeout.
+    Availability only: nothing is written anywhere."""
+    secret = b"s" * 32
+    cfg = AgentConfig(secret=secret, peer_timeout_s=30.0)
+    hub = LocalHub()
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
+    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
+                        link=hub.link("d0"), config=cfg, name="d0")
+    try:
+        captured = Codec(secret, sender="d0", address="d0", incarnation=0xABCDEF).encode(dec.peers.hello(), to="p0")
+        shake = dec.connect_async("inst")
+        for _ in range(2000):
+            pre.progress()
+            dec.progress()
+            if shake.done:
+                break
+        sender, receiver = pre.sender(5), dec.receiver(5, "inst")
+        receiver.send_metadata({"kv": PAGES})
+        _spin(pre, dec)
+        assert sender.poll() is KVPoll.WaitingForInput
+        pre.handle_frame(captured)
+        _spin(pre, dec)
+        assert sender.poll() is KVPoll.Failed and "restarted as incarnation 0xabcdef" in sender.failure_reason
+        assert pre.peers.peers["d0"].incarnation == 0xABCDEF != dec.incarnation
+        assert receiver.poll() is KVPoll.WaitingForInput       # not told: it waits for its peer timeout
+    finally:
+        pre.close()
+        dec.close()
