@@ -15,7 +15,7 @@ from kvbridge import local_secret
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.links import LocalHub
 from kvbridge.protocol import wire
-from kvbridge.protocol.wire import Codec, KVPoll, Role, Welcome
+from kvbridge.protocol.wire import Abort, Codec, KVPoll, Role, Welcome
 
 PAGES = np.array([1, 2, 3], np.int64)
 
@@ -245,3 +245,24 @@ def test_a_replayed_hello_of_an_earlier_decode_incarnation_retires_the_live_one(
     finally:
         pre.close()
         dec.close()
+
+
+def test_an_abort_naming_another_request_of_the_room_is_acknowledged_and_fails_nothing(
+        pair: tuple[TransferAgent, TransferAgent]) -> None:
+    """An abort of another request of this room number (an earlier one; a restarted decode's) is answered
+    at once with an acknowledgement naming that request, which is true (nothing of it is in flight here), and
+    the room's own request goes on."""
+    pre, dec = pair
+    sender, receiver = pre.sender(3), dec.receiver(3, "inst")
+    receiver.send_metadata({"kv": PAGES})
+    _spin(pre, dec)
+    assert dec.decode is not None
+    nonce = dec.decode.rooms[3].nonce
+    seen: list[Abort] = []
+    on_abort = dec.decode.on_abort
+    dec.decode.on_abort = lambda abort, env: (seen.append(abort), on_abort(abort, env))[1]   # type: ignore[method-assign]
+    stale = Abort(room=3, agent="d0", reason="an earlier request", nonce=nonce ^ 1)
+    pre.handle_frame(dec.context.codec.encode(stale, to="p0", to_incarnation=pre.incarnation))
+    _spin(pre, dec)
+    assert sender.poll() is KVPoll.WaitingForInput and receiver.poll() is KVPoll.WaitingForInput
+    assert [(a.quiesced, a.nonce) for a in seen] == [(True, nonce ^ 1)]

@@ -318,8 +318,10 @@ class PrefillSide(RoomTable[SendRoom]):
         if abort.agent not in room.requests:
             raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a participant")
         if abort.nonce and abort.nonce != room.requests[abort.agent].nonce:
-            raise Dropped(f"abort of room {abort.room} from {abort.agent} names another request of that room (an "
-                          "earlier one that used the same number)")
+            # another request of this room number (an earlier one, or a restarted decode's): nothing of it is in
+            # flight here (a room is cleared only once drained): acknowledged, and this room's request goes on
+            ctx.post(env.address, ack, incarnation=env.incarnation)
+            return
         self._fail(room, f"aborted by decode {abort.agent}: {abort.reason}")
         room.must_confirm[abort.agent] = (env.address, env.incarnation)
         self._active.add(room.room)
