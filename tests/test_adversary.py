@@ -419,16 +419,20 @@ def test_without_a_secret_a_forged_notice_makes_success_with_missing_bytes(world
 
 
 def test_without_a_secret_forged_status_abort_goodbye_act(world: Callable[..., World]) -> None:
-    """DOCUMENTS: a forged StatusPush or Abort (as p1) fails da's room; a forged Goodbye (as p1) makes da
-    declare p1 gone, failing every room with it."""
+    """DOCUMENTS: a forged StatusPush or Abort (as p1) fails da's room (an Abort must name the request's nonce,
+    which travels in clear in da's request); a forged Goodbye (as p1) makes da declare p1 gone, failing every
+    room with it."""
     w = world(None)
     da, p1 = w.da, w.p1
     _, r1 = w.open(31, da, p1, np.array([1]))
     _, r2 = w.open(32, da, p1, np.array([2]))
     _, r3 = w.open(33, da, p1, np.array([3]))
+    assert da.decode is not None
+    nonce = da.decode.rooms[32].nonce
     w.inject(da, _impersonate(w, p1, da, StatusPush(room=31, agent="p1", status=KVPoll.Failed, reason="x"), key=None,
                               seq=10**6),
-             _impersonate(w, p1, da, Abort(room=32, agent="p1", reason="y", quiesced=True), key=None, seq=10**6 + 1))
+             _impersonate(w, p1, da, Abort(room=32, agent="p1", reason="y", quiesced=True, nonce=nonce), key=None,
+                          seq=10**6 + 1))
     wait(lambda: r1.poll() == KVPoll.Failed and r2.poll() == KVPoll.Failed, 5, "forged failures")
     assert r2.safe_to_reuse            # a forged quiesced Abort even fences the room: da reuses its pages
     w.inject(da, _impersonate(w, p1, da, Goodbye(agent="p1"), key=None, seq=10**6 + 2))

@@ -171,7 +171,7 @@ def test_a_quiesced_abort_for_an_already_failed_room_fences_it(pair: tuple[Trans
     with dec.context.lock:
         dec.decode._fail(room, "a local reason")
         assert room.state is RecvState.FENCING
-        env_abort = Abort(room=9, agent="p0", reason="ack", quiesced=True)
+        env_abort = Abort(room=9, agent="p0", reason="ack", quiesced=True, nonce=room.nonce)
         frame = pre.context.codec.encode(env_abort, to=dec.link.address, to_incarnation=dec.incarnation)
         dec.handle_frame(frame)
     assert room.state is RecvState.FAILED and receiver.safe_to_reuse

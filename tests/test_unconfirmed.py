@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge.agent import decode as decode_side
 from kvbridge.agent.prefill import PrefillSide
 from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.protocol.wire import KVPoll, ReplayWindow
@@ -111,9 +112,11 @@ def test_a_copy_never_completes_a_later_request_that_reused_the_room_number(
     (other pages) while the prefill closes. The prefill's goodbye must not send the old notice: it would
     complete the new room with pages nothing wrote (the old frame was never seen there, so no replay window
     catches it: the abort must have made the prefill forget it). ``planted``: without forgetting, the new room
-    reports Success: the test has teeth."""
+    reports Success: the test has teeth (the decode's own check, that a frame about a room was sent after its
+    request, is planted away too: it drops the stale copy as well)."""
     if planted:
         monkeypatch.setattr(Unconfirmed, "forget_room", lambda self, agent, room: None)
+        monkeypatch.setattr(decode_side, "_after_request", lambda room, env, what: None)
     world, cluster = _world()
     try:
         p, d, sender, receiver = _written_with_lost_notice(world, cluster, 7, src=[0, 1], dst=[2, 3], fill=0x5A)

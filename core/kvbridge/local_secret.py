@@ -151,7 +151,10 @@ def _read(path: Path) -> str | None:
         raise LocalSecretError(f"local secret file {path} is not UTF-8 text") from None
     if not text:
         return None
-    if len(text) < MIN_CHARS or "\0" in text:
+    if "\0" in text:
+        raise LocalSecretError(f"local secret file {path} holds a NUL byte: not a secret file (delete it and a new "
+                               "one is made)")
+    if len(text) < MIN_CHARS:
         raise LocalSecretError(f"local secret file {path} holds {len(text)} characters, fewer than {MIN_CHARS}: "
                                "too weak (delete it and a new one is made)")
     return text

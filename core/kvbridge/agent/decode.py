@@ -104,6 +104,9 @@ class RecvRoom:
     # agent -> its peer record when the room was bound: the one incarnation whose notices count and whose
     # acknowledgement fences the room (a replacement under the same name is another writer)
     writers: dict[str, Peer] = field(default_factory=dict)
+    # agent -> the highest sequence number seen from its writer when the request went out: a frame numbered at
+    # most this was made before the writer had the request (a late one of an earlier use of the room number)
+    floor: dict[str, int] = field(default_factory=dict)
     expected: set[Key] = field(default_factory=set)
     arrived: dict[Key, set[int]] = field(default_factory=dict)       # notices seen (a scatter may still run)
     received: dict[Key, set[int]] = field(default_factory=dict)      # notices counted
@@ -268,6 +271,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                   nonce=room.nonce)
         room.metadata_at = self._ctx.clock()
         for peer in peers.values():
+            room.floor[peer.agent] = self._peers.seen_up_to(peer.agent, peer.incarnation)
             self._peers.post(peer, request)
         self._check_done(room)
 
@@ -280,6 +284,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if room.targets.get(notice.sender) != env.sender or not self._from_writer(room, env):
             raise Dropped(f"notice for room {notice.room} rank {notice.sender} from {env.sender!r} (incarnation "
                           f"{env.incarnation:#x}), which is not that rank of the room")
+        _after_request(room, env, "notice")
         key = (notice.sender, notice.component)
         if key not in room.expected:
             log.warning("%s: room %d: unexpected notice from rank %d for %s", self._ctx.name, notice.room,
@@ -390,6 +395,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if push.agent != env.sender or not self._from_writer(room, env):
             raise Dropped(f"status of room {push.room} from {env.sender!r} naming {push.agent!r} (incarnation "
                           f"{env.incarnation:#x}), which is not a writer of the room")
+        _after_request(room, env, "status")
         if push.status is KVPoll.Failed:
             self._fail(room, f"prefill {push.agent} failed the room: {push.reason}")
 
@@ -402,6 +408,12 @@ class DecodeSide(RoomTable[RecvRoom]):
             # the same name never wrote here and cannot vouch for the old writer
             raise Dropped(f"abort of room {abort.room} from {env.sender!r} naming {abort.agent!r} (incarnation "
                           f"{env.incarnation:#x}), which is not a writer of the room")
+        _after_request(room, env, "abort")
+        if env.version >= 6 and abort.nonce != room.nonce:
+            # a late answer about an earlier request that used this room number (a retry): it says nothing of
+            # this request's writes, so it neither fails nor fences the room (protocol 5 names no request)
+            raise Dropped(f"abort of room {abort.room} from {abort.agent!r} names another request of that room (an "
+                          "earlier one that used the same number)")
         if abort.quiesced:
             room.quiesced.add(abort.agent)
         self._fail(room, f"aborted by prefill {abort.agent}: {abort.reason}")
@@ -575,7 +587,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                 room.quiesced.add(agent)
                 continue
             if self._peers.get(agent) is peer:     # a replaced incarnation: only its exit (or the engine) fences
-                self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason))
+                self._peers.post(peer, Abort(room=room.room, agent=ctx.name, reason=reason, nonce=room.nonce))
         self._fenced_if_quiet(room)
 
     def tick(self, now: float) -> None:
@@ -635,6 +647,17 @@ class DecodeSide(RoomTable[RecvRoom]):
     def _refers_to(self, agent: str) -> bool:
         return any(agent in room.targets.values() and (room.room in self._unsafe or room.status is not KVPoll.Failed)
                    for room in self.rooms.values())
+
+
+def _after_request(room: RecvRoom, env: Envelope, what: str) -> None:
+    """A writer's frame about a room counts only if made after the writer could have had the room's request: one
+    numbered at or below the room's floor is about an earlier request of that room number (a backend's notice
+    delivered late, once the engine retried the room), and would count that request's bytes for this one."""
+    floor = room.floor.get(env.sender, 0)
+    if env.seq <= floor:
+        raise Dropped(f"{what} for room {room.room} from {env.sender!r} (sequence {env.seq}) was sent before this "
+                      f"request reached it (sequence {floor} had come): it is about an earlier request of that "
+                      "room number")
 
 
 def _layers_of(notice: Notice, layers: int) -> range | None:

@@ -34,6 +34,8 @@ class HandshakeTarget:
     agent: str = ""          # the prefill agent's name once accepted
     reason: str = ""         # why it refused
     version: int = PROTOCOL_VERSION   # our Hello's protocol version: lowered once if the peer speaks an older one
+    fell_back: bool = False  # lowered on a refusal in the older version
+    restored: bool = False   # lowered, then raised again: the prefill said it speaks ours (the refusal was not its)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -50,6 +50,8 @@ from kvbridge.protocol.wire import (
     Role,
     VersionMismatch,
     Welcome,
+    noted_version,
+    speaks_note,
 )
 
 log = logging.getLogger("kvbridge.agent")
@@ -216,6 +218,14 @@ class PeerTable:
             peer.step(PeerEvent.FRAME)
         return peer
 
+    def seen_up_to(self, agent: str, incarnation: int) -> int:
+        """The highest sequence number admitted from that incarnation of ``agent``, notices or not (0: none). A
+        sender numbers its frames to us in the order it makes them, so a frame numbered at most this was made
+        before we sent anything that comes after this call."""
+        tops = [w.top for key in ((agent, incarnation, False), (agent, incarnation, True))
+                if (w := self._windows.get(key)) is not None]
+        return max(tops, default=0)
+
     def _revive(self, peer: Peer) -> None:
         """A peer judged dead by silence spoke again in the same incarnation: it is a peer again (its
         failed rooms stay failed)."""
@@ -366,6 +376,8 @@ class PeerTable:
             raise Dropped(f"unexpected Welcome from {welcome.agent} at {env.address}")
         if not welcome.accepted and self._speak_older(targets, welcome, env):
             return
+        if welcome.accepted and self._speak_newest(targets, welcome, env):
+            return
         reason = ""
         minimum = self._ctx.config.min_protocol_version
         if env.version < minimum:
@@ -403,16 +415,34 @@ class PeerTable:
         """A refusal in an older version we still speak, of a Hello we sent in a newer one: the prefill is of the
         previous release, which cannot read our Hello and refuses every other version (it names only its own:
         the frame's). Say Hello again in its version, once per target; True when that is what happens."""
-        lower = [t for t in targets if env.version < t.version]
+        lower = [t for t in targets if env.version < t.version and not t.restored]
         if not lower or env.version < self._ctx.config.min_protocol_version:
             return False                                    # below our minimum: the refusal stands
         for target in lower:
-            target.version = env.version
+            target.version, target.fell_back = env.version, True
         log.warning("%s: prefill %s at %s speaks protocol %d (refused our %d: %s); saying Hello again in %d",
                     self._ctx.name, welcome.agent, env.address, env.version, PROTOCOL_VERSION, welcome.reason,
                     env.version)
         for shake in self.handshakes:
             if any(t in lower for t in shake.targets.values()):
+                shake.next_hello = 0.0
+        return True
+
+    def _speak_newest(self, targets: list[HandshakeTarget], welcome: Welcome, env: Envelope) -> bool:
+        """We fell back to an older version on a refusal in it, and the prefill accepts in that version saying it
+        speaks ours (:func:`~kvbridge.protocol.wire.speaks_note`): the refusal was not its own but a replayed
+        (a captured refusal of the previous release at that address, sealed with the secret) or forged one.
+        Say Hello again in our version, once per target; True when that is what happens."""
+        lowered = [t for t in targets if t.fell_back and not t.restored]
+        if not lowered or env.version >= PROTOCOL_VERSION or noted_version(welcome.reason) < PROTOCOL_VERSION:
+            return False
+        for target in lowered:
+            target.version, target.fell_back, target.restored = PROTOCOL_VERSION, False, True
+        log.warning("%s: prefill %s at %s accepted our Hello in %d but speaks %d: the refusal in %d that made us fall "
+                    "back was not its own (replayed or forged); saying Hello again in %d", self._ctx.name,
+                    welcome.agent, env.address, env.version, PROTOCOL_VERSION, env.version, PROTOCOL_VERSION)
+        for shake in self.handshakes:
+            if any(t in lowered for t in shake.targets.values()):
                 shake.next_hello = 0.0
         return True
 
@@ -444,8 +474,8 @@ class PeerTable:
                                               accepted=False, reason=reason), env.incarnation, env.version)
             return
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
-                          reason="", layout=ctx.layout, backend=ctx.backend_name, endpoint=ctx.backend.endpoint,
-                          liveness=self.liveness_address)
+                          reason=speaks_note() if env.version < PROTOCOL_VERSION else "", layout=ctx.layout,
+                          backend=ctx.backend_name, endpoint=ctx.backend.endpoint, liveness=self.liveness_address)
         if same and old is not None and old.state is not PeerState.DEPARTED:   # a departed record is never revived
             if old.state is PeerState.SILENT:
                 self._revive(old)
@@ -453,8 +483,9 @@ class PeerTable:
             return
         # the decode chose the version (the highest both speak): we answer in it, and speak it from now on
         if old is not None:
-            self._retire(old, "handshook again with other buffers" if old.incarnation == env.incarnation
-                         else f"restarted as incarnation {env.incarnation:#x}")
+            self._retire(old, f"restarted as incarnation {env.incarnation:#x}" if old.incarnation != env.incarnation
+                         else f"handshook again in protocol {env.version}" if old.version != env.version
+                         else "handshook again with other buffers")
         ctx.calls.add_peer(info)
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
                            endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock(), version=env.version))

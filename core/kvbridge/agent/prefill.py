@@ -51,7 +51,7 @@ class PrefillSide(RoomTable[SendRoom]):
         self._poster = Poster(ctx, peers, plans)
         self.draining = ""                      # why new rooms are refused (TransferAgent.drain), "" when not
         # rooms that failed while a decode was judged dead by silence, by agent: told when it speaks again
-        self._owed: dict[tuple[str, int], OrderedDict[int, str]] = {}
+        self._owed: dict[tuple[str, int], OrderedDict[int, tuple[str, int]]] = {}   # room -> (reason, nonce)
         peers.on_death(self._peer_died)
         peers.on_revive(self._peer_revived)
         peers.on_in_use(self._refers_to)
@@ -211,7 +211,8 @@ class PrefillSide(RoomTable[SendRoom]):
         size = _request_bytes(req)
         if size > self.early_bytes_limit:
             self._evict_early(req.room, peer, f"a request of {size} bytes is more than the {self.early_bytes_limit} "
-                                              "bytes of page ids kept for rooms before their sender()", queued=False)
+                                              "bytes of page ids kept for rooms before their sender()", queued=False,
+                              nonce=req.nonce)
             return
         queued.append(req)
         self._early[req.room] = (created, queued)
@@ -231,16 +232,16 @@ class PrefillSide(RoomTable[SendRoom]):
             dropped = next(iter(self._early_by_agent[heaviest]))
             self._evict_early(dropped, self._peers.get(heaviest), why)
 
-    def _evict_early(self, room: int, peer: Peer | None, why: str, *, queued: bool = True) -> None:
+    def _evict_early(self, room: int, peer: Peer | None, why: str, *, queued: bool = True, nonce: int = 0) -> None:
         """Forget ``peer``'s early request for ``room`` (over a bound): the decode hears it (an acknowledged
         abort: nothing was written, its room fails and is safe at once), and the sender() that comes later
         fails with the reason; other decodes' requests for the room stay (they hear it from that failure)."""
         agent = peer.agent if peer is not None else ""
         if queued:
-            self._unqueue(room, agent)
+            nonce = next((q.nonce for q in self._unqueue(room, agent)), nonce)
         log.warning("%s: %s; forgot %s's request for room %d", self._ctx.name, why, agent, room)
         if peer is not None and peer.alive:
-            self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True,
+            self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True, nonce=nonce,
                                          reason=f"prefill {self._ctx.name} dropped the request: {why}"))
         if room not in self._tombstones:
             self._early_aborts[room] = f"the request of decode {agent} was dropped: {why}"
@@ -253,7 +254,7 @@ class PrefillSide(RoomTable[SendRoom]):
         this request, so the answer is an acknowledged abort: the decode's room fails and is safe at once."""
         log.warning("%s: request for room %d from %s came after the room ended: %s", self._ctx.name, req.room,
                     req.agent, why)
-        self._peers.post(peer, Abort(room=req.room, agent=self._ctx.name, quiesced=True,
+        self._peers.post(peer, Abort(room=req.room, agent=self._ctx.name, quiesced=True, nonce=req.nonce,
                                      reason=f"the request came after the room ended on this prefill rank: {why}"))
 
     def _unqueue(self, room: int, agent: str | None = None) -> list[TransferRequest]:
@@ -290,7 +291,7 @@ class PrefillSide(RoomTable[SendRoom]):
         for req in self._unqueue(room):
             peer = self._peers.get(req.agent)
             if req.agent != told and peer is not None and peer.alive:
-                self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True,
+                self._peers.post(peer, Abort(room=room, agent=self._ctx.name, quiesced=True, nonce=req.nonce,
                                              reason=f"the room failed before this prefill rank opened it: {reason}"))
         if room not in self._tombstones:
             self._early_aborts[room] = reason
@@ -301,7 +302,7 @@ class PrefillSide(RoomTable[SendRoom]):
         ctx = self._ctx
         self._poster.unconfirmed.forget_room(abort.agent, abort.room)     # the decode is done with that room
         room = self.rooms.get(abort.room)
-        ack = Abort(room=abort.room, agent=ctx.name, reason=abort.reason, quiesced=True)
+        ack = Abort(room=abort.room, agent=ctx.name, reason=abort.reason, quiesced=True, nonce=abort.nonce)
         if room is None:   # nothing was written for it: confirm now, fail the sender if it comes later
             if self._peers.get(abort.agent) is None:
                 # not (or no longer) a peer: nothing of ours can land in its memory; confirm, change nothing
@@ -316,6 +317,11 @@ class PrefillSide(RoomTable[SendRoom]):
             return
         if abort.agent not in room.requests:
             raise Dropped(f"abort of room {abort.room} from {abort.agent}, which is not a participant")
+        if abort.nonce and abort.nonce != room.requests[abort.agent].nonce:
+            # another request of this room number (an earlier one, or a restarted decode's): nothing of it is in
+            # flight here (a room is cleared only once drained): acknowledged, and this room's request goes on
+            ctx.post(env.address, ack, incarnation=env.incarnation)
+            return
         self._fail(room, f"aborted by decode {abort.agent}: {abort.reason}")
         room.must_confirm[abort.agent] = (env.address, env.incarnation)
         self._active.add(room.room)
@@ -460,9 +466,11 @@ class PrefillSide(RoomTable[SendRoom]):
                 continue
             if (room.state is SendState.TRANSFERRING and room.last_sent) or room.state is SendState.FAILING:
                 self._step(room, SendEvent.DRAINED)
-            for address, incarnation in room.must_confirm.values():
+            for agent, (address, incarnation) in room.must_confirm.items():
+                req = room.requests.get(agent)
                 self._ctx.post(address, Abort(room=room.room, agent=self._ctx.name, reason=room.reason,
-                                              quiesced=True), incarnation=incarnation)
+                                              quiesced=True, nonce=req.nonce if req is not None else 0),
+                               incarnation=incarnation)
             room.must_confirm.clear()
             self._active.discard(room_id)
 
@@ -574,7 +582,7 @@ class PrefillSide(RoomTable[SendRoom]):
                 self._fail(room, reason)
                 room.must_confirm.pop(peer.agent, None)
                 if peer.state is PeerState.SILENT:      # it may only be slow: it must hear of the room later
-                    owed[room.room] = room.reason
+                    owed[room.room] = (room.reason, room.requests[peer.agent].nonce)
                     while len(owed) > TOMBSTONES:
                         owed.popitem(last=False)
         if not owed or peer.state is not PeerState.SILENT:
@@ -586,7 +594,7 @@ class PrefillSide(RoomTable[SendRoom]):
         """A decode judged dead by silence spoke again: the rooms that failed meanwhile were never told to it
         (it waited its whole waiting timeout for them). A room still here is failed to it and acknowledged once
         its writes drained; a room already cleared gets its acknowledgement at once (nothing is in flight)."""
-        for room_id, reason in self._owed.pop((peer.agent, peer.incarnation), {}).items():
+        for room_id, (reason, nonce) in self._owed.pop((peer.agent, peer.incarnation), {}).items():
             room = self.rooms.get(room_id)
             if room is not None and room.incarnations.get(peer.agent) == peer.incarnation:
                 self._peers.post(peer, StatusPush(room=room_id, agent=self._ctx.name, status=KVPoll.Failed,
@@ -594,7 +602,8 @@ class PrefillSide(RoomTable[SendRoom]):
                 room.must_confirm[peer.agent] = (peer.address, peer.incarnation)
                 self._active.add(room_id)
             elif room is None:
-                self._peers.post(peer, Abort(room=room_id, agent=self._ctx.name, quiesced=True, reason=reason))
+                self._peers.post(peer, Abort(room=room_id, agent=self._ctx.name, quiesced=True, reason=reason,
+                                             nonce=nonce))
 
     def begin_drain(self, reason: str) -> None:
         """Refuse new rooms from now on; requests queued for rooms whose sender() never came fail at once."""

@@ -18,8 +18,8 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 6: Welcome names the writer's liveness listener; 5: digests, credits name the request; 4: staging rings;
-# 3: layers, offsets
+# 6: Welcome names the writer's liveness listener, Abort names the request's nonce; 5: digests, credits
+# name the request; 4: staging rings; 3: layers, offsets
 PROTOCOL_VERSION = 6
 #: the oldest version this release still speaks (the previous release's): an agent negotiates the lower of the
 #: two at the handshake and refuses anything older, naming both versions (docs/integrity.md, "Version skew")
@@ -103,16 +103,34 @@ class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbi
     buffers: tuple[RemoteBuffers, ...] = ()
 
 
+_SPEAKS = "this prefill speaks protocol "
+
+
+def speaks_note() -> str:
+    """The ``reason`` of an accepted Welcome this release sends in an older version (an accepted Welcome of 5
+    leaves it unread): a decode that fell back only because of a refusal in that version learns the refusal was
+    not this prefill's (a replayed or forged one) and says Hello again in its own version."""
+    return f"{_SPEAKS}{PROTOCOL_VERSION}"
+
+
+def noted_version(reason: str) -> int:
+    """The version an accepted Welcome's ``reason`` says its prefill speaks (:func:`speaks_note`), else 0."""
+    number = reason[len(_SPEAKS):] if reason.startswith(_SPEAKS) else ""
+    return int(number) if number.isdigit() and len(number) < 6 else 0
+
+
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Version 5 differs only in the Welcome, which has no ``liveness`` (a 5 decoder refuses unknown fields);
-    every other message is the same at 5 and 6."""
+    Version 5 differs only in the Welcome, which has no ``liveness``, and the Abort, which has no ``nonce`` (a 5
+    decoder refuses unknown fields); every other message is the same at 5 and 6."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
     if version < 6 and isinstance(message, Welcome):
         fields = {f: getattr(message, f) for f in _WelcomeV5.__struct_fields__}
         return _WelcomeV5(**{**fields, "version": version})
+    if version < 6 and isinstance(message, Abort):
+        return _AbortV5(**{f: getattr(message, f) for f in _AbortV5.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
         return msgspec.structs.replace(message, version=version)
     return message
@@ -185,7 +203,19 @@ class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
-    """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight."""
+    """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight. ``nonce``: the
+    request it is about (``TransferRequest.nonce``; 0 from a peer of protocol 5): an acknowledgement of an
+    earlier request that used the same room number must not fence the next one."""
+
+    room: int
+    agent: str
+    reason: str
+    quiesced: bool = False
+    nonce: int = 0
+
+
+class _AbortV5(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
+    """An Abort as protocol 5 spells it (no ``nonce``)."""
 
     room: int
     agent: str
@@ -354,6 +384,11 @@ class ReplayWindow:
     def __init__(self) -> None:
         self._top = 0
         self._seen = 0        # bit i: top - i was seen
+
+    @property
+    def top(self) -> int:
+        """The highest sequence number seen (0: none)."""
+        return self._top
 
     def accept(self, seq: int) -> bool:
         if seq <= 0:
