@@ -185,7 +185,8 @@ def test_a_replayed_refusal_of_the_previous_release_does_not_downgrade_two_new_a
                 break
             time.sleep(0.001)
         assert lost and shake.done, shake.refused
-        assert dec.peer_versions() == {"p0": 6} and pre.peer_versions() == {"d0": 6}, "the pair fell back to 5"
+        newest = wire.PROTOCOL_VERSION
+        assert dec.peer_versions() == {"p0": newest} and pre.peer_versions() == {"d0": newest}, "the pair fell back"
         assert dec.peers.liveness is not None and dec.peers.liveness._keys, "no liveness connection to the writer"
     finally:
         pre.close()

@@ -14,7 +14,16 @@ from kvbridge.agent.peers import HandshakeState
 from kvbridge.errors import GeometryError, IncompatiblePeer, KVBridgeError, TransferError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
 from kvbridge.links import LocalHub
-from kvbridge.protocol.wire import Codec, KVPoll, Notice, PackedIndices, Role, TransferRequest
+from kvbridge.protocol.wire import (
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Codec,
+    KVPoll,
+    Notice,
+    PackedIndices,
+    Role,
+    TransferRequest,
+)
 from kvbridge.testkit import reference as ref
 
 H, D, P, LAYERS, NUM_PAGES = 4, 8, 4, 2, 16
@@ -345,7 +354,8 @@ def test_status_order_supports_min_reduction() -> None:
     assert min(KVPoll.Success, KVPoll.Failed) is KVPoll.Failed
 
 
-@pytest.mark.parametrize("delta", [1, -2])     # a newer decode; an older one than the previous release (4)
+# a newer decode; an older one than the oldest release this one speaks (4)
+@pytest.mark.parametrize("delta", [1, MIN_PROTOCOL_VERSION - 1 - PROTOCOL_VERSION])
 def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pair: Callable[..., Pair],
                                                                         delta: int) -> None:
     import msgspec
@@ -368,7 +378,7 @@ def test_peer_of_another_protocol_version_is_refused_with_both_versions(make_pai
     assert target.state is HandshakeState.REFUSED
     assert target.reason == (
         f"prefill {pair.prefill[0].name} refused the handshake: protocol version differs: "
-        f"prefill speaks {wire.PROTOCOL_VERSION} (and the previous release's {wire.MIN_PROTOCOL_VERSION}), "
+        f"prefill speaks {wire.MIN_PROTOCOL_VERSION} to {wire.PROTOCOL_VERSION}, "
         f"decode {wire.PROTOCOL_VERSION + delta}")
 
 

@@ -23,7 +23,7 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,10 @@ from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.zmq_link import BootstrapServer, ZmqLink
 
 REPO = Path(__file__).resolve().parents[1]
-PREVIOUS = "3dddad1"                  # the previous release: end of wave 2, protocol 5
+PREVIOUS = "3dddad1"                  # the oldest release spoken: end of wave 2, protocol 5
 PREVIOUS_VERSION = 5                  # its PROTOCOL_VERSION: this release's MIN_PROTOCOL_VERSION
+RELEASES = {5: PREVIOUS, 6: "0d4eb88"}    # every older protocol this release speaks -> a release that spoke it
+                                      # (0d4eb88: 0.2.0, protocol 6, whose Abort names no request)
 CHILD = Path(kid.__file__).resolve()
 TIMEOUT_S = 20.0
 
@@ -69,21 +71,38 @@ def _git(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 
 @pytest.fixture(scope="module")
-def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The previous release's core and plugins, extracted from git history."""
+def previous_release(release_tree: Callable[[str], Path]) -> Path:
+    """The oldest release spoken (protocol 5)'s core and plugins, extracted from git history."""
+    return release_tree(PREVIOUS)
+
+
+@pytest.fixture(scope="module")
+def release_tree(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """commit -> that release's core and plugins, extracted from git history once."""
+    trees: dict[str, Path] = {}
+
+    def tree(commit: str) -> Path:
+        if commit not in trees:
+            trees[commit] = _extract(commit, tmp_path_factory)
+        return trees[commit]
+
+    return tree
+
+
+def _extract(commit: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         inside = _git("rev-parse", "--is-inside-work-tree")
     except FileNotFoundError:
         pytest.skip("no git executable: the previous release cannot be built from history")
     if inside.returncode != 0:
         pytest.skip(f"{REPO} is not a git checkout: the previous release cannot be built from history")
-    if _git("cat-file", "-e", f"{PREVIOUS}^{{commit}}").returncode != 0:
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
         shallow = _git("rev-parse", "--is-shallow-repository").stdout.strip() == b"true"
         if shallow:
-            pytest.skip(f"shallow clone: commit {PREVIOUS} (the previous release) is not in its history "
+            pytest.skip(f"shallow clone: commit {commit} (a previous release) is not in its history "
                         "(CI clones fully)")
-        pytest.fail(f"commit {PREVIOUS} (the previous release) is missing from a full clone")
-    archive = _git("archive", PREVIOUS, "core", "plugins")
+        pytest.fail(f"commit {commit} (a previous release) is missing from a full clone")
+    archive = _git("archive", commit, "core", "plugins")
     assert archive.returncode == 0, archive.stderr.decode()
     root = tmp_path_factory.mktemp("previous-release")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -97,10 +116,10 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class OldRelease:
     """Ranks of the previous release in one process of their own; their ``SKEW`` lines arrive on a queue."""
 
-    def __init__(self, tree: Path, job: dict[str, Any]) -> None:
+    def __init__(self, tree: Path, job: dict[str, Any], version: int = PREVIOUS_VERSION) -> None:
         paths = [tree / "core", *sorted((tree / "plugins").glob("*/src"))]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths), PYTHONUNBUFFERED="1")
-        self.tree = tree
+        self.tree, self.version = tree, version
         self.log = (tree / f"old-{uuid.uuid4().hex[:8]}.log").open("w+b")
         self.proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(job)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
@@ -134,7 +153,7 @@ class OldRelease:
     def ready(self, name: str) -> dict[str, Any]:
         """The rank's ``ready``, checked: it runs the previous release, not this tree."""
         ready = self.wait("ready", name, timeout_s=60)
-        assert ready["version"] == PREVIOUS_VERSION, ready
+        assert ready["version"] == self.version, ready
         for path in [ready["kvbridge"], *ready["plugins"]]:
             assert Path(path).resolve().is_relative_to(self.tree.resolve()), ready
         return ready
@@ -203,10 +222,11 @@ def _new_agent(role: Role, backend: str, bootstrap: str, instance: str, cleanup:
 
 
 def _old(tree: Path, cleanup: list[Any], backend: str, bootstrap: str, *ranks: dict[str, Any],
-         secret: bytes | None = None) -> OldRelease:
+         secret: bytes | None = None, version: int = PREVIOUS_VERSION) -> OldRelease:
     """Start ranks of the previous release (they start while the test builds its own agents: NIXL takes seconds)."""
     release = OldRelease(tree, {"timeout_s": TIMEOUT_S, "backend": backend, "bootstrap": bootstrap,
-                                "ranks": list(ranks), "secret": secret.hex() if secret else "", "config": CONFIG})
+                                "ranks": list(ranks), "secret": secret.hex() if secret else "", "config": CONFIG},
+                         version)
     cleanup.append(release)
     return release
 
@@ -226,19 +246,25 @@ def _until(predicate: Any, what: str, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("backend, secret", BACKENDS, indirect=["secret"])
-def test_requests_both_ways_with_the_previous_release(previous_release: Path, bootstrap: str, cleanup: list[Any],
-                                                      backend: str, secret: bytes | None) -> None:
+# protocol 5 (wave 2) over loopback with a secret and over NIXL; protocol 6 (0.2.0) over loopback with a secret
+@pytest.mark.parametrize("version, backend, secret",
+                         [pytest.param(5, *p.values, id=f"5-{p.id}", marks=p.marks) for p in BACKENDS]
+                         + [pytest.param(6, "loopback", b"skew-secret", id="6-loopback-secret")],
+                         indirect=["secret"])
+def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[str], Path], bootstrap: str,
+                                                      cleanup: list[Any], version: int, backend: str,
+                                                      secret: bytes | None) -> None:
     """Old prefill -> new decode (instance A) and new prefill -> old decode (instance B) at once: both
-    handshakes negotiate 5 (recorded on our side), both rooms succeed, every landed byte is the reference's,
-    and past the peer timeout every pair still counts the other alive (heartbeats understood both ways)."""
+    handshakes negotiate the old release's version (recorded on our side), both rooms succeed, every landed byte
+    is the reference's, and past the peer timeout every pair still counts the other alive (heartbeats understood
+    both ways)."""
     tag = uuid.uuid4().hex[:8]
     a, b, old_prefill, old_decode = f"skew-a-{tag}", f"skew-b-{tag}", f"old-prefill-{tag}", f"old-decode-{tag}"
-    old = _old(previous_release, cleanup, backend, bootstrap,
+    old = _old(release_tree(RELEASES[version]), cleanup, backend, bootstrap,
                {"role": "prefill", "name": old_prefill, "instance": a, "room": 77, "seed": 11,
                 "src_pages": SRC_PAGES, "dst_pages": DST_PAGES},
                {"role": "decode", "name": old_decode, "instance": b, "room": 78, "seed": 23,
-                "src_pages": SRC_PAGES, "dst_pages": DST_PAGES}, secret=secret)
+                "src_pages": SRC_PAGES, "dst_pages": DST_PAGES}, secret=secret, version=version)
     prefill, src = _new_agent(Role.PREFILL, backend, bootstrap, b, cleanup, secret)
     for i, buf in enumerate(src):
         buf[SRC_PAGES] = kid.reference(23, i, len(SRC_PAGES))
@@ -249,9 +275,9 @@ def test_requests_both_ways_with_the_previous_release(previous_release: Path, bo
     if backend == "nixl":
         assert any("kvbridge_nixl" in path for path in ready["plugins"]), ready
 
-    # old prefill -> new decode: the old prefill refused our Hello in 6 naming its 5, we said it again in 5
+    # old prefill -> new decode: the old prefill refused our Hello in 7 naming its version, we said it again in that
     decode.connect(a, timeout_s=TIMEOUT_S)
-    assert decode.peer_versions() == {old_prefill: PREVIOUS_VERSION}
+    assert decode.peer_versions() == {old_prefill: version}
     receiver = decode.receiver(77, a)
     receiver.send_metadata({"kv": np.asarray(DST_PAGES)})
     _until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), "the new decode's room ended")
@@ -259,13 +285,13 @@ def test_requests_both_ways_with_the_previous_release(previous_release: Path, bo
     assert old.wait("done", old_prefill)["status"] == "Success"
     for i, (buf, want) in enumerate(zip(dst, _expected(11))):
         assert np.array_equal(buf[DST_PAGES], want), f"buffer {i}: bytes from the old prefill differ"
-    # 6's liveness proof is off for this peer: no listener was named, none is watched
-    assert decode.peers.liveness is None or not decode.peers.liveness._keys
+    if version < 6:     # 6's liveness proof is off for this peer: no listener was named, none is watched
+        assert decode.peers.liveness is None or not decode.peers.liveness._keys
 
-    # new prefill -> old decode: its Hello in 5 is answered in 5
+    # new prefill -> old decode: its Hello in its version is answered in that version
     _until(lambda: sender.poll() in (KVPoll.WaitingForInput, KVPoll.Failed), "the old decode's request came")
     assert sender.poll() is KVPoll.WaitingForInput, sender.failure_reason()
-    assert prefill.peer_versions() == {old_decode: PREVIOUS_VERSION}
+    assert prefill.peer_versions() == {old_decode: version}
     sender.send(np.asarray(SRC_PAGES), last=True)
     done = old.wait("done", old_decode)
     assert done["status"] == "Success" and done["exact"], done
@@ -274,8 +300,8 @@ def test_requests_both_ways_with_the_previous_release(previous_release: Path, bo
     _until(lambda: sender.poll() is KVPoll.Success, "the new prefill's room succeeded")
 
     time.sleep(1.5 * CONFIG["peer_timeout_s"])
-    assert decode.peer_versions() == {old_prefill: PREVIOUS_VERSION}
-    assert prefill.peer_versions() == {old_decode: PREVIOUS_VERSION}
+    assert decode.peer_versions() == {old_prefill: version}
+    assert prefill.peer_versions() == {old_decode: version}
     final = old.finish(old_prefill, old_decode)
     assert final[old_prefill]["alive"] == [decode.name] and final[old_decode]["alive"] == [prefill.name], final
     if backend == "loopback":     # (over NIXL a notice comes twice by design: with the data and over the link)
@@ -312,8 +338,7 @@ def test_version_4_hello_is_refused_naming_both_versions(bootstrap: str, cleanup
     assert raw[0] == wire.PROTOCOL_VERSION
     refusal = wire.Codec(address=probe.address).decode(answers[0])
     assert isinstance(refusal, wire.Welcome) and not refusal.accepted
-    assert refusal.reason == ("protocol version differs: prefill speaks 6 (and the previous release's 5), "
-                              "decode 4"), refusal.reason
+    assert refusal.reason == "protocol version differs: prefill speaks 5 to 7, decode 4", refusal.reason
     assert prefill.peer_versions() == {}
 
 
@@ -340,7 +365,7 @@ def test_decode_refuses_a_version_4_prefill_naming_both_versions(bootstrap: str,
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        with pytest.raises(KVBridgeError, match="prefill speaks 4, decode 6"):
+        with pytest.raises(KVBridgeError, match="prefill speaks 4, decode 7"):
             decode.connect(instance, timeout_s=5)
     finally:
         stop.set()
@@ -427,7 +452,7 @@ def test_a_decode_whose_minimum_is_6_does_not_fall_back_on_a_refusal_in_5() -> N
 def test_min_protocol_version_is_validated_on_every_path() -> None:
     from kvbridge.settings import SettingsError, load_settings
 
-    for bad in (4, 7, 5.5, True, "6"):
+    for bad in (4, 8, 5.5, True, "6"):
         with pytest.raises(ValueError, match="min_protocol_version"):
             AgentConfig(min_protocol_version=bad)  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="min_protocol_version"):
@@ -490,7 +515,7 @@ def test_the_codec_speaks_only_the_versions_it_knows() -> None:
     welcome = wire.Welcome(version=6, agent="p0", address="p0", accepted=True, reason="", liveness="127.0.0.1:9")
     raw = msgspec.msgpack.decode(codec.encode(welcome, to="d0", version=5))
     assert raw[0] == 5 and raw[-1]["version"] == 5 and "liveness" not in raw[-1]
-    for bad in (4, 7):
+    for bad in (4, 8):
         with pytest.raises(KVBridgeError, match=f"cannot speak protocol version {bad}"):
             codec.encode(welcome, to="d0", version=bad)
         with pytest.raises(KVBridgeError):
@@ -507,7 +532,7 @@ def test_the_codec_speaks_only_the_versions_it_knows() -> None:
     with pytest.raises(KVBridgeError, match="says version 5 in a frame of version 6"):
         reader.open(msgspec.msgpack.encode(raw))
     # older and newer than what this release speaks: refused naming both
-    with pytest.raises(wire.VersionMismatch, match="unknown protocol version 4 \\(this side speaks 5 to 6\\)"):
+    with pytest.raises(wire.VersionMismatch, match="unknown protocol version 4 \\(this side speaks 5 to 7\\)"):
         reader.open(_hello_frame(4, "d9", "d9"))
 
 
@@ -526,3 +551,16 @@ def test_an_old_prefill_that_refuses_our_5_hello_too_ends_the_handshake(previous
         decode.connect(instance, timeout_s=TIMEOUT_S)
     assert "protocol version" not in str(refused.value)
     assert decode.peer_versions() == {}
+
+
+def test_an_abort_names_its_request_only_to_a_peer_of_this_release() -> None:
+    """7 added the request's nonce to the Abort; the decoders of 5 and 6 refuse unknown fields, so a peer that
+    negotiated either gets the Abort without it (and an acknowledgement from one, which names no request,
+    is judged by the room alone: tests/test_adversary_wave3b.py)."""
+    codec = wire.Codec(sender="d0", address="d0", incarnation=3)
+    abort = wire.Abort(room=4, agent="d0", reason="gave up", quiesced=True, nonce=99)
+    for version in range(wire.MIN_PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 1):
+        raw = msgspec.msgpack.decode(codec.encode(abort, to="p0", version=version))
+        assert raw[0] == version
+        assert ("nonce" in raw[-1]) is (version >= 7), (version, raw[-1])
+        assert raw[-1]["room"] == 4 and raw[-1]["quiesced"] is True

@@ -120,8 +120,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         le=_MAX_S)] = 0.5
     min_protocol_version: Annotated[int, _doc(
         "refuse peers that speak an older protocol than this, at the handshake, with both versions named; the "
-        "default accepts the previous release's (a rolling upgrade); set it to the current version once every "
-        "instance runs this release, so nothing (a forged refusal without a secret included) can make a pair "
+        "default accepts the oldest release spoken (a rolling upgrade); set it to the current version (7) once "
+        "every instance runs this release, so nothing (a forged refusal without a secret included) can make a pair "
         "fall back", ge=MIN_PROTOCOL_VERSION, le=PROTOCOL_VERSION)] = MIN_PROTOCOL_VERSION
     clock_window_s: Annotated[float, _doc(
         "with a secret: a bootstrap request (publish, lookup, watch) whose timestamp is further than this from "

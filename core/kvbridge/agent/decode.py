@@ -409,9 +409,9 @@ class DecodeSide(RoomTable[RecvRoom]):
             raise Dropped(f"abort of room {abort.room} from {env.sender!r} naming {abort.agent!r} (incarnation "
                           f"{env.incarnation:#x}), which is not a writer of the room")
         _after_request(room, env, "abort")
-        if env.version >= 6 and abort.nonce != room.nonce:
+        if env.version >= 7 and abort.nonce != room.nonce:
             # a late answer about an earlier request that used this room number (a retry): it says nothing of
-            # this request's writes, so it neither fails nor fences the room (protocol 5 names no request)
+            # this request's writes, so it neither fails nor fences the room (protocols 5 and 6 name no request)
             raise Dropped(f"abort of room {abort.room} from {abort.agent!r} names another request of that room (an "
                           "earlier one that used the same number)")
         if abort.quiesced:

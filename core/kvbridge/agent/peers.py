@@ -515,8 +515,8 @@ class PeerTable:
         if tag == "hello" and isinstance(address, str) and ctx.role is Role.PREFILL:
             if not self._hellos.take():
                 return
-            reason = (f"protocol version differs: prefill speaks {PROTOCOL_VERSION} (and the previous release's "
-                      f"{MIN_PROTOCOL_VERSION}), decode {exc.peer_version}")
+            reason = (f"protocol version differs: prefill speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}, "
+                      f"decode {exc.peer_version}")
             # in our newest version: a newer decode that still speaks it may say Hello again in it
             self._refuse(address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
                                           accepted=False, reason=reason), version=PROTOCOL_VERSION)

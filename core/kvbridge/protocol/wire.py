@@ -18,11 +18,12 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 6: Welcome names the writer's liveness listener, Abort names the request's nonce; 5: digests, credits
-# name the request; 4: staging rings; 3: layers, offsets
-PROTOCOL_VERSION = 6
-#: the oldest version this release still speaks (the previous release's): an agent negotiates the lower of the
-#: two at the handshake and refuses anything older, naming both versions (docs/integrity.md, "Version skew")
+# 7: Abort names the request's nonce; 6: Welcome names the writer's liveness listener (0.2.0); 5: digests,
+# credits name the request (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
+PROTOCOL_VERSION = 7
+#: the oldest version this release still speaks (the releases before it: 0.2.0's 6 and wave 2's 5): an agent
+#: negotiates the highest version both speak at the handshake and refuses anything older, naming both versions
+#: (docs/integrity.md, "Version skew")
 MIN_PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_HANDSHAKE_BYTES = 4 << 20       # a Hello or Welcome larger than this is refused before decoding
@@ -121,16 +122,16 @@ def noted_version(reason: str) -> int:
 
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Version 5 differs only in the Welcome, which has no ``liveness``, and the Abort, which has no ``nonce`` (a 5
-    decoder refuses unknown fields); every other message is the same at 5 and 6."""
+    Versions 5 and 6 differ only in the Abort, which has no ``nonce`` before 7, and 5 also in the Welcome, which
+    has no ``liveness`` (their decoders refuse unknown fields); every other message is the same at 5, 6 and 7."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
     if version < 6 and isinstance(message, Welcome):
         fields = {f: getattr(message, f) for f in _WelcomeV5.__struct_fields__}
         return _WelcomeV5(**{**fields, "version": version})
-    if version < 6 and isinstance(message, Abort):
-        return _AbortV5(**{f: getattr(message, f) for f in _AbortV5.__struct_fields__})
+    if version < 7 and isinstance(message, Abort):
+        return _AbortV6(**{f: getattr(message, f) for f in _AbortV6.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
         return msgspec.structs.replace(message, version=version)
     return message
@@ -204,7 +205,7 @@ class StatusPush(msgspec.Struct, frozen=True, kw_only=True, tag="status", forbid
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
     """Either side aborts a room. ``quiesced``: the sender guarantees no write of it is in flight. ``nonce``: the
-    request it is about (``TransferRequest.nonce``; 0 from a peer of protocol 5): an acknowledgement of an
+    request it is about (``TransferRequest.nonce``; 0 from a peer of protocol 5 or 6): an acknowledgement of an
     earlier request that used the same room number must not fence the next one."""
 
     room: int
@@ -214,8 +215,8 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unkno
     nonce: int = 0
 
 
-class _AbortV5(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
-    """An Abort as protocol 5 spells it (no ``nonce``)."""
+class _AbortV6(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
+    """An Abort as protocols 5 and 6 spell it (no ``nonce``: their decoders refuse unknown fields)."""
 
     room: int
     agent: str
