@@ -152,7 +152,7 @@ def _serve(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout:
         sender.send(np.asarray(rank["src_pages"]), last=True)
         status = _wait_status(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), timeout)
     _say("done", name=agent.name, status=status.name,
-         reason=sender.failure_reason() if status is KVPoll.Failed else "")
+         reason=sender.failure_reason if status is KVPoll.Failed else "")
 
 
 def _receive(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout: float) -> None:
@@ -165,7 +165,7 @@ def _receive(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeou
     status = _wait_status(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), timeout)
     exact = all(np.array_equal(buf[pages], reference(rank["seed"], b, len(pages))) for b, buf in enumerate(buffers))
     _say("done", name=agent.name, status=status.name,
-         reason=receiver.failure_reason() if status is KVPoll.Failed else "", exact=exact,
+         reason=receiver.failure_reason if status is KVPoll.Failed else "", exact=exact,
          digests=digests(buffers, pages))
 
 

@@ -281,7 +281,7 @@ def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[st
     receiver = decode.receiver(77, a)
     receiver.send_metadata({"kv": np.asarray(DST_PAGES)})
     _until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), "the new decode's room ended")
-    assert receiver.poll() is KVPoll.Success, receiver.failure_reason()
+    assert receiver.poll() is KVPoll.Success, receiver.failure_reason
     assert old.wait("done", old_prefill)["status"] == "Success"
     for i, (buf, want) in enumerate(zip(dst, _expected(11))):
         assert np.array_equal(buf[DST_PAGES], want), f"buffer {i}: bytes from the old prefill differ"
@@ -290,7 +290,7 @@ def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[st
 
     # new prefill -> old decode: its Hello in its version is answered in that version
     _until(lambda: sender.poll() in (KVPoll.WaitingForInput, KVPoll.Failed), "the old decode's request came")
-    assert sender.poll() is KVPoll.WaitingForInput, sender.failure_reason()
+    assert sender.poll() is KVPoll.WaitingForInput, sender.failure_reason
     assert prefill.peer_versions() == {old_decode: version}
     sender.send(np.asarray(SRC_PAGES), last=True)
     done = old.wait("done", old_decode)
@@ -485,7 +485,7 @@ def test_a_pair_at_5_moves_bytes_without_6s_features() -> None:
             dec.progress()
             if receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success:
                 break
-        assert receiver.poll() is KVPoll.Success, receiver.failure_reason()
+        assert receiver.poll() is KVPoll.Success, receiver.failure_reason
         for s, d in zip(src, dst):
             assert np.array_equal(d[[4, 1, 7]], s[[2, 3, 5]])
     finally:
