@@ -220,20 +220,9 @@ def test_a_replayed_hello_of_an_earlier_decode_incarnation_retires_the_live_one(
     rooms; the live decode drops the Welcome meant for its predecessor and hears of it only at its peer timeout.
     Availability only: nothing is written anywhere."""
     secret = b"s" * 32
-    cfg = AgentConfig(secret=secret, peer_timeout_s=30.0)
-    hub = LocalHub()
-    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
-                        link=hub.link("p0"), instance="inst", config=cfg, name="p0")
-    dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
-                        link=hub.link("d0"), config=cfg, name="d0")
+    pre, dec = hand_pair(AgentConfig(secret=secret, peer_timeout_s=30.0))
     try:
         captured = Codec(secret, sender="d0", address="d0", incarnation=0xABCDEF).encode(dec.peers.hello(), to="p0")
-        shake = dec.connect_async("inst")
-        for _ in range(2000):
-            pre.progress()
-            dec.progress()
-            if shake.done:
-                break
         sender, receiver = pre.sender(5), dec.receiver(5, "inst")
         receiver.send_metadata({"kv": PAGES})
         _spin(pre, dec)
