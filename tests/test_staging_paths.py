@@ -67,6 +67,12 @@ class World:
             agent.close()
 
 
+# This module checks bytes on the staging paths, not liveness: six agents with their threads share one process
+# and its GIL, and at load ~11 a heartbeat thread starved past the default 3 s peer timeout failed a room
+# ("no message for 3.2 s") in a clean-clone run.
+PATIENT = {"peer_timeout_s": 30.0}
+
+
 def wait(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -173,7 +179,7 @@ def test_scattered_pages_are_byte_exact_on_both_paths(make_world: Callable[..., 
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # pieces of at most 12 KiB: a 4-page chunk of one layer (K and V) is 2 x 4 x 4 KiB at TP 1, so layers
     # are split by items there and grouped elsewhere
-    config = AgentConfig(staging=mode, staging_bytes=1 << 20, staging_piece_bytes=12 << 10)
+    config = AgentConfig(**PATIENT, staging=mode, staging_bytes=1 << 20, staging_piece_bytes=12 << 10)
     world = make_world(backend, kind, pt, dt, prefill=config, decode=config)
     scattered: list[int] = []
     real = decode_module.scatter_rows
@@ -204,8 +210,8 @@ def test_scattered_pages_are_byte_exact_on_both_paths(make_world: Callable[..., 
 def test_a_staging_area_smaller_than_the_request_pipelines_pieces(make_world: Callable[..., World],
                                                                    backend: str) -> None:
     """The prefill's area holds three 8 KiB pieces at a time: the others wait for a write to complete."""
-    pre = AgentConfig(staging="always", staging_bytes=24 << 10, staging_piece_bytes=8 << 10)
-    dec = AgentConfig(staging="always", staging_bytes=1 << 20)
+    pre = AgentConfig(**PATIENT, staging="always", staging_bytes=24 << 10, staging_piece_bytes=8 << 10)
+    dec = AgentConfig(**PATIENT, staging="always", staging_bytes=1 << 20)
     world = make_world(backend, ref.TOKEN_MAJOR, 2, 1, prefill=pre, decode=dec, layers=4)
     rng = np.random.default_rng(3)
     src_pages, dst_pages = rng.permutation(POOL)[:20], rng.permutation(POOL)[:20]
@@ -218,7 +224,7 @@ def test_a_staging_area_smaller_than_the_request_pipelines_pieces(make_world: Ca
 def test_a_full_prefill_staging_area_falls_back_to_descriptors(make_world: Callable[..., World], backend: str) -> None:
     """The decode reserved space, the prefill has none free: the chunk goes as descriptors (the notice says
     it is not staged) and the result is the same."""
-    config = AgentConfig(staging="always", staging_bytes=1 << 20)
+    config = AgentConfig(**PATIENT, staging="always", staging_bytes=1 << 20)
     world = make_world(backend, ref.TOKEN_MAJOR, 1, 2, prefill=config, decode=config)
     staging = world.prefill[0].staging
     assert staging is not None
@@ -233,7 +239,7 @@ def test_a_full_prefill_staging_area_falls_back_to_descriptors(make_world: Calla
 
 
 def test_a_full_decode_staging_area_reserves_nothing(make_world: Callable[..., World]) -> None:
-    config = AgentConfig(staging="always", staging_bytes=1 << 20)
+    config = AgentConfig(**PATIENT, staging="always", staging_bytes=1 << 20)
     world = make_world("loopback", ref.TOKEN_MAJOR, 2, 1, prefill=config, decode=config)
     staging = world.decode[0].staging
     assert staging is not None
@@ -292,7 +298,7 @@ def test_the_cost_model_stages_many_small_runs_and_not_few_large_ones() -> None:
 def test_auto_follows_the_backends_descriptor_cost(make_world: Callable[..., World]) -> None:
     """Over loopback (0.5 us a descriptor) the test pool's 32-byte token-row runs of TP 2 -> 1 are staged
     and its 4 KiB same-TP pages are not."""
-    config = AgentConfig(staging_bytes=1 << 20)
+    config = AgentConfig(**PATIENT, staging_bytes=1 << 20)
     rng = np.random.default_rng(6)
     hetero = make_world("loopback", ref.TOKEN_MAJOR, 2, 1, prefill=config, decode=config)
     _, _, reserved = run_room(hetero, 21, rng.permutation(POOL)[:5], rng.permutation(POOL)[:5], [])
@@ -300,7 +306,7 @@ def test_auto_follows_the_backends_descriptor_cost(make_world: Callable[..., Wor
     same = make_world("loopback", ref.TOKEN_MAJOR, 1, 1, prefill=config, decode=config)
     _, _, reserved = run_room(same, 22, rng.permutation(POOL)[:5], rng.permutation(POOL)[:5], [])
     assert reserved == [{}]
-    below = AgentConfig(staging_bytes=1 << 20, staging_below_bytes=1 << 20)    # the threshold, set by hand
+    below = AgentConfig(**PATIENT, staging_bytes=1 << 20, staging_below_bytes=1 << 20)    # the threshold, set by hand
     same = make_world("loopback", ref.TOKEN_MAJOR, 1, 1, prefill=below, decode=below)
     _, _, reserved = run_room(same, 23, rng.permutation(POOL)[:5], rng.permutation(POOL)[:5], [])
     assert reserved[0]
