@@ -147,7 +147,8 @@ def test_etcd_restarted_empty_gets_the_registration_back(etcd: EtcdServer) -> No
         etcd.kill()
         shutil.rmtree(etcd.data_dir / "data")
         etcd.start()
-        assert reader.lookup("wiped") is None
+        # (no check that the record is gone first: the publisher's keepalive may already have put it back, as
+        # a clean-clone run at load saw: "lease ... is gone; publishing 1 rank(s) again")
         _until(lambda: reader.lookup("wiped") == InstanceInfo(1, {0: "tcp://127.0.0.10:20000"}), 10,
                "re-published into the empty etcd")
     finally:
