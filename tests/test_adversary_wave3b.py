@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_agent import hand_pair, kv_buffers, kv_layout  # the agent tests' small dense-KV pool
+from test_agent import hand_pair, kv_buffers, kv_layout, spin  # the agent tests' small dense-KV pool
 
 from kvbridge import local_secret
 from kvbridge.agent import AgentConfig, TransferAgent
@@ -51,9 +51,7 @@ def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
 
 
 def _spin(*agents: TransferAgent, steps: int = 20) -> None:
-    for _ in range(steps):
-        for agent in agents:
-            agent.progress()
+    spin(*agents, steps=steps)
 
 
 def test_a_late_acknowledgement_of_a_failed_request_does_not_fence_its_retry(

@@ -56,6 +56,13 @@ class Pair:
             agent.close()
 
 
+def spin(*agents: TransferAgent, steps: int = 50) -> None:
+    """``steps`` rounds of one ``progress()`` per agent, in order (hand-driven pairs, no threads)."""
+    for _ in range(steps):
+        for agent in agents:
+            agent.progress()
+
+
 def hand_pair(config: AgentConfig | None = None, *, threads: bool = False) -> tuple[TransferAgent, TransferAgent]:
     """One prefill rank ("p0", instance "inst") and one decode rank ("d0") over an in-process link, connected;
     driven by hand (``progress()``) unless ``threads``. The caller closes both."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_agent import hand_pair  # the agent tests' small dense-KV pool
+from test_agent import hand_pair, spin  # the agent tests' small dense-KV pool
 
 from kvbridge.agent import AgentConfig, RoomEventKind, TransferAgent
 from kvbridge.protocol import states
@@ -121,9 +121,7 @@ def pair() -> Iterator[tuple[TransferAgent, TransferAgent]]:
     dec.close()
 
 def _spin(*agents: TransferAgent, steps: int = 50) -> None:
-    for _ in range(steps):
-        for agent in agents:
-            agent.progress()
+    spin(*agents, steps=steps)
 
 
 def test_an_illegal_event_raises_under_test_and_fails_the_room_otherwise(
