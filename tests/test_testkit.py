@@ -294,7 +294,9 @@ class TestClassLeak(BackendTests):
 
 def test_the_installed_registry_is_built_before_the_leak_baselines(pytester: pytest.Pytester) -> None:
     """With ``spec = ...`` the kit needs the installed registry only inside the multi-process tier; the
-    engines' probes it runs (here: a thread and a pipe) must not be blamed on the plugin under test."""
+    engines' probes it runs (here: a thread and a pipe) must not be blamed on the plugin under test. The
+    subject keeps the default leak grace: a ZMQ socket's eventfd is closed by its I/O thread after the test, and
+    0.2 s was too short for it on a loaded host (a clean-clone CI run blamed the plugin for it)."""
     pytester.makeconftest('''
 import os
 import threading
@@ -325,7 +327,6 @@ MINE = BackendSpec(name="not-installed", factory=SPEC.factory, capabilities=SPEC
 
 class TestNotInstalled(BackendTests):
     spec = MINE
-    leak_grace_s = 0.2
 ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "multiprocess_byte_exact and pt1-dt1")
     result.assert_outcomes(passed=1)

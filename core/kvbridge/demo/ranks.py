@@ -1,9 +1,10 @@
 """How demo ranks are started: from a fork server that imported the heavy modules once.
 
-A ``spawn`` rank re-imports everything (kvbridge's demo worker ~0.5 CPU-s, NIXL's ``nixl._api`` with torch
-~2.6 CPU-s) before it does any work; on a small host a 4 + 4 demo spends most of its start there. Under
-``forkserver`` a server process (started fresh, never forked from the launcher, which has threads and
-sockets) imports :data:`PRELOAD` once and forks every rank from that state.
+A ``spawn`` rank re-imports everything (kvbridge's demo worker ~0.5 CPU-s, NIXL's API ~1 CPU-s through
+``kvbridge_nixl.preload``, which leaves a CPU build of torch unimported) before it does any work; on a small
+host a 4 + 4 demo spends most of its start there. Under ``forkserver`` a server process (started fresh, never
+forked from the launcher, which has threads and sockets) imports :data:`PRELOAD` once and forks every rank
+from that state.
 
 Why forking that server is safe: the preloaded modules are pure imports. They create no socket, no agent and
 no thread of their own (``tests/test_demo_ranks.py`` checks it); NIXL and Mooncake agents, ZMQ links and the
@@ -30,7 +31,7 @@ __all__ = ["PRELOAD", "rank_context"]
 
 #: imported by the fork server before it forks a rank: always, and per backend (a backend not installed is
 #: skipped: the server ignores a preload that fails to import)
-PRELOAD: dict[str, tuple[str, ...]] = {"": ("kvbridge.demo.worker",), "nixl": ("nixl._api",)}
+PRELOAD: dict[str, tuple[str, ...]] = {"": ("kvbridge.demo.worker",), "nixl": ("kvbridge_nixl.preload",)}
 
 
 def rank_context(backend: str = "") -> ForkServerContext | SpawnContext:

@@ -40,6 +40,7 @@ from kvbridge.plugin import (
     check_within,
 )
 from kvbridge_nixl import INSTALL_HINT
+from kvbridge_nixl import api as nixl_api
 from kvbridge_nixl.dlists import Pattern, SideGeometry, derive_side, dlist_rows, indices
 from kvbridge_nixl.options import NixlOptions, cma_blocked
 from kvbridge_nixl.wire import (
@@ -61,11 +62,10 @@ MERGE_GAIN = 4            # post the merged plan when it has this many times few
 
 def _load_api() -> Any:
     try:
-        from nixl import _api
+        return nixl_api.load()
     except Exception as exc:  # any import failure means "unavailable", with its text
         raise PluginUnavailableError("nixl", f"cannot import nixl: {type(exc).__name__}: {exc}",
                                      INSTALL_HINT) from exc
-    return _api
 
 
 def _make_agent(api: Any, agent_name: str, config: Any, options: NixlOptions) -> Any:

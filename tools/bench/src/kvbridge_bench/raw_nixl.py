@@ -35,10 +35,14 @@ class NixlMissing(RuntimeError):
 def load_api() -> Any:
     """NIXL's Python API module, or :class:`NixlMissing` with what to install."""
     try:
-        from nixl import _api
+        try:
+            from kvbridge_nixl import api  # the same module, without importing a CPU torch first
+        except ImportError:
+            from nixl import _api
+            return _api
+        return api.load()
     except Exception as exc:  # any import failure (missing wheel, native library) means "missing"
         raise NixlMissing(f"{INSTALL} ({type(exc).__name__}: {exc})") from exc
-    return _api
 
 
 def available() -> str | None:
