@@ -57,7 +57,8 @@ def _torch_pools() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
-    done = _bench("transfer", "--quick", "--device", "cpu", "--layerwise", "--json", str(out / "r.json"),
+    done = _bench("transfer", "--quick", "--device", "cpu", "--layerwise", "--concurrency", "3",
+                  "--stream-requests", "12", "--stream-size", "1MiB", "--json", str(out / "r.json"),
                      "--plots", str(out / "plots"), extra_env=_torch_pools())
     assert done.returncode == 0, done.stdout + done.stderr
     return done, json.loads((out / "r.json").read_text()), out
@@ -93,6 +94,21 @@ def test_quick_run_writes_every_field(quick: tuple[subprocess.CompletedProcess[s
     assert lat["p50_over_baseline"] == pytest.approx(lat["p50_ms"] / lat["baseline_ms"])
     assert "goals" not in result and "goal" not in done.stdout       # ratios against this run, no fixed targets
     assert "p50" in done.stdout and "kvb/raw" in done.stdout
+
+
+def test_quick_run_stream(quick: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    """--concurrency: requests in flight under an engine-loop probe on each rank, every slot verified."""
+    done, result, _ = quick
+    [st] = result["streams"]
+    assert st["error"] is None and not st["failed"] and st["verified"] is True, st
+    assert st["concurrency"] == 3 and st["requests"] == 12 and st["rate"] == 0
+    assert st["gbps"] > 0 and st["requests_per_s"] > 0 and 0 < st["p50_ms"] <= st["p99_ms"]
+    assert (st["raw_nixl_gbps"] is None) == (st.get("vs_raw_nixl") is None)
+    for side in ("prefill", "decode"):
+        probe = st[side]
+        assert probe["engine_steps_per_s_idle"] > 0 and probe["engine_steps_per_s_busy"] > 0
+        assert probe["engine_steps_lost"] < 1 and probe["cpu_ms_per_request"] >= 0
+    assert "stream 12 x 1 MiB, 3 in flight" in done.stdout and "engine loop" in done.stdout
 
 
 def test_quick_run_layerwise(quick: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
@@ -193,3 +209,7 @@ def test_main_returns_non_zero_on_a_failed_case(monkeypatch: pytest.MonkeyPatch)
     assert bt.main(args) == 1
     result["cases"] = [{"error": "skipped: past the 1 s budget"}]
     assert bt.main(args) == 0
+    result["streams"] = [{"error": None, "failed": ["room 7: peer gone"], "verified": True}]
+    assert bt.main(args) == 1                                  # a request of a stream failed
+    result["streams"] = [{"error": None, "failed": [], "verified": False}]
+    assert bt.main(args) == 1                                  # a slot's bytes differ

@@ -12,7 +12,9 @@ benchmarks print "not measured" for this baseline.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,17 +34,23 @@ class NixlMissing(RuntimeError):
     """NIXL cannot be imported here; the message says what to install."""
 
 
+#: NIXL's backend wheels; ``import nixl`` picks one of them (see :func:`load_api`)
+BACKEND_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
 def load_api() -> Any:
-    """NIXL's Python API module, or :class:`NixlMissing` with what to install."""
+    """NIXL's Python API module, or :class:`NixlMissing` with what to install. The module a NIXL backend already
+    loaded in this process when there is one (``import nixl`` imports all of torch to detect CUDA: ~4.5 CPU-s
+    where torch is a CPU build), else ``nixl._api``."""
+    for wheel in BACKEND_WHEELS:
+        loaded = sys.modules.get(f"{wheel}._api")
+        if loaded is not None:
+            return loaded
     try:
-        try:
-            from kvbridge_nixl import api  # the same module, without importing a CPU torch first
-        except ImportError:
-            from nixl import _api
-            return _api
-        return api.load()
+        from nixl import _api
     except Exception as exc:  # any import failure (missing wheel, native library) means "missing"
         raise NixlMissing(f"{INSTALL} ({type(exc).__name__}: {exc})") from exc
+    return _api
 
 
 def available() -> str | None:
@@ -51,6 +59,17 @@ def available() -> str | None:
         load_api()
     except NixlMissing as exc:
         return str(exc)
+    return None
+
+
+def installed() -> str | None:
+    """:func:`available` without importing NIXL (for a launcher whose rank processes use it): None when NIXL's
+    package and one of its backend wheels are installed, else what to install."""
+    for name in ("nixl", "nixl_meta_utils"):
+        if importlib.util.find_spec(name) is None:
+            return f"{INSTALL} (no module {name!r})"
+    if not any(importlib.util.find_spec(wheel) is not None for wheel in BACKEND_WHEELS):
+        return f"{INSTALL} (none of {', '.join(BACKEND_WHEELS)} is installed)"
     return None
 
 
@@ -160,12 +179,14 @@ class RawNixl:
 
 
 def contiguous_write(raw: RawNixl, src: MemoryRegion, dst: MemoryRegion, peer: str, nbytes: int,
-                     repeats: int) -> dict[str, Any]:
+                     repeats: int, pieces: int = 1) -> dict[str, Any]:
     """``repeats`` WRITEs of ``nbytes`` from ``src`` (registered with ``raw``) to ``dst`` (registered by agent
-    ``peer``) as one descriptor, after one warm-up: seconds from post to DONE each, and the median CPU cost of
-    building the transfer (``initialize_xfer``)."""
-    src_rows = rows(np.array([src.addr]), nbytes, src.device_id)
-    dst_rows = rows(np.array([dst.addr]), nbytes, dst.device_id)
+    ``peer``) as ``pieces`` contiguous descriptors of one transfer (one: the whole span), after one warm-up:
+    seconds from post to DONE each, and the median CPU cost of building the transfer (``initialize_xfer``)."""
+    piece = nbytes // pieces
+    offsets = np.arange(pieces, dtype=np.uint64) * np.uint64(piece)
+    src_rows = rows(np.uint64(src.addr) + offsets, piece, src.device_id)
+    dst_rows = rows(np.uint64(dst.addr) + offsets, piece, dst.device_id)
     seconds, init_us = [], []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()

@@ -127,6 +127,10 @@ class Options:
     layerwise: bool = False
     layer_group: int = 1
     latency_requests: int | None = None
+    concurrency: tuple[int, ...] = ()          # request streams: this many requests in flight (each a run)
+    rate: float = 0.0                          # ... started at most this many per second (0: closed loop)
+    stream_requests: int | None = None         # requests per stream (default GPU 400, host 100)
+    stream_size: int | None = None             # bytes per stream request (default GPU 64 MiB, host 4 MiB)
     json_path: str | None = None
     plots: str | None = None
     quick: bool = False
@@ -621,7 +625,7 @@ class _Rank:
             region = region_of(arr)
             raw.register([region])
             peer = raw.add_peer(msg["metadata"])
-            conn.send(contiguous_write(raw, region, dst, peer, msg["nbytes"], msg["repeats"]))
+            conn.send(contiguous_write(raw, region, dst, peer, msg["nbytes"], msg["repeats"], msg.get("pieces", 1)))
         del arr
 
     def op_copy(self, conn: Any, msg: dict[str, Any]) -> None:
@@ -695,6 +699,33 @@ class _Rank:
             self._spin(_safe, "safe_to_reuse", receiver)
             receiver.clear()
         conn.send({"seconds": seconds, "failed": failed})
+
+    # -- request streams under an engine loop (--concurrency)
+    def op_stream(self, conn: Any, msg: dict[str, Any]) -> None:
+        """Both sides: kvbridge's progress thread on (as in an engine), the engine loop alone for ``baseline_s``,
+        then (on the launcher's go) with the request stream; answers both loops and the stream's numbers."""
+        from kvbridge_bench.streams import DecodeStream, EngineLoop, NoStream, PrefillStream, StreamDriver
+
+        self.agent.start()
+        loop = EngineLoop(work_us=msg["work_us"], device=self.device)
+        idle = loop.run(NoStream(), seconds=msg["baseline_s"])
+        conn.send({"baseline": True})
+        conn.recv()                                       # go
+        driver: StreamDriver
+        if self.role == "decode":
+            driver = DecodeStream(agent=self.agent, instance=msg["instance"], rooms=msg["rooms"],
+                                  dst_slots=[np.asarray(s) for s in msg["dst_slots"]],
+                                  concurrency=msg["concurrency"], rate=msg["rate"])
+        else:
+            driver = PrefillStream(agent=self.agent, rooms=msg["rooms"], src=np.asarray(msg["src"]),
+                                   window=2 * msg["concurrency"] + 2)
+        busy = loop.run(driver, timeout_s=self.timeout_s)
+        out: dict[str, Any] = {"idle_steps_per_s": idle.steps_per_s, "busy_steps_per_s": busy.steps_per_s,
+                               "idle_cpu_per_s": idle.cpu_s / idle.seconds, "busy_cpu_s": busy.cpu_s,
+                               "busy_s": busy.seconds, "failed": list(getattr(driver, "failed", []))}
+        if isinstance(driver, DecodeStream):
+            out.update(latencies=driver.latencies, started_at=driver.started_at, ended_at=driver.ended_at)
+        conn.send(out)
 
     # -- simulated compute (layer-wise)
     def op_prepare_compute(self, conn: Any, msg: dict[str, Any]) -> None:
@@ -883,9 +914,9 @@ class Bench:
     def __init__(self, r: Resolved, ranks: Ranks, bootstrap: str, out: TextIO) -> None:
         self.r, self.ranks, self.bootstrap, self.out = r, ranks, bootstrap, out
         self.index = 0
-        from kvbridge_bench.raw_nixl import available
+        from kvbridge_bench.raw_nixl import installed
 
-        self.raw_missing = available()       # None: NIXL is importable here
+        self.raw_missing = installed()       # None: NIXL is installed (the rank processes import it)
         self._baselines: dict[int, dict[str, Any]] = {}
 
     def say(self, text: str) -> None:
@@ -1056,6 +1087,75 @@ class Bench:
         return out
 
     # -- layer-wise
+    # -- request streams (--concurrency N, --rate R)
+    def stream(self, size: int, concurrency: int, rate: float, requests: int, *, work_us: float = 200.0,
+               baseline_s: float = 1.0) -> dict[str, Any]:
+        """``requests`` requests of ``size`` bytes (TP 1 -> 1, 16-token pages, scattered), ``concurrency`` in
+        flight, at most ``rate`` per second (0: closed loop), each rank's engine loop timed against itself without
+        traffic; the aggregate against raw NIXL posting ``concurrency`` requests' bytes as that many contiguous
+        descriptors of one transfer."""
+        per_token = self.r.layers * 2 * HEADS * ROW
+        tokens = max(16, size // per_token // 16 * 16)
+        slots = max(1, concurrency)
+        case = Case(group="stream", tokens=tokens, page=16, layers=self.r.layers, prefill_tp=1, decode_tp=1,
+                    layout="token-major", placement="scattered", pool_tokens=tokens * slots, repeats=1,
+                    staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode,
+                    piece_bytes=self.r.piece_bytes,
+                    label=f"{concurrency} in flight" + (f", {rate:g}/s" if rate else ""))
+        out: dict[str, Any] = {**self.describe(case), "concurrency": concurrency, "rate": rate, "requests": requests,
+                               "engine_step_us": work_us}
+        try:
+            pre, dec, instance, _ = self._open(case)
+            rng = np.random.default_rng([case.seed, 23])
+            src = rng.permutation(case.pool_pages)[:case.pages].astype(np.int64)
+            dst_slots = np.array_split(rng.permutation(case.pool_pages).astype(np.int64), slots)
+            rooms = [1000 * self.index + k + 1 for k in range(requests)]
+            common = {"op": "stream", "rooms": rooms, "concurrency": concurrency, "rate": rate,
+                      "work_us": work_us, "baseline_s": baseline_s, "instance": instance}
+            self.ranks.send(pre, {**common, "src": src})
+            self.ranks.send(dec, {**common, "dst_slots": dst_slots})
+            self.ranks.recv(dec + pre)
+            self.ranks.send(dec + pre, {"go": True})
+            got, sent = self.ranks.recv(dec + pre)
+            out["verified"] = all(self._verify(dec, src, slot) for slot in dst_slots[:min(slots, requests)])
+            self._close(pre, dec)
+        except CaseError as exc:
+            self._failed(out, "stream", exc)
+            return out
+        out["failed"] = got["failed"] + sent["failed"]
+        seconds = got["ended_at"] - got["started_at"]
+        ms = np.array(got["latencies"]) * 1e3
+        out.update(seconds=seconds, gbps=requests * case.nbytes / seconds / 1e9, requests_per_s=requests / seconds,
+                   p50_ms=float(np.percentile(ms, 50)) if ms.size else None,
+                   p99_ms=float(np.percentile(ms, 99)) if ms.size else None)
+        for side, res in (("prefill", sent), ("decode", got)):
+            idle_cpu = res["idle_cpu_per_s"] * res["busy_s"]          # what the engine loop alone burns meanwhile
+            out[side] = {"engine_steps_per_s_idle": res["idle_steps_per_s"],
+                         "engine_steps_per_s_busy": res["busy_steps_per_s"],
+                         "engine_steps_lost": 1 - res["busy_steps_per_s"] / res["idle_steps_per_s"],
+                         "cpu_ms_per_request": max(0.0, res["busy_cpu_s"] - idle_cpu) / requests * 1e3}
+        out["raw_nixl_gbps"] = None
+        if self.raw_missing is None:
+            out["raw_nixl_gbps"] = self._raw_gbps(case.nbytes * slots, slots)
+            out["vs_raw_nixl"] = out["gbps"] / out["raw_nixl_gbps"] if out["raw_nixl_gbps"] else None
+        return out
+
+    def _raw_gbps(self, nbytes: int, pieces: int) -> float | None:
+        """Raw NIXL writing ``nbytes`` as ``pieces`` contiguous descriptors of one transfer (median of repeats)."""
+        p0, d0 = self.ranks.prefill[0], self.ranks.decode[0]
+        try:
+            target = self.ranks.ask([d0], {"op": "raw_target", "nbytes": nbytes})[0]
+            try:
+                raw = self.ranks.ask([p0], {"op": "raw_write", "nbytes": nbytes, "metadata": target["metadata"],
+                                            "region": target["region"], "repeats": max(3, self.r.repeats),
+                                            "pieces": pieces})[0]
+            finally:
+                self.ranks.ask([d0], {"op": "raw_close"})
+        except CaseError as exc:
+            self.say(f"  raw NIXL baseline failed: {str(exc).splitlines()[0]}")
+            return None
+        return nbytes / statistics.median(raw["seconds"]) / 1e9
+
     def layerwise(self, case: Case, group: int, rounds: int) -> dict[str, Any]:
         available = layerwise_supported()
         out: dict[str, Any] = {"available": available, "reason": "" if available else NOT_AVAILABLE,
@@ -1249,7 +1349,7 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
                               "settings": {**{k: v for k, v in dataclasses.asdict(r).items()},
                                            "device_reason": why, "layer_group": opts.layer_group,
                                            "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-                              "cases": [], "baselines": [], "latency": None, "layerwise": None,
+                              "cases": [], "baselines": [], "latency": None, "streams": [], "layerwise": None,
                               "host_staging": None, "checksums": None, "plots": [], "notes": []}
     m = result["machine"]
     print(f"kvbridge bench transfer: {device} ({why}), backend {backend}, {len(cases)} cases", file=out)
@@ -1279,6 +1379,12 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
             result["cases"].append(bench.throughput(case))
         print("  [latency] 128-token requests", file=out, flush=True)
         result["latency"] = bench.latency(r.latency_requests)
+        for n in opts.concurrency:
+            size = opts.stream_size or ((64 << 20) if device == "cuda" else (4 << 20))
+            count = opts.stream_requests or (400 if device == "cuda" else 100)
+            print(f"  [stream] {count} requests of {fmt_bytes(size)}, {n} in flight"
+                  + (f", {opts.rate:g}/s" if opts.rate else ""), file=out, flush=True)
+            result["streams"].append(bench.stream(size, n, opts.rate, count))
         if opts.layerwise:
             first = next((c for c in cases if c.group == "sweep"), cases[0] if cases else None)
             if first is not None:
@@ -1376,6 +1482,22 @@ def format_report(result: dict[str, Any]) -> str:
                      f"(p50 / that = {lat['p50_over_baseline']:.2f})")
     elif lat:
         lines.append(f"128-token latency FAILED: {lat['error'].splitlines()[0]}")
+    for st in result.get("streams") or []:
+        if st.get("error"):
+            lines.append(f"stream {st['case']} FAILED: {st['error'].splitlines()[0]}")
+            continue
+        pre, dec = st["prefill"], st["decode"]
+        lines.append(f"stream {st['requests']} x {fmt_bytes(st['bytes'])}, {st['concurrency']} in flight"
+                     + (f", paced {st['rate']:g}/s" if st["rate"] else "")
+                     + f": {st['gbps']:.2f} GB/s ({st['requests_per_s']:.0f} requests/s; raw NIXL, "
+                     f"{st['concurrency']} descriptors: {_f(st['raw_nixl_gbps'])} GB/s, kvb/raw "
+                     f"{_f(st.get('vs_raw_nixl'), '.3f')}); latency p50 {_f(st['p50_ms'], '.3f')} ms, p99 "
+                     f"{_f(st['p99_ms'], '.3f')} ms; {'verified' if st.get('verified') else 'NOT verified'}")
+        lines.append(f"  engine loop ({st['engine_step_us']:.0f} us steps) loses "
+                     f"{pre['engine_steps_lost'] * 100:.1f} % of its steps on the prefill, "
+                     f"{dec['engine_steps_lost'] * 100:.1f} % on the decode; kvbridge CPU "
+                     f"{pre['cpu_ms_per_request']:.3f} / {dec['cpu_ms_per_request']:.3f} ms per request "
+                     "(prefill / decode)")
     lw = result.get("layerwise")
     if lw:
         if lw.get("error"):
@@ -1463,6 +1585,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also the layer-wise streaming case (simulated per-layer compute)")
     g.add_argument("--layer-group", type=int, default=None, help="layers per layer-wise post (default 1)")
     g.add_argument("--latency-requests", type=int, default=None, help="128-token requests (default GPU 200, host 100)")
+    g.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                   help="request streams with N requests in flight per rank pair (each N a run), under an engine-loop "
+                        "probe on each rank: aggregate GB/s vs raw NIXL, p50/p99, engine steps lost, CPU per request")
+    g.add_argument("--rate", type=float, default=None, help="streams start at most this many requests per second")
+    g.add_argument("--stream-requests", type=int, default=None, help="requests per stream (default GPU 400, host 100)")
+    g.add_argument("--stream-size", default=None, help="bytes per stream request (default GPU 64MiB, host 4MiB)")
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the result as JSON")
     g.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     g.add_argument("--quick", action="store_true", default=None, help="small sizes and few cases (the CI smoke run)")
@@ -1473,6 +1601,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 TRANSFER_ARGS = ("device", "sizes", "page_tokens", "tp_pairs", "layouts", "placements", "layers", "pool_tokens",
                  "repeats", "staging_mib", "staging_mode", "piece_mib", "layerwise", "layer_group", "latency_requests",
+                 "concurrency", "rate", "stream_requests", "stream_size",
                  "json_path", "plots", "quick", "timeout", "plugin")
 
 
@@ -1486,6 +1615,17 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    command=getattr(args, "command_line", "") or "")
     if args.sizes:
         opts.sizes = tuple(parse_size(s) for s in args.sizes.split(","))
+    if args.concurrency:
+        opts.concurrency = tuple(int(n) for n in str(args.concurrency).split(","))
+        if any(n < 1 for n in opts.concurrency):
+            raise ValueError("--concurrency: at least one request in flight")
+    if args.rate is not None:
+        if not args.rate >= 0:
+            raise ValueError(f"--rate {args.rate}: requests per second, 0 or more")
+        opts.rate = args.rate
+    opts.stream_requests = args.stream_requests
+    if args.stream_size:
+        opts.stream_size = parse_size(args.stream_size)
     if args.page_tokens:
         opts.page_tokens = tuple(int(p) for p in args.page_tokens.split(","))
         if any(p < 1 for p in opts.page_tokens):
@@ -1512,5 +1652,6 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     write_outputs(result, opts, out)
     failed = [c for c in result["cases"] if not (c["error"] or "").startswith("skipped")
               and (c["error"] or not c.get("verified"))]
-    others = [x for x in (result["latency"], result["layerwise"]) if x and x.get("error")]
+    others = [x for x in (result["latency"], result["layerwise"], *result.get("streams", []))
+              if x and (x.get("error") or x.get("failed") or x.get("verified") is False)]
     return 1 if failed or others else 0
