@@ -82,6 +82,9 @@ def test_quick_run_writes_every_field(quick: tuple[subprocess.CompletedProcess[s
         assert len(c["seconds"]) == (1 if c.get("note") else 2)     # a warm-up over 2 s: one timed round
         assert c["gbps"] > 0 and c["copy_gbps"] > 0 and c["vs_copy"] > 0
         assert (c["raw_nixl_gbps"] is None) == (c["vs_raw_nixl"] is None)
+        assert (c["per_page_gbps"] is None) == (c["vs_per_page"] is None)
+        if c["raw_nixl_gbps"] is not None and c["prefill_tp"] == c["decode_tp"] == 1:
+            assert c["per_page_gbps"] > 0         # the per-page-descriptor method, in the same run
         assert c["case"] in done.stdout
     contiguous = next(c for c in cases if c["placement"] == "contiguous")
     scattered = next(c for c in cases if c["placement"] == "scattered" and c["prefill_tp"] == 1)

@@ -179,14 +179,16 @@ class RawNixl:
 
 
 def contiguous_write(raw: RawNixl, src: MemoryRegion, dst: MemoryRegion, peer: str, nbytes: int,
-                     repeats: int, pieces: int = 1) -> dict[str, Any]:
+                     repeats: int, pieces: int = 1, scatter: bool = False) -> dict[str, Any]:
     """``repeats`` WRITEs of ``nbytes`` from ``src`` (registered with ``raw``) to ``dst`` (registered by agent
-    ``peer``) as ``pieces`` contiguous descriptors of one transfer (one: the whole span), after one warm-up:
-    seconds from post to DONE each, and the median CPU cost of building the transfer (``initialize_xfer``)."""
+    ``peer``) as ``pieces`` descriptors of one transfer (one: the whole span), after one warm-up: seconds from
+    post to DONE each, and the median CPU cost of building the transfer (``initialize_xfer``). ``scatter``: the
+    pieces land in a shuffled order (the per-page method: one descriptor per page and buffer, pages anywhere)."""
     piece = nbytes // pieces
     offsets = np.arange(pieces, dtype=np.uint64) * np.uint64(piece)
+    dst_offsets = np.random.default_rng(7).permutation(offsets) if scatter else offsets
     src_rows = rows(np.uint64(src.addr) + offsets, piece, src.device_id)
-    dst_rows = rows(np.uint64(dst.addr) + offsets, piece, dst.device_id)
+    dst_rows = rows(np.uint64(dst.addr) + dst_offsets, piece, dst.device_id)
     seconds, init_us = [], []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
