@@ -146,7 +146,9 @@ class PrefillStream:
 class LoopResult:
     steps: int
     seconds: float
-    cpu_s: float                 # the whole process's CPU time meanwhile (every thread)
+    driver_cpu_s: float          # the engine thread's CPU inside the driver's steps (kvbridge calls the engine makes)
+    other_threads_cpu_s: float   # every other thread of the process (kvbridge's progress and heartbeat threads,
+    #                              the link's and the backend's own)
 
     @property
     def steps_per_s(self) -> float:
@@ -187,18 +189,22 @@ class EngineLoop:
     def run(self, driver: StreamDriver, *, seconds: float | None = None, timeout_s: float = 300.0) -> LoopResult:
         """Run steps until ``driver.done`` (or ``seconds`` passed, for a baseline); raises TimeoutError after
         ``timeout_s``."""
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        proc0, main0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         limit = t0 + (seconds if seconds is not None else timeout_s)
-        steps = 0
+        steps, driver_cpu = 0, 0.0
         while True:
             self._work()
             if self._cuda_op is not None:
                 self._cuda_op()
+            d0 = time.thread_time()
             driver.step()
+            driver_cpu += time.thread_time() - d0
             steps += 1
             now = time.perf_counter()
             if driver.done or now >= limit:
                 break
         if seconds is None and not driver.done:
             raise TimeoutError(f"the request stream did not end in {timeout_s:.0f} s")
-        return LoopResult(steps=steps, seconds=now - t0, cpu_s=time.process_time() - cpu0)
+        main = time.thread_time() - main0
+        return LoopResult(steps=steps, seconds=now - t0, driver_cpu_s=driver_cpu,
+                          other_threads_cpu_s=max(0.0, time.process_time() - proc0 - main))
