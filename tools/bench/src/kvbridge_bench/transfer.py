@@ -63,6 +63,7 @@ HIDDEN = 4096
 LAYOUTS = ("token-major", "head-major")
 PLACEMENTS = ("scattered", "contiguous")
 TORCH_ENV = "KVBRIDGE_BENCH_TORCH"         # "1": torch tensors on the host too (dry run of the GPU code)
+PROFILE_ENV = "KVBRIDGE_BENCH_PROFILE"     # a folder: each rank's engine thread profiled during a stream, as text
 SLOW_S = 2.0                               # a warm-up round this slow: one timed round only
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 NOT_AVAILABLE = "layer-wise: not available in this build (Sender.send takes no layers=)"
@@ -720,7 +721,21 @@ class _Rank:
         else:
             driver = PrefillStream(agent=self.agent, rooms=msg["rooms"], src=np.asarray(msg["src"]),
                                    window=2 * msg["concurrency"] + 2)
+        profile_dir = os.environ.get(PROFILE_ENV)
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         busy = loop.run(driver, timeout_s=self.timeout_s)
+        if profiler is not None and profile_dir:
+            import pstats
+
+            profiler.disable()
+            path = Path(profile_dir) / f"{self.role}{self.rank}-stream{msg['concurrency']}.txt"
+            with path.open("w") as f:
+                pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(45)
         # kvbridge's CPU: the engine thread's time in kvbridge calls, and the other threads' beyond their idle rate
         idle_threads = idle.other_threads_cpu_s / idle.seconds * busy.seconds
         out: dict[str, Any] = {"idle_steps_per_s": idle.steps_per_s, "busy_steps_per_s": busy.steps_per_s,
