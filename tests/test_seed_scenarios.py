@@ -54,7 +54,9 @@ pytestmark = pytest.mark.kvbridge_multiprocess
 pytest.importorskip("kvbridge_mamba")
 
 _AVAILABLE = Registry.build().backend_names()
-PEER_TIMEOUT_S = 1.0
+#: 2 s, not 1: a clean-clone CI run with a second job on the host starved a healthy prefill's heartbeats past 1 s
+#: and group B failed by silence (the liveness verdict is this module's subject only for the killed group)
+PEER_TIMEOUT_S = 2.0
 FAIL_SLACK_S = 4.0          # two shared cores: a loaded host is slow to notice; the bound stays small
 REQUESTS, WINDOW, REGION = 8, 2, 4
 UNSAFE_AFTER_S = 10.0
