@@ -4,6 +4,8 @@ of the last request of each slot are the source's."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kvbridge.agent import AgentConfig, Role, TransferAgent
@@ -31,14 +33,18 @@ def _pair() -> tuple[TransferAgent, TransferAgent, list[np.ndarray], list[np.nda
                         config=config, name="p0")
     dec = TransferAgent(layout=layout, buffers={"kv": dst}, role=Role.DECODE, link=hub.link("d0"), config=config,
                         name="d0")
-    shake = dec.connect_async("inst")
-    for _ in range(2000):
-        pre.progress()
-        dec.progress()
-        if shake.done:
-            break
-    assert shake.done
+    pre.start(0.001)              # as in an engine (and the bench): kvbridge's own progress threads
+    dec.start(0.001)
+    dec.connect("inst", timeout_s=10)
     return pre, dec, src, dst
+
+
+def _run(*drivers: DecodeStream | PrefillStream, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(d.done for d in drivers) and time.monotonic() < deadline:
+        for driver in drivers:
+            driver.step()
+        time.sleep(0.0005)
 
 
 def test_every_request_ends_and_a_slot_is_reused_only_when_safe() -> None:
@@ -50,14 +56,14 @@ def test_every_request_ends_and_a_slot_is_reused_only_when_safe() -> None:
         decode = DecodeStream(agent=dec, instance="inst", rooms=rooms, dst_slots=slots, concurrency=3)
         prefill = PrefillStream(agent=pre, rooms=rooms, src=src_pages, window=8)
         seen_open: list[set[int]] = []
-        for _ in range(20_000):
+        deadline = time.monotonic() + 20
+        while not (decode.done and prefill.done) and time.monotonic() < deadline:
             decode.step()
             prefill.step()
             in_use = [slot for _, _, slot in decode._open.values()]
             assert len(in_use) == len(set(in_use)), f"a slot handed out twice: {in_use}"
             seen_open.append(set(in_use))
-            if decode.done and prefill.done:
-                break
+            time.sleep(0.0005)
         assert decode.done and prefill.done
         assert not decode.failed and not prefill.failed
         assert len(decode.latencies) == len(rooms) and prefill.finished == len(rooms)
@@ -77,11 +83,7 @@ def test_a_paced_stream_asks_no_faster_than_its_rate() -> None:
         decode = DecodeStream(agent=dec, instance="inst", rooms=rooms, dst_slots=[np.array([k]) for k in range(6)],
                               concurrency=6, rate=50.0)
         prefill = PrefillStream(agent=pre, rooms=rooms, src=np.array([9]), window=8)
-        for _ in range(200_000):
-            decode.step()
-            prefill.step()
-            if decode.done and prefill.done:
-                break
+        _run(decode, prefill)
         assert decode.done and not decode.failed
         assert decode.started_at is not None and decode.ended_at is not None
         assert decode.ended_at - decode.started_at >= (len(rooms) - 1) / 50.0
