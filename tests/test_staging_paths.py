@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from kvbridge.links import LocalHub
 from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
 from kvbridge.slicing import buffer_segments
-from kvbridge.staging import regular_rows, should_stage, stage_threshold
+from kvbridge.staging import StagingArea, regular_rows, should_stage, stage_threshold
 from kvbridge.testkit import reference as ref
 
 HEADS, HEAD_BYTES, PAGE, LAYERS, POOL = 8, 32, 16, 3, 48
@@ -250,6 +251,23 @@ def test_a_full_decode_staging_area_reserves_nothing(make_world: Callable[..., W
     assert reserved == [{}]
     assert hog is not None
     staging.free(hog, 1 << 20)
+
+
+def test_a_request_of_two_slices_shares_the_area_instead_of_the_first_taking_it_all() -> None:
+    """TP 2 -> 1 with each prefill rank's slice as large as the decode's area: before, the first slice took all
+    of it and the second went as per-token descriptors (64 MiB requests, default 32 MiB area: 0.21 GB/s on 2x
+    H200); now each gets a ring in its share."""
+    plan = SimpleNamespace(layer_bytes=[1 << 20])
+    area = StagingArea(np.zeros(32 << 20, np.uint8))
+    first = decode_module._reserve(area, 32 << 20, plan, 256 << 20, share=2)
+    second = decode_module._reserve(area, 32 << 20, plan, 256 << 20, share=1)
+    assert first is not None and second is not None, (first, second)
+    assert first[1] == second[1] == 16 << 20 and first[0] != second[0]
+    alone = StagingArea(np.zeros(32 << 20, np.uint8))
+    assert decode_module._reserve(alone, 32 << 20, plan, 256 << 20, share=1) == (0, 32 << 20)   # alone: all of it
+    big_items = SimpleNamespace(layer_bytes=[300 << 10])     # no ring of two items fits the share: whole, if free
+    small = StagingArea(np.zeros(1 << 20, np.uint8))
+    assert decode_module._reserve(small, 400 << 10, big_items, 256 << 20, share=4) == (0, 400 << 10)
 
 
 # ------------------------------------------------------------------------------------------- cost model

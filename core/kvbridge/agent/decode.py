@@ -669,17 +669,19 @@ def _layers_of(notice: Notice, layers: int) -> range | None:
 
 
 def _reserve(area: Any, whole: int, plan: StagePlan, piece_bytes: int, share: int) -> tuple[int, int] | None:
-    """Staging space for one (prefill rank, component) slice: all of it when it fits, else a ring of up to
-    four pieces (no more than the free space over the ``share`` slices of the request still to place), then
-    of two, that the sender reuses as credits come back; (offset, bytes) or None when nothing fits. A ring
-    holds at least two items of the largest layer (a piece is never smaller than one)."""
-    offset = area.alloc(whole)
-    if offset is not None:
+    """Staging space for one (prefill rank, component) slice: all of it when it fits in its fair share (the
+    free space over the ``share`` slices of the request still to place), else a ring of up to four pieces (no
+    more than that share), then of two, that the sender reuses as credits come back; (offset, bytes) or None
+    when nothing fits. A ring holds at least two items of the largest layer (a piece is never smaller than one).
+    The share keeps the first slice of a TP 2 -> 1 request from taking the whole area and sending the second
+    to per-token descriptors (64 MiB requests over the default 32 MiB area: 0.21 GB/s on 2x H200)."""
+    fair = area.free_bytes // max(1, share) // 64 * 64
+    if whole <= fair and (offset := area.alloc(whole)) is not None:
         return offset, whole
     least = 2 * max(plan.layer_bytes, default=1)
     piece = max(min(piece_bytes, whole), least)
-    fair = area.free_bytes // max(1, share) // 64 * 64
     for size in (min(4 * piece, max(fair, 2 * least)), 2 * least):
         if size < whole and (offset := area.alloc(size)) is not None:
             return offset, size
-    return None
+    offset = area.alloc(whole)          # no ring fits: all of it, where it fits at all, still beats descriptors
+    return None if offset is None else (offset, whole)
