@@ -239,6 +239,22 @@ def test_a_full_prefill_staging_area_falls_back_to_descriptors(make_world: Calla
     staging.free(hog, 1 << 20)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prefill_area_the_size_of_one_slice_still_stages_for_both_decode_ranks(
+        make_world: Callable[..., World], backend: str) -> None:
+    """TP 1 -> 2, the prefill's area exactly one decode rank's slice (6 pages x 6 buffers x 2 KiB): a piece takes
+    at most half the area, so both writes are staged (before, the first took it all and the second went as 576
+    per-token-row descriptors; on 2x H100, 64 MiB requests over the default area ran at 0.25 GB/s)."""
+    decode = AgentConfig(**PATIENT, staging="always", staging_bytes=1 << 20)
+    prefill = AgentConfig(**PATIENT, staging="always", staging_bytes=72 << 10)
+    world = make_world(backend, ref.TOKEN_MAJOR, 1, 2, prefill=prefill, decode=decode)
+    rng = np.random.default_rng(8)
+    src_pages, dst_pages = rng.permutation(POOL)[:6], rng.permutation(POOL)[:6]
+    senders, _, reserved = run_room(world, 13, src_pages, dst_pages, [])
+    assert all(reserved)
+    assert senders[0].stats[1] < 50, f"{senders[0].stats[1]} descriptors: a decode rank's write was not staged"
+
+
 def test_a_full_decode_staging_area_reserves_nothing(make_world: Callable[..., World]) -> None:
     config = AgentConfig(**PATIENT, staging="always", staging_bytes=1 << 20)
     world = make_world("loopback", ref.TOKEN_MAJOR, 2, 1, prefill=config, decode=config)

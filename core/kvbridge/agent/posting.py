@@ -206,7 +206,10 @@ class Poster:
             return False
         comp = ctx.layout.components[write.comp_index]
         largest = max(plan.layer_bytes[layer] for layer in group)
-        limit = min(ctx.config.staging_piece_bytes, staging.nbytes)
+        # a piece takes at most half of our area: a second piece (of this write, or of a write to another decode
+        # rank) can gather while one is in flight (whole-area pieces left TP 1 -> 2's second rank to per-token
+        # descriptors: 64 MiB requests at 0.25 GB/s over the default 32 MiB area on 2x H100)
+        limit = min(ctx.config.staging_piece_bytes, max(64, staging.nbytes // 2 // 64 * 64))
         ring = None
         if write.ring_bytes is not None:
             ring = self._ring(room, peer.agent, comp.name, write.staged_at, write.ring_bytes, limit, largest)
