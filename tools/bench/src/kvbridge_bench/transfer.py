@@ -132,6 +132,7 @@ class Options:
     rate: float = 0.0                          # ... started at most this many per second (0: closed loop)
     stream_requests: int | None = None         # requests per stream (default GPU 400, host 100)
     stream_size: int | None = None             # bytes per stream request (default GPU 64 MiB, host 4 MiB)
+    switch_interval_ms: float | None = None    # streams: the ranks' interpreter switch interval (None: Python's)
     json_path: str | None = None
     plots: str | None = None
     quick: bool = False
@@ -709,6 +710,8 @@ class _Rank:
         from kvbridge_bench.streams import DecodeStream, EngineLoop, NoStream, PrefillStream, StreamDriver
 
         self.agent.start()
+        if msg.get("switch_interval_s"):       # what an engine could set for its process (sys.setswitchinterval)
+            sys.setswitchinterval(msg["switch_interval_s"])
         loop = EngineLoop(work_us=msg["work_us"], device=self.device)
         idle = loop.run(NoStream(), seconds=msg["baseline_s"])
         conn.send({"baseline": True})
@@ -1114,7 +1117,7 @@ class Bench:
     # -- layer-wise
     # -- request streams (--concurrency N, --rate R)
     def stream(self, size: int, concurrency: int, rate: float, requests: int, *, work_us: float = 200.0,
-               baseline_s: float = 1.0) -> dict[str, Any]:
+               baseline_s: float = 1.0, switch_interval_s: float | None = None) -> dict[str, Any]:
         """``requests`` requests of ``size`` bytes (TP 1 -> 1, 16-token pages, scattered), ``concurrency`` in
         flight, at most ``rate`` per second (0: closed loop), each rank's engine loop timed against itself without
         traffic; the aggregate against raw NIXL posting ``concurrency`` requests' bytes as that many contiguous
@@ -1128,7 +1131,7 @@ class Bench:
                     piece_bytes=self.r.piece_bytes,
                     label=f"{concurrency} in flight" + (f", {rate:g}/s" if rate else ""))
         out: dict[str, Any] = {**self.describe(case), "concurrency": concurrency, "rate": rate, "requests": requests,
-                               "engine_step_us": work_us}
+                               "engine_step_us": work_us, "switch_interval_s": switch_interval_s}
         try:
             pre, dec, instance, _ = self._open(case)
             rng = np.random.default_rng([case.seed, 23])
@@ -1136,7 +1139,8 @@ class Bench:
             dst_slots = np.array_split(rng.permutation(case.pool_pages).astype(np.int64), slots)
             rooms = [1000 * self.index + k + 1 for k in range(requests)]
             common = {"op": "stream", "rooms": rooms, "concurrency": concurrency, "rate": rate,
-                      "work_us": work_us, "baseline_s": baseline_s, "instance": instance}
+                      "work_us": work_us, "baseline_s": baseline_s, "instance": instance,
+                      "switch_interval_s": switch_interval_s}
             self.ranks.send(pre, {**common, "src": src})
             self.ranks.send(dec, {**common, "dst_slots": dst_slots})
             self.ranks.recv(dec + pre)
@@ -1417,7 +1421,9 @@ def run(opts: Options, out: TextIO = sys.stdout) -> dict[str, Any]:
             count = opts.stream_requests or (400 if device == "cuda" else 100)
             print(f"  [stream] {count} requests of {fmt_bytes(size)}, {n} in flight"
                   + (f", {opts.rate:g}/s" if opts.rate else ""), file=out, flush=True)
-            result["streams"].append(bench.stream(size, n, opts.rate, count))
+            result["streams"].append(bench.stream(size, n, opts.rate, count,
+                                                  switch_interval_s=opts.switch_interval_ms / 1e3
+                                                  if opts.switch_interval_ms else None))
         if opts.layerwise:
             first = next((c for c in cases if c.group == "sweep"), cases[0] if cases else None)
             if first is not None:
@@ -1523,6 +1529,8 @@ def format_report(result: dict[str, Any]) -> str:
         pre, dec = st["prefill"], st["decode"]
         lines.append(f"stream {st['requests']} x {fmt_bytes(st['bytes'])}, {st['concurrency']} in flight"
                      + (f", paced {st['rate']:g}/s" if st["rate"] else "")
+                     + (f", switch interval {st['switch_interval_s'] * 1e3:g} ms" if st.get("switch_interval_s")
+                        else "")
                      + f": {st['gbps']:.2f} GB/s ({st['requests_per_s']:.0f} requests/s; raw NIXL, "
                      f"{st['concurrency']} descriptors: {_f(st['raw_nixl_gbps'])} GB/s, kvb/raw "
                      f"{_f(st.get('vs_raw_nixl'), '.3f')}); latency p50 {_f(st['p50_ms'], '.3f')} ms, p99 "
@@ -1626,6 +1634,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=None, help="streams start at most this many requests per second")
     g.add_argument("--stream-requests", type=int, default=None, help="requests per stream (default GPU 400, host 100)")
     g.add_argument("--stream-size", default=None, help="bytes per stream request (default GPU 64MiB, host 4MiB)")
+    g.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="streams: set the rank processes' sys.setswitchinterval (what an engine could do; Python's "
+                        "default is 5 ms, the longest a thread back from a GIL-releasing call waits for the GIL)")
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the result as JSON")
     g.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     g.add_argument("--quick", action="store_true", default=None, help="small sizes and few cases (the CI smoke run)")
@@ -1636,7 +1647,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 TRANSFER_ARGS = ("device", "sizes", "page_tokens", "tp_pairs", "layouts", "placements", "layers", "pool_tokens",
                  "repeats", "staging_mib", "staging_mode", "piece_mib", "layerwise", "layer_group", "latency_requests",
-                 "concurrency", "rate", "stream_requests", "stream_size",
+                 "concurrency", "rate", "stream_requests", "stream_size", "switch_interval_ms",
                  "json_path", "plots", "quick", "timeout", "plugin")
 
 
@@ -1659,6 +1670,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
             raise ValueError(f"--rate {args.rate}: requests per second, 0 or more")
         opts.rate = args.rate
     opts.stream_requests = args.stream_requests
+    if args.switch_interval_ms is not None:
+        if not 0 < args.switch_interval_ms <= 1000:
+            raise ValueError(f"--switch-interval-ms {args.switch_interval_ms}: between 0 and 1000 ms")
+        opts.switch_interval_ms = args.switch_interval_ms
     if args.stream_size:
         opts.stream_size = parse_size(args.stream_size)
     if args.page_tokens:
