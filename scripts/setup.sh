@@ -49,7 +49,7 @@ main_deps() {
   # .ci/run's lint and type checks (KVBRIDGE_SETUP_LINT=1): they need only .venv, so they run here, beside the
   # other venvs' installs, instead of after them (~40 s of a CI run)
   if [ "${KVBRIDGE_SETUP_LINT:-0}" = 1 ]; then
-    start=$SECONDS
+    local start=$SECONDS            # local: the job wrapper times the whole job with its own `start`
     .venv/bin/ruff check core plugins/*/src adapters/*/src tools/*/src
     .venv/bin/mypy
     echo "scripts/setup.sh: lint (ruff, mypy) took $((SECONDS - start)) s"
