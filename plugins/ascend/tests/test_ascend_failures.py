@@ -161,6 +161,29 @@ def test_initialize_failure_is_reported_as_unavailable_with_the_code() -> None:
         AscendBackend(name="c", options={"store_url": "tcp://nowhere:9"}, api=standin)
 
 
+def test_a_drawn_session_id_that_collides_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port behind a session id we pick is not held: the kernel may hand it out again while the first
+    engine still holds that session in the store (a kit class failed with SMEM_DUPLICATED so)."""
+    import kvbridge_ascend.backend as backend_module
+
+    ports = iter([40001, 40001, 40001, 40002])
+    monkeypatch.setattr(backend_module, "_free_port", lambda host: next(ports))
+    first = standin_backend(name="a")
+    second = standin_backend(name="b")
+    try:
+        assert (first.session_id, second.session_id) == ("127.0.0.1:40001", "127.0.0.1:40002")
+    finally:
+        first.close()
+        second.close()
+    monkeypatch.setattr(backend_module, "_free_port", lambda host: 40003)    # always taken: reported, bounded
+    third = standin_backend(name="c")
+    try:
+        with pytest.raises(PluginUnavailableError, match=r"SMEM_DUPLICATED"):
+            standin_backend(name="d")
+    finally:
+        third.close()
+
+
 def test_host_store_creates_the_config_store_once() -> None:
     opts = {"store_url": "tcp://127.0.0.1:24111", "host_store": "true", "host": "127.0.0.1"}
     host = AscendBackend(name="h", options=opts, api=standin)

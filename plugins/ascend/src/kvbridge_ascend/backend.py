@@ -44,7 +44,7 @@ from kvbridge.plugin import (
     import_engine,
     settled,
 )
-from kvbridge_ascend.codes import describe
+from kvbridge_ascend.codes import SmemCode, describe
 
 log = logging.getLogger("kvbridge.ascend")
 
@@ -124,6 +124,9 @@ class AscendHandle:
     released: bool = False
 
 
+SESSION_ATTEMPTS = 8      # session ids drawn (from free ports) before a duplicate one is reported
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -149,14 +152,21 @@ class AscendBackend(NoNotifications):
                                              f"{describe(rc)}", "is the port free and the URL tcp://host:port?")
         self._te = self.api.TransferEngine()
         host = opts.host or default_host()
-        self.session_id = opts.session_id or f"{host}:{self._te.get_rpc_port() or _free_port(host)}"
         extra: dict[str, str] = {}
         if opts.store_server_role is not None:
             extra["store_server_role"] = opts.store_server_role.value
         if opts.nic:
             extra["nic"] = opts.nic
         op_type = getattr(self.api.TransDataOpType, opts.protocol.name)
-        rc = self._te.initialize(opts.store_url, self.session_id, opts.role.value, opts.device_id, op_type, **extra)
+        # a session id of our own choosing takes a port that was free when asked and is not held: another
+        # engine of the store may have been given the same one meanwhile (SMEM_DUPLICATED; a clean-clone CI run
+        # failed a kit class so). Such an id is drawn again; a configured one is the operator's and is not.
+        for _ in range(1 if opts.session_id else SESSION_ATTEMPTS):
+            self.session_id = opts.session_id or f"{host}:{self._te.get_rpc_port() or _free_port(host)}"
+            rc = self._te.initialize(opts.store_url, self.session_id, opts.role.value, opts.device_id, op_type,
+                                     **extra)
+            if rc != SmemCode.DUPLICATED:
+                break
         if rc != 0:
             raise PluginUnavailableError(
                 "ascend", f"TransferEngine.initialize(store {opts.store_url!r}, session {self.session_id!r}, "
