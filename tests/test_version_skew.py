@@ -63,7 +63,10 @@ def _nixl_ok() -> bool:
 BACKENDS = [pytest.param("loopback", b"skew-secret", id="loopback-secret"),
             pytest.param("nixl", None, id="nixl", marks=pytest.mark.skipif(not _nixl_ok(), reason="nixl not usable"))]
 # short timeouts: the test outlives the peer timeout, so heartbeats must be understood both ways
-CONFIG = {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.1}
+#: bootstrap 90 s: the new prefill opens its room before the old release's processes have imported their engine
+#: (NIXL with torch); on a slow clean-clone run that took the room past the default 30 s before the old decode
+#: asked. The skew, not the bootstrap bound, is under test here.
+CONFIG = {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.1, "bootstrap_timeout_s": 90.0}
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[bytes]:
