@@ -707,11 +707,18 @@ class _Rank:
     def op_stream(self, conn: Any, msg: dict[str, Any]) -> None:
         """Both sides: kvbridge's progress thread on (as in an engine), the engine loop alone for ``baseline_s``,
         then (on the launcher's go) with the request stream; answers both loops and the stream's numbers."""
-        from kvbridge_bench.streams import DecodeStream, EngineLoop, NoStream, PrefillStream, StreamDriver
-
         self.agent.start()
+        interval = sys.getswitchinterval()
         if msg.get("switch_interval_s"):       # what an engine could set for its process (sys.setswitchinterval)
             sys.setswitchinterval(msg["switch_interval_s"])
+        try:
+            self._stream(conn, msg)
+        finally:
+            sys.setswitchinterval(interval)    # the rank runs later cases with Python's own
+
+    def _stream(self, conn: Any, msg: dict[str, Any]) -> None:
+        from kvbridge_bench.streams import DecodeStream, EngineLoop, NoStream, PrefillStream, StreamDriver
+
         loop = EngineLoop(work_us=msg["work_us"], device=self.device)
         idle = loop.run(NoStream(), seconds=msg["baseline_s"])
         conn.send({"baseline": True})
@@ -1051,20 +1058,14 @@ class Bench:
         """Raw NIXL (one contiguous descriptor) and a plain copy of ``nbytes``, measured once per size."""
         if nbytes in self._baselines:
             return self._baselines[nbytes]
-        p0, d0 = self.ranks.prefill[0], self.ranks.decode[0]
+        p0 = self.ranks.prefill[0]
         repeats = max(3, self.r.repeats)
         out: dict[str, Any] = {"bytes": nbytes, "raw_nixl": None}
         if self.raw_missing is not None:
             out["raw_nixl_error"] = self.raw_missing
         else:
             try:
-                target = self.ranks.ask([d0], {"op": "raw_target", "nbytes": nbytes})[0]
-                try:
-                    msg = {"op": "raw_write", "nbytes": nbytes, "metadata": target["metadata"],
-                           "region": target["region"], "repeats": repeats}
-                    raw = self.ranks.ask([p0], msg)[0]
-                finally:
-                    self.ranks.ask([d0], {"op": "raw_close"})
+                raw = self._raw_write(nbytes, 1, False)
                 med = statistics.median(raw["seconds"])
                 out["raw_nixl"] = {"seconds": raw["seconds"], "median_s": med, "gbps": nbytes / med / 1e9,
                                    "descriptors": 1, "initialize_us": raw["initialize_us"]}
@@ -1179,19 +1180,24 @@ class Bench:
         return gbps
 
     def _raw_measure(self, nbytes: int, pieces: int, scatter: bool) -> float | None:
-        p0, d0 = self.ranks.prefill[0], self.ranks.decode[0]
         try:
-            target = self.ranks.ask([d0], {"op": "raw_target", "nbytes": nbytes})[0]
-            try:
-                raw = self.ranks.ask([p0], {"op": "raw_write", "nbytes": nbytes, "metadata": target["metadata"],
-                                            "region": target["region"], "repeats": max(3, self.r.repeats),
-                                            "pieces": pieces, "scatter": scatter})[0]
-            finally:
-                self.ranks.ask([d0], {"op": "raw_close"})
+            raw = self._raw_write(nbytes, pieces, scatter)
         except CaseError as exc:
             self.say(f"  raw NIXL baseline failed: {str(exc).splitlines()[0]}")
             return None
         return nbytes / statistics.median(raw["seconds"]) / 1e9
+
+    def _raw_write(self, nbytes: int, pieces: int, scatter: bool) -> dict[str, Any]:
+        """NIXL alone, prefill rank 0 -> decode rank 0: ``nbytes`` as ``pieces`` descriptors of one transfer
+        (see :func:`kvbridge_bench.raw_nixl.contiguous_write`); the writer's answer. Raises CaseError."""
+        p0, d0 = self.ranks.prefill[0], self.ranks.decode[0]
+        target = self.ranks.ask([d0], {"op": "raw_target", "nbytes": nbytes})[0]
+        try:
+            return self.ranks.ask([p0], {"op": "raw_write", "nbytes": nbytes, "metadata": target["metadata"],
+                                         "region": target["region"], "repeats": max(3, self.r.repeats),
+                                         "pieces": pieces, "scatter": scatter})[0]
+        finally:
+            self.ranks.ask([d0], {"op": "raw_close"})
 
     def layerwise(self, case: Case, group: int, rounds: int) -> dict[str, Any]:
         available = layerwise_supported()
