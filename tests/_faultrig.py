@@ -260,7 +260,8 @@ def _config(job: dict[str, Any]) -> Any:
     c = job["config"]
     return AgentConfig(heartbeat_interval_s=c["heartbeat_s"], peer_timeout_s=c["peer_timeout_s"],
                        bootstrap_timeout_s=c["bootstrap_timeout_s"], waiting_timeout_s=c["waiting_timeout_s"],
-                       staging_bytes=c["staging_bytes"], backend_options=job.get("options", {}))
+                       staging_bytes=c["staging_bytes"], write_flight_bound_s=c.get("write_flight_bound_s"),
+                       backend_options=job.get("options", {}))
 
 
 def _link(job: dict[str, Any]) -> Any:

@@ -118,6 +118,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     writer_exit_grace_s: Annotated[float, _doc(
         "after that connection's EOF, how long writes the dead process posted may still land (s)", ge=0,
         le=_MAX_S)] = 0.5
+    write_flight_bound_s: Annotated[Annotated[float, msgspec.Meta(ge=0, le=_MAX_S)] | None, _doc(
+        "decode: the longest a posted write can stay in flight on this fabric, retransmissions across a partition "
+        "included (RDMA: the transport's retry timeout x retry count); set, a prefill silent past its write lease "
+        "(twice its peer timeout) plus this bound is fenced without its acknowledgement; unset: only an "
+        "acknowledgement, the kernel's proof of its exit or declare_gone fence it (s)")] = None
     min_protocol_version: Annotated[int, _doc(
         "refuse peers that speak an older protocol than this, at the handshake, with both versions named; the "
         "default accepts the oldest release spoken (a rolling upgrade); set it to the current version (7) once "
@@ -222,7 +227,8 @@ class AdapterSettings:
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
 AGENT_KEYS = ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s", "secret",
               "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "checksums",
-              "prove_writer_death", "writer_exit_grace_s", "min_protocol_version", "backend_options")
+              "prove_writer_death", "writer_exit_grace_s", "write_flight_bound_s", "min_protocol_version",
+              "backend_options")
 
 
 def _as_text(value: Any) -> str:

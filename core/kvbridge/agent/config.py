@@ -32,6 +32,10 @@ class AgentConfig:
     #                                        it when the process ends (kvbridge.agent.liveness): a killed writer's
     #                                        rooms become safe to reuse without declare_gone
     writer_exit_grace_s: float = 0.5       # after that EOF, how long writes the dead process posted may still land
+    write_flight_bound_s: float | None = None   # decode: the longest a posted write can stay in flight on this
+    #                                        fabric, retransmissions across a partition included (unset: no bound
+    #                                        known). Set, a prefill silent past its write lease plus this bound is
+    #                                        fenced without its acknowledgement (stopped, partitioned, dead host)
     checksums: bool = False                # decode: ask every prefill rank for per-destination digests and
     #                                        verify each write against them (host memory; ``kvbridge.digests``)
     min_protocol_version: int = MIN_PROTOCOL_VERSION   # refuse peers below this protocol version (raise it to
@@ -54,6 +58,11 @@ class AgentConfig:
                 or not MIN_PROTOCOL_VERSION <= self.min_protocol_version <= PROTOCOL_VERSION):
             raise ValueError(f"AgentConfig.min_protocol_version={self.min_protocol_version!r} must be an integer "
                              f"from {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION} (the versions this release speaks)")
+        bound = self.write_flight_bound_s
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not 0 <= bound < float("inf")):
+            raise ValueError(f"AgentConfig.write_flight_bound_s={bound!r} must be unset or a finite number of "
+                             "seconds >= 0")
         if not 0 <= self.writer_exit_grace_s < float("inf"):
             raise ValueError(f"AgentConfig.writer_exit_grace_s={self.writer_exit_grace_s} must be >= 0 and finite")
         if self.staging_piece_bytes <= 0:

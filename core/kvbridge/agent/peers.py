@@ -8,7 +8,9 @@ The decode side sends Hellos from ``connect()``; each call owns one :class:`Hand
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +72,24 @@ _DOWNGRADE_NOTE = {      # what protocol 5 lacks, as each side sees it
 }
 
 
+def writer_lease_s(ctx: AgentContext) -> float:
+    """How long a prefill keeps writing to a decode without news of it: twice the peer timeout past the sent_at
+    of its last heartbeat the decode echoed (a decode fails the rooms at one peer timeout of silence, and, where
+    it knows the fabric's flight bound, makes them safe at the lease plus that bound; docs/integrity.md, "Write
+    leases")."""
+    return 2.0 * ctx.config.peer_timeout_s
+
+
+class Lease(enum.Enum):
+    """A prefill's write lease to one decode, as a post finds it."""
+
+    VALID = "valid"               # an echo of our heartbeats came within the lease: post
+    UNCONFIRMED = "unconfirmed"   # it ran out, but our inbox was not read since (this rank held its lock, a long
+    #                               send): a renewing echo may be waiting there, so the write waits for a read
+    EXPIRED = "expired"           # it ran out and a read since brought no echo: the decode may have handed the
+    #                               pages back, nothing more is posted to it
+
+
 class Dropped(ProtocolError):
     """A well-formed frame that must not act: stale incarnation, replay, non-participant."""
 
@@ -96,6 +116,11 @@ class Peer:
     beat_received_at: float = 0.0          # when we got that heartbeat (our clock)
     rtt_s: float | None = None             # heartbeat round trip, from the echo of our own sent_at
     version: int = PROTOCOL_VERSION        # the protocol version negotiated at its handshake (every frame's)
+    writer_lease_s: float = 0.0            # the prefill of this pair posts no write once this long passed since
+    #                                        the sent_at of its last heartbeat the decode echoed (0: no lease)
+    lease_until: float = math.inf          # prefill side: posting to this decode is allowed until then (our clock)
+    lease_epoch: int = 0                   # the prefill's count of leases granted, as of this record's Welcome
+    lease_over: bool = False               # decode side: silent past its lease: this record can write no more
 
     @property
     def alive(self) -> bool:
@@ -134,10 +159,15 @@ class PeerTable:
         self._on_death: list[PeerDied] = []
         self._in_use: list[InUse] = []
         self._on_revive: list[Callable[[Peer], None]] = []
+        self._on_lease_reset: list[PeerDied] = []
         self._last_beat = 0.0
         self._beat_seq = 0
         self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
         self.beats_threaded = False
+        #: when the last read of the link whose small frames were all handled began (prefill: a write lease that
+        #: ran out before it may still be renewed by an echo that was waiting in the inbox)
+        self.inbox_read_at = -math.inf
+        self._lease_epochs = 0           # prefill: leases granted (each Welcome that admits a peer starts one)
         self.dropped_frames = 0
         self._declared_gone: set[tuple[str, int]] = set()
         # decode: one connection to each prefill rank (kvbridge.agent.liveness), exits seen but in their grace
@@ -158,6 +188,11 @@ class PeerTable:
 
     def on_death(self, callback: PeerDied) -> None:
         self._on_death.append(callback)
+
+    def on_lease_reset(self, callback: PeerDied) -> None:
+        """Prefill: ``callback(peer, reason)`` when a decode says Hello again after our write lease to it ran out:
+        its rooms here must fail (telling it) before a new lease begins."""
+        self._on_lease_reset.append(callback)
 
     def on_revive(self, callback: Callable[[Peer], None]) -> None:
         """``callback(peer)`` when a peer judged dead by silence speaks again in the same incarnation."""
@@ -397,15 +432,20 @@ class PeerTable:
             else:
                 target.state, target.agent = HandshakeState.ACCEPTED, welcome.agent
         if not reason and welcome.layout is not None:
-            if known is not None and known.incarnation == env.incarnation:
+            renewed = (known is not None and known.incarnation == env.incarnation and known.lease_over
+                       and welcome.lease_epoch > known.lease_epoch)
+            if known is not None and known.incarnation == env.incarnation and not renewed:
+                known.lease_epoch = max(known.lease_epoch, welcome.lease_epoch)
                 if known.state is PeerState.SILENT:
                     self._revive(known)
             else:
                 if known is not None:
-                    self._retire(known, f"restarted as incarnation {env.incarnation:#x}")
+                    self._retire(known, f"restarted as incarnation {env.incarnation:#x}" if not renewed else
+                                 f"granted a new write lease (epoch {welcome.lease_epoch}) after its last ran out")
                 fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
                              layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock(),
-                             version=env.version)
+                             version=env.version, writer_lease_s=welcome.writer_lease_s,
+                             lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
                 self.watch_exit(fresh, welcome.liveness)
         for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
@@ -455,6 +495,7 @@ class PeerTable:
             raise ProtocolError(f"Hello from {hello.agent} names address {hello.address}, its frame {env.address}")
         old = self.peers.get(hello.agent)
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
+        now = self._ctx.clock()
         same = (old is not None and old.incarnation == env.incarnation and old.info == info
                 and old.layout == hello.layout and old.version == env.version)
         if not same and not self._hellos.take():
@@ -473,12 +514,24 @@ class PeerTable:
             self._refuse(env.address, Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address,
                                               accepted=False, reason=reason), env.incarnation, env.version)
             return
+        lease = writer_lease_s(ctx) if env.version >= 7 else 0.0    # before 7 a decode knows of no lease
+        # a Hello after our lease to that decode ran out starts a new lease, of a newer epoch: the rooms it had
+        # here fail first (none of their writes may go now: it may have handed their pages back)
+        renew = same and old is not None and old.state is not PeerState.DEPARTED and now > old.lease_until
+        epoch = old.lease_epoch if same and old is not None and not renew else self._lease_epochs + 1
         welcome = Welcome(version=PROTOCOL_VERSION, agent=ctx.name, address=ctx.link.address, accepted=True,
                           reason=speaks_note() if env.version < PROTOCOL_VERSION else "", layout=ctx.layout,
-                          backend=ctx.backend_name, endpoint=ctx.backend.endpoint, liveness=self.liveness_address)
+                          backend=ctx.backend_name, endpoint=ctx.backend.endpoint, liveness=self.liveness_address,
+                          writer_lease_s=lease, lease_epoch=epoch if lease else 0)
         if same and old is not None and old.state is not PeerState.DEPARTED:   # a departed record is never revived
             if old.state is PeerState.SILENT:
                 self._revive(old)
+            if renew:
+                for callback in self._on_lease_reset:
+                    callback(old, f"our write lease to decode {old.agent} ran out {now - old.lease_until:.1f} s "
+                                  "before it said Hello again (it may have handed the pages back)")
+                self._lease_epochs = epoch
+                old.lease_until, old.lease_epoch = now + lease, epoch
             ctx.post(env.address, welcome, incarnation=env.incarnation)   # a repeated Hello: answer again
             return
         # the decode chose the version (the highest both speak): we answer in it, and speak it from now on
@@ -486,9 +539,12 @@ class PeerTable:
             self._retire(old, f"restarted as incarnation {env.incarnation:#x}" if old.incarnation != env.incarnation
                          else f"handshook again in protocol {env.version}" if old.version != env.version
                          else "handshook again with other buffers")
+        self._lease_epochs = epoch
         ctx.calls.add_peer(info)
+        # read before the Welcome leaves: the decode counts the lease from its arrival
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
-                           endpoint=hello.endpoint, info=info, last_seen=self._ctx.clock(), version=env.version))
+                          endpoint=hello.endpoint, info=info, last_seen=now, version=env.version,
+                          writer_lease_s=lease, lease_until=now + lease if lease else math.inf, lease_epoch=epoch))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
 
     def refuse_handshake(self, exc: RefusedHandshake) -> None:
@@ -527,6 +583,18 @@ class PeerTable:
                 target.state, target.reason = HandshakeState.REFUSED, str(theirs)
 
     # ---------------------------------------------------------------- liveness
+    def lease(self, agent: str, now: float) -> Lease:
+        """Prefill side: may we post to decode ``agent`` (:class:`Lease`)?"""
+        peer = self.peers.get(agent)
+        if peer is None or now <= peer.lease_until:
+            return Lease.VALID
+        return Lease.UNCONFIRMED if self.inbox_read_at < peer.lease_until else Lease.EXPIRED
+
+    def lease_left(self, agent: str, now: float) -> float:
+        """Prefill side: seconds our write lease to decode ``agent`` still runs (inf without a lease)."""
+        peer = self.peers.get(agent)
+        return math.inf if peer is None else peer.lease_until - now
+
     def on_goodbye(self, peer: Peer | None) -> None:
         if peer is not None and peer.goodbye_at is None:
             peer.goodbye_at = self._ctx.clock()
@@ -542,6 +610,10 @@ class PeerTable:
             return
         now = self._ctx.clock()
         peer.beat_sent_at, peer.beat_received_at = beat.sent_at, now
+        if beat.echo > 0 and peer.writer_lease_s and self._ctx.role is Role.PREFILL:
+            # the decode got our heartbeat of ``echo`` (our clock) before it sent this one: it counts our lease
+            # from then or later, so ours may run from ``echo``
+            peer.lease_until = max(peer.lease_until, beat.echo + peer.writer_lease_s)
         if beat.echo > 0:
             rtt = now - beat.echo - beat.echo_held
             if 0 <= rtt < self._ctx.config.peer_timeout_s:
@@ -566,6 +638,13 @@ class PeerTable:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
             elif state is PeerState.ALIVE and now - peer.last_seen > timeout:
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
+            elif (state is PeerState.SILENT and peer.writer_lease_s and ctx.role is Role.DECODE
+                  and (bound := ctx.config.write_flight_bound_s) is not None
+                  and now - peer.last_seen >= peer.writer_lease_s + bound):
+                # its lease ran out on its own clock no later than on ours (it runs from a heartbeat we received
+                # before last_seen), and what it posted before that had the fabric's flight bound to land
+                self._gone(peer, f"silent for {now - peer.last_seen:.1f} s, past its write lease of "
+                                 f"{peer.writer_lease_s:.1f} s: it posts nothing more to us", PeerEvent.LEASE_OVER)
         if self.liveness is not None:
             self._check_exits(now)
         self._reap(now)
@@ -598,8 +677,12 @@ class PeerTable:
             self._gone(peer, "declared gone by the engine", PeerEvent.DECLARED_GONE)
 
     def _gone(self, peer: Peer, why: str, event: PeerEvent) -> None:
-        """``peer`` (this incarnation) can no longer write: its rooms fail and their fences count it."""
-        self._declared_gone.add((peer.agent, peer.incarnation))
+        """``peer`` (this incarnation; after its lease ran out, this record of it) can no longer write: its rooms
+        fail and their fences count it."""
+        if event is PeerEvent.LEASE_OVER:
+            peer.lease_over = True       # a newer lease of the same process (a new Welcome) is another record
+        else:
+            self._declared_gone.add((peer.agent, peer.incarnation))
         if peer.alive:
             self._died(peer, why, event)
             return
@@ -646,7 +729,7 @@ class PeerTable:
         """Can ``peer`` no longer write into our memory? The engine declared it gone, or the backend proves
         it (optional backend method ``writer_gone(endpoint) -> bool``, called only when the backend declares
         ``Capability.WRITER_GONE``). Silence alone never proves it."""
-        if (peer.agent, peer.incarnation) in self._declared_gone:
+        if peer.lease_over or (peer.agent, peer.incarnation) in self._declared_gone:
             return True
         try:
             return self._ctx.calls.writer_gone(peer.endpoint)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent.context import AgentContext
-from kvbridge.agent.peers import Peer, PeerTable
+from kvbridge.agent.peers import Lease, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.agent.unconfirmed import Unconfirmed
@@ -173,7 +173,7 @@ class Poster:
                                      last=notice.last, src=ctx.buffers.registered[comp.name],
                                      dst=peer.info.component(comp.name), plan=plan, notice=frame, src_items=s_idx,
                                      dst_items=d_idx, segments=segments)
-        if after is not None and not after.query():
+        if (after is not None and not after.query()) or self._held_by_lease(peer.agent):
             room.pending.append(Pending(peer=peer.agent, notice=notice, frame=frame, transfer=transfer, after=after))
             return
         self._send(room, transfer, peer.agent, notice, frame, None)
@@ -181,10 +181,23 @@ class Poster:
     def _send(self, room: SendRoom, transfer: ComponentTransfer, agent: str, notice: Notice, frame: bytes,
               staging: tuple[int, int] | None) -> None:
         ctx = self._ctx
+        self._check_lease(agent)
         handle = ctx.calls.send_component(transfer)
         room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
         room.nbytes += transfer.plan.total_nbytes
         room.descriptors += len(transfer.plan)
+
+    def _check_lease(self, agent: str) -> None:
+        """Raise when our write lease to ``agent`` ran out and a read of our inbox since brought no echo."""
+        now = self._ctx.clock()
+        if self._peers.lease(agent, now) is Lease.EXPIRED:
+            raise KVBridgeError(f"write lease to decode {agent} ran out {-self._peers.lease_left(agent, now):.1f} s "
+                                "ago (no echo of our heartbeats since: it may have handed the destination pages "
+                                "back): not writing")
+
+    def _held_by_lease(self, agent: str) -> bool:
+        """The lease ran out but our inbox was not read since: the write waits for the progress loop's read."""
+        return self._peers.lease(agent, self._ctx.clock()) is Lease.UNCONFIRMED
 
     # ------------------------------------------------------------------ staging
     def _remote_staging(self, peer: Peer) -> RemoteBuffers | None:
@@ -303,6 +316,8 @@ class Poster:
         while room.pending and _ready(room.pending[0]):
             if room.pending[0].ring is not None and not self._place(room.pending[0]):
                 break                          # every ring slot still holds a piece the peer has not scattered
+            if self._held_by_lease(room.pending[0].peer):
+                break                          # posted once our inbox was read (an echo may renew the lease)
             p = room.pending.popleft()
             try:
                 self._post_pending(room, p)

@@ -53,6 +53,7 @@ class PrefillSide(RoomTable[SendRoom]):
         # rooms that failed while a decode was judged dead by silence, by agent: told when it speaks again
         self._owed: dict[tuple[str, int], OrderedDict[int, tuple[str, int]]] = {}   # room -> (reason, nonce)
         peers.on_death(self._peer_died)
+        peers.on_lease_reset(self._lease_reset)
         peers.on_revive(self._peer_revived)
         peers.on_in_use(self._refers_to)
 
@@ -589,6 +590,12 @@ class PrefillSide(RoomTable[SendRoom]):
             self._owed.pop((peer.agent, peer.incarnation), None)
         for room_id in list(self._early_by_agent.get(peer.agent, ())):
             self._unqueue(room_id, peer.agent)
+
+    def _lease_reset(self, peer: Peer, reason: str) -> None:
+        """Our write lease to ``peer`` ran out and a new one begins: its rooms fail (it hears of each)."""
+        for room in self.rooms.values():
+            if peer.agent in room.requests and room.incarnations.get(peer.agent) == peer.incarnation:
+                self._fail(room, reason)
 
     def _peer_revived(self, peer: Peer) -> None:
         """A decode judged dead by silence spoke again: the rooms that failed meanwhile were never told to it

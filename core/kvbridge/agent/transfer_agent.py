@@ -328,11 +328,13 @@ class TransferAgent:
             # drained again under the lock, right before the liveness check: frames that queued up while
             # another thread held the lock (a long send) must count before a peer is judged silent; small
             # ones are handled here, handshakes and large ones are left for the next step (outside the lock)
+            read_at = self._clock()
             for frame in ctx.link.recv(0.0):
                 if len(frame) <= SMALL_FRAME_BYTES and not self._is_handshake(frame):
                     self.handle_frame(frame)
                 else:
                     self._deferred.append(frame)
+            self.peers.inbox_read_at = read_at     # every heartbeat that came before it was handled
             for peer_id, notice in undelivered:   # the engine took them but could not deliver: the link can
                 peer = self.peers.get(peer_id)
                 if peer is not None and peer.alive:
@@ -492,7 +494,7 @@ class TransferAgent:
             seq += 1
             for agent, (address, incarnation) in list(self.peers.beat_targets.items()):
                 peer = self.peers.peers.get(agent)
-                now = time.monotonic()
+                now = ctx.clock()         # the clock our write leases are counted on (an echo comes back in it)
                 message = (peer.beat(agent=self.name, address=ctx.link.address, seq=seq, now=now) if peer is not None
                            else Heartbeat(agent=self.name, address=ctx.link.address, seq=seq, sent_at=now))
                 beat = ctx.codec.encode(message, to=address, to_incarnation=incarnation)

@@ -260,6 +260,7 @@ class PeerEvent(enum.Enum):
     SILENCE = "silence"        # nothing heard for the peer timeout
     DECLARED_GONE = "declared_gone"
     EXITED = "exited"          # its kernel closed our liveness connection, and the grace passed
+    LEASE_OVER = "lease_over"  # silent past its write lease (+ the exit grace): it posts nothing more to us
     RETIRE = "retire"          # a new incarnation under the same name, or reaped once no room refers to it
 
 
@@ -280,6 +281,7 @@ PEER: Machine[PeerState, PeerEvent] = Machine("peer", {
     (PeerState.SILENT, PeerEvent.GOODBYE): PeerState.DEPARTED,
     (PeerState.SILENT, PeerEvent.DECLARED_GONE): PeerState.DEPARTED,
     (PeerState.SILENT, PeerEvent.EXITED): PeerState.DEPARTED,
+    (PeerState.SILENT, PeerEvent.LEASE_OVER): PeerState.DEPARTED,
     (PeerState.SILENT, PeerEvent.RETIRE): PeerState.RETIRED,
     (PeerState.DEPARTED, PeerEvent.FRAME): PeerState.DEPARTED,        # stragglers change nothing
     (PeerState.DEPARTED, PeerEvent.GOODBYE): PeerState.DEPARTED,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import math
 import threading
 
 import msgspec
@@ -18,8 +19,8 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 7: Abort names the request's nonce; 6: Welcome names the writer's liveness listener (0.2.0); 5: digests,
-# credits name the request (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
+# 7: Abort names the request's nonce, Welcome the writer's lease; 6: Welcome names the writer's liveness listener
+# (0.2.0); 5: digests, credits name the request (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
 PROTOCOL_VERSION = 7
 #: the oldest version this release still speaks (the releases before it: 0.2.0's 6 and wave 2's 5): an agent
 #: negotiates the highest version both speak at the handshake and refuses anything older, naming both versions
@@ -88,6 +89,25 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_u
     endpoint: bytes = b""
     buffers: tuple[RemoteBuffers, ...] = ()
     liveness: str = ""          # host:port a decode connects to and holds: EOF there proves the writer exited
+    writer_lease_s: float = 0.0  # 7: the prefill posts no write to this decode once this long passed since the
+    #                              sent_at of its last heartbeat the decode echoed (0: no lease, as before 7)
+    lease_epoch: int = 0        # 7: grows with every lease this prefill grants: a decode whose lease on this
+    #                             writer ran out admits it again only through a Welcome of a newer epoch
+
+
+class _WelcomeV6(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
+    """A Welcome as protocol 6 spells it (no ``writer_lease_s``): what a peer of 0.2.0 can read."""
+
+    version: int
+    agent: str
+    address: str
+    accepted: bool
+    reason: str
+    layout: PoolLayout | None = None
+    backend: str = ""
+    endpoint: bytes = b""
+    buffers: tuple[RemoteBuffers, ...] = ()
+    liveness: str = ""
 
 
 class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
@@ -122,14 +142,18 @@ def noted_version(reason: str) -> int:
 
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Versions 5 and 6 differ only in the Abort, which has no ``nonce`` before 7, and 5 also in the Welcome, which
-    has no ``liveness`` (their decoders refuse unknown fields); every other message is the same at 5, 6 and 7."""
+    Versions 5 and 6 differ from 7 in the Abort, which has no ``nonce`` before 7, and in the Welcome, which has no
+    ``writer_lease_s`` before 7 and no ``liveness`` before 6 (their decoders refuse unknown fields); every other
+    message is the same at 5, 6 and 7."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
     if version < 6 and isinstance(message, Welcome):
         fields = {f: getattr(message, f) for f in _WelcomeV5.__struct_fields__}
         return _WelcomeV5(**{**fields, "version": version})
+    if version < 7 and isinstance(message, Welcome):
+        fields = {f: getattr(message, f) for f in _WelcomeV6.__struct_fields__}
+        return _WelcomeV6(**{**fields, "version": version})
     if version < 7 and isinstance(message, Abort):
         return _AbortV6(**{f: getattr(message, f) for f in _AbortV6.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
@@ -522,6 +546,9 @@ class Codec:
             if envelope.version < 6 and isinstance(envelope.body, Welcome) and envelope.body.liveness:
                 raise ProtocolError(f"Welcome of protocol {envelope.version} names a liveness listener (a field "
                                     "of 6)")
+            if envelope.version < 7 and isinstance(envelope.body, Welcome) and (envelope.body.writer_lease_s
+                                                                                or envelope.body.lease_epoch):
+                raise ProtocolError(f"Welcome of protocol {envelope.version} names a writer lease (a field of 7)")
             if isinstance(envelope.body, (Hello, Welcome)) and envelope.body.version != envelope.version:
                 raise ProtocolError(f"{type(envelope.body).__name__} says version {envelope.body.version} in a "
                                     f"frame of version {envelope.version}")
@@ -587,6 +614,11 @@ def _check_ranges(message: Message) -> None:
                                            message.layer_count) < 0:
         raise ProtocolError(f"notice for room {message.room}: negative chunk, sender, size, item, layer or "
                             "offset field")
+    if isinstance(message, Welcome) and message.lease_epoch < 0:
+        raise ProtocolError(f"Welcome from {message.agent!r}: negative lease epoch {message.lease_epoch}")
+    if isinstance(message, Welcome) and not 0 <= message.writer_lease_s < math.inf:
+        raise ProtocolError(f"Welcome from {message.agent!r}: writer lease {message.writer_lease_s!r} s is not a "
+                            "finite number >= 0")
     if isinstance(message, (Hello, Welcome)):
         for buffers in message.buffers:
             for i, region in enumerate(buffers.regions):

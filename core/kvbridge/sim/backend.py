@@ -35,6 +35,7 @@ class SimWrite:
     writer: str                # backend uid of the writer
     target: str                # backend uid of the destination
     state: Poll
+    posted_at: float = 0.0
     delivery: Delivery | None = None
 
 
@@ -48,6 +49,9 @@ class SimNet:
         self.generation: dict[str, int] = {}
         #: called before a write's bytes are copied (the invariants check its pages); set by the simulator
         self.on_land: Callable[[SimWrite], None] | None = None
+        #: the fabric's flight bound: a write still in flight this long after its post is given up, never
+        #: delivered (an RDMA transport's retries running out); None: delivered whenever it arrives
+        self.flight_bound_s: float | None = None
 
     def add(self, backend: SimBackend, name: str) -> str:
         gen = self.generation[name] = self.generation.get(name, -1) + 1
@@ -97,16 +101,29 @@ class SimNet:
         if self.state.get(write.target) != UP:
             write.state = Poll.failed(f"sim: target {write.target} is gone")
             return
+        if self._given_up(write):
+            return
         if self.on_land is not None:
             self.on_land(write)
         plan = write.transfer.plan
         copy_descriptors(plan.src_addr, plan.dst_addr, plan.nbytes)
         write.state = Poll.done()
 
+    def _given_up(self, write: SimWrite) -> bool:
+        """Past the fabric's flight bound: the write fails without a byte landing."""
+        bound = self.flight_bound_s
+        if bound is None or self.world.now - write.posted_at <= bound:
+            return False
+        write.state = Poll.failed(f"sim: in flight {self.world.now - write.posted_at:.2f} s, past the fabric's "
+                                  f"bound of {bound} s: given up")
+        return True
+
     def fail(self, item: Delivery, landed: int) -> None:
         """The write fails after its first ``landed`` descriptors reached the target."""
         write: SimWrite = item.payload
         plan = write.transfer.plan
+        if self._given_up(write):
+            return
         if landed and self.state.get(write.target) == UP:
             if self.on_land is not None:
                 self.on_land(write)
@@ -153,10 +170,13 @@ class SimBackend:
         if tuple(transfer.dst.regions) != tuple(peer.component(transfer.component).regions):
             raise RegionError(f"sim: destination of {transfer.component!r} is not what {transfer.peer} registered")
         check_within(plan.dst_addr, plan.nbytes, transfer.dst.regions, f"destination ({transfer.component})")
-        write = SimWrite(transfer=transfer, writer=self.uid, target=peer.endpoint.decode(), state=Poll.pending())
+        write = SimWrite(transfer=transfer, writer=self.uid, target=peer.endpoint.decode(), state=Poll.pending(),
+                         posted_at=self.net.world.now)
         label = f"write room={transfer.room} {transfer.component} c{transfer.chunk}{' last' if transfer.last else ''}"
         world = self.net.world
         lag = world.rng.expovariate(1.0 / (5 * world.knobs.latency))     # a write is slower than a frame
+        if self.net.flight_bound_s is not None:      # such a fabric delivers within its bound, or never (a
+            lag = min(lag, self.net.flight_bound_s)  # partition, a killed writer's lingering queue)
         write.delivery = world.schedule(LAND, self.uid, write.target, label, write, delay=lag)
         return write
 

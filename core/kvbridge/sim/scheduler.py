@@ -19,6 +19,7 @@ from kvbridge.sim.world import FRAME, LAND, Delivery, Knobs, SimFailure, World
 TOPOLOGIES = ((1, 1), (2, 2), (2, 1), (1, 2), (4, 2))
 CONFIG = AgentConfig(heartbeat_interval_s=0.5, peer_timeout_s=2.0, bootstrap_timeout_s=4.0, waiting_timeout_s=4.0,
                      staging_bytes=0)
+FLIGHT_BOUND_S = 0.5
 FAULTS = ("pause", "kill", "partition", "drop", "dup", "write_fail")
 #: faults a test pins (``faults=``), never drawn by a seed (so every seed's schedule stays what it was): "drain"
 #: drains a prefill rank and closes it once drained (its goodbye, its backend's late notifications); its
@@ -74,8 +75,13 @@ class Simulation:
         config = AgentConfig(heartbeat_interval_s=CONFIG.heartbeat_interval_s, peer_timeout_s=CONFIG.peer_timeout_s,
                              bootstrap_timeout_s=CONFIG.bootstrap_timeout_s, waiting_timeout_s=CONFIG.waiting_timeout_s,
                              staging=s.staging if s.staging_bytes else "never", staging_bytes=s.staging_bytes,
-                             staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20)
+                             staging_piece_bytes=max(64, s.staging_bytes // 4) if s.staging_bytes else 1 << 20,
+                             write_flight_bound_s=FLIGHT_BOUND_S if seed % 2 else None)
         self.cluster = Cluster(self.world, s.pt, s.dt, config)
+        # odd seeds: a fabric whose transport gives a write up (never delivers it) once it was in flight longer
+        # than the bound the decodes are told, so they may fence a writer silent past its lease (the parity, not
+        # the seed's RNG, decides: every seed's schedule stays what it was)
+        self.cluster.net.flight_bound_s = config.write_flight_bound_s
         # a drained rank's closed backend loses or delays notifications: no schedule with it is lossless
         self.engine = Engine(self.cluster, lossless=not s.faults & {"drop", "kill", "pause", "partition", "drain"})
         self.fences = Fences(self.cluster, self.engine.opened_by)
