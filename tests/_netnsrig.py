@@ -80,7 +80,8 @@ def netns_unusable() -> str:
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    # a bound, not a budget: a Python start inside a namespace took over 30 s once on a loaded 2-core host
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=90)
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
     return done

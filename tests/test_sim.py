@@ -47,7 +47,13 @@ FIXED = [KnownBug(52, "request after its room ended"), KnownBug(736, "decode jud
          # issue 26: a drained prefill's Goodbye overtook the notice its backend still held, then the backend
          # closed (NIXL releases its agent): the decode failed a room whose every byte had landed
          KnownBug(2, "a planned shutdown's goodbye overtook the backend's last notice", faults=frozenset({"drain"})),
-         KnownBug(7, "a failed prefill room safe to reuse before its SAFE_TO_REUSE event (event check)")]
+         KnownBug(7, "a failed prefill room safe to reuse before its SAFE_TO_REUSE event (event check)"),
+         # issue 26, write leases: fenced at lease + the exit grace, a killed writer's write held in flight longer
+         # landed in reused pages (the fence needs the fabric's flight bound); and a lease renewed on a Hello
+         # failed that decode's rooms without telling it (a silent wait)
+         KnownBug(5256, "a write in flight past lease + grace landed after a lease fence"),
+         KnownBug(6372, "a write in flight past lease + grace landed after a lease fence (TP 2)"),
+         KnownBug(7213, "rooms failed on a renewed lease without telling the decode")]
 _KNOWN = {b.seed for b in KNOWN_BUGS if b.faults is None}
 
 
