@@ -1,8 +1,9 @@
 """The decode manager's recheck of a prefill server's topology, in one process against real bootstrap servers
 started one after another at the same port (agents and kvbridge receivers are stand-ins): an unreachable server
-changes nothing, a healthy one is never taken for a restart, a new server life retires the old agents once (also
-while its ranks are still registering), its complete topology is cached (another TP size included), an unusable one
-is refused with the reason; a receiver that never reached the old server reopens, one in flight fails with the
+changes nothing until it failed SGLang's heartbeat count in a row, then only its ranks kvbridge also found silent
+past their write lease (or, without one, the peer timeout) are declared gone; a healthy one is never taken for a
+restart, a new server life retires the old agents once (also while its ranks are still registering), its complete
+topology is cached (another TP size included), an unusable one is refused with the reason; a receiver that never reached the old server reopens, one in flight fails with the
 reason; retired agents close only once idle. Runs in .venv-sglang (SGLang's base classes)."""
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ def row(tp_rank, tp_size, page=4):
 
 class Rooms:
     def __init__(self): self.rooms = {}
+class Peers:
+    def __init__(self): self.peers = {}
+class Context:
+    def __init__(self):
+        self.lock, self.now = threading.RLock(), 1000.0
+        self.config = type("Config", (), {"peer_timeout_s": 10.0})()
+    def clock(self): return self.now
 class Agent:
-    def __init__(self, name): self.name, self.decode, self.closed = name, Rooms(), False
+    def __init__(self, name):
+        self.name, self.decode, self.closed = name, Rooms(), False
+        self.peers, self.context, self.declared = Peers(), Context(), []
     def close(self): self.closed = True
+    def declare_gone(self, agent): self.declared.append(agent)
 class Rx:
     """A kvbridge Receiver stand-in."""
     def __init__(self, status): self.status, self.aborted, self.cleared, self.safe_to_reuse = status, "", False, True
@@ -50,6 +61,7 @@ mgr.settings = Settings.from_env(env={"KVBRIDGE_BACKEND": "loopback", "KVBRIDGE_
 mgr._lock, mgr._closed, mgr._stop, mgr._watcher = threading.RLock(), False, threading.Event(), None
 mgr.agents, mgr.topologies, mgr.prefill_info_table, mgr.epochs, mgr.retired = {}, {}, {}, {}, {}
 mgr.restarts, mgr.page_size, mgr.pp_size, mgr.failure_records = 0, 4, 1, {}
+mgr._unreachable = {}
 import weakref
 mgr._receivers = weakref.WeakValueDictionary()
 mgr._watch = lambda: None       # the test drives _recheck itself
@@ -76,15 +88,30 @@ flight = receiver(2, KVPoll.Transferring, metadata=True)     # the old server wa
 old_rx_waiting, old_rx_flight = waiting._parts[0][2], flight._parts[0][2]
 old.decode.rooms = {1: 1, 2: 2}
 
-# the server is gone: nothing changes
+# the server is gone: nothing changes but SGLang's heartbeat count; once it failed twice in a row (SGLang's
+# default), the ranks kvbridge also found silent past their write lease are declared gone, no other
+from types import SimpleNamespace
+from kvbridge.protocol.states import PeerState
+now = old.context.now
+old.peers.peers = {
+    "talking": SimpleNamespace(agent="talking", state=PeerState.ALIVE, last_seen=now - 0.5, writer_lease_s=20.0),
+    "in-lease": SimpleNamespace(agent="in-lease", state=PeerState.SILENT, last_seen=now - 15.0, writer_lease_s=20.0),
+    "past": SimpleNamespace(agent="past", state=PeerState.SILENT, last_seen=now - 25.0, writer_lease_s=20.0),
+    "no-lease": SimpleNamespace(agent="no-lease", state=PeerState.SILENT, last_seen=now - 11.0, writer_lease_s=0.0)}
 a.close()
 mgr._recheck(addr)
 assert mgr.restarts == 0 and mgr.agents.get((addr, 0, 0)) is old and addr in mgr.prefill_info_table
+assert old.declared == [] and mgr._unreachable[addr] == 1, (old.declared, mgr._unreachable)
+mgr._recheck(addr)
+assert sorted(old.declared) == ["no-lease", "past"], old.declared
+assert mgr.restarts == 0 and mgr.agents.get((addr, 0, 0)) is old
+old.peers.peers, old.declared = {}, []
 
 # life B at the same port, its ranks still registering: the old agents are retired once, the cache dropped
 b = TopologyServer("127.0.0.1", port)
 bootstrap.register(addr, row(0, 2))
 mgr._recheck(addr)
+assert addr not in mgr._unreachable            # reachable again: the count starts over
 mgr._recheck(addr)
 assert mgr.restarts == 1 and old in mgr.retired and not mgr.agents, (mgr.restarts, mgr.retired, mgr.agents)
 assert addr not in mgr.prefill_info_table and "restarted" in mgr.retired[old][0]

@@ -41,6 +41,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvbridge.agent import Receiver, Sender, TransferAgent
 from kvbridge.errors import GeometryError, KVBridgeError
 from kvbridge.geometry import DeviceKind, MemoryRegion, PoolLayout
+from kvbridge.protocol.states import PeerState
 from kvbridge.protocol.wire import KVPoll as KVBridgePoll
 from kvbridge.protocol.wire import Role
 from kvbridge.zmq_link import ZmqLink
@@ -241,6 +242,7 @@ class KVBridgeKVManager(BaseKVManager):
         self.epochs: dict[str, str] = {}
         self.retired: dict[TransferAgent, tuple[str, float]] = {}     # agent -> (why, when)
         self.restarts = 0
+        self._unreachable: dict[str, int] = {}     # decode: failed topology fetches in a row, per server
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self.failure_records: dict[int, str] = {}
@@ -397,14 +399,21 @@ class KVBridgeKVManager(BaseKVManager):
     def _recheck(self, bootstrap_addr: str) -> None:
         """Fetch the server's topology again. Another server life (it restarted at the same host:port, maybe
         with another topology) retires what this decode holds of the old one and caches the new topology once
-        complete. An unreachable server changes nothing (a dead server's rooms fail by kvbridge's own peer
-        timeout or proof of its exit)."""
+        complete. An unreachable server's rooms fail by kvbridge's own peer timeout or proof of its exit; after
+        ``health_failures`` failed fetches in a row it is gone as SGLang judges it (its heartbeat), and its ranks
+        silent past their write lease are declared gone (:meth:`_declare_gone`)."""
         try:
             answer = bootstrap.fetch(bootstrap_addr, secret=self.settings.secret,
                                      timeout_s=min(2.0, self.settings.topology_recheck_s))
         except Exception as exc:   # noqa: BLE001 - down or restarting: try again next time
             log.debug("kvbridge-sglang: rechecking %s: %s", bootstrap_addr, exc)
+            with self._lock:
+                failed = self._unreachable[bootstrap_addr] = self._unreachable.get(bootstrap_addr, 0) + 1
+            if failed >= self.settings.health_failures:
+                self._declare_gone(bootstrap_addr, f"{failed} failed fetches in a row ({exc})")
             return
+        with self._lock:
+            self._unreachable.pop(bootstrap_addr, None)
         epoch = str(answer.get("epoch", ""))
         try:
             topo = Topology.parse(answer)
@@ -424,6 +433,28 @@ class KVBridgeKVManager(BaseKVManager):
                 cached = None
             if cached is None and topo is not None:
                 self._install(bootstrap_addr, topo, epoch)
+
+    def _declare_gone(self, bootstrap_addr: str, why: str) -> None:
+        """The prefill server at ``bootstrap_addr`` is gone as SGLang's heartbeat judges it: each of its ranks that
+        kvbridge also found silent, for longer than its write lease (it posts nothing more to us: docs/integrity.md)
+        or, without a lease, the peer timeout, is declared gone, and the rooms it was writing become safe to reuse
+        (a dead host or a partition leaves no other proof; SGLang itself releases those requests' KV then).
+        A rank still talking is never declared gone, whatever the HTTP server says."""
+        with self._lock:
+            agents = [agent for key, agent in self.agents.items() if key[0] == bootstrap_addr]
+            agents += [agent for agent in self.retired if agent.decode is not None and agent.decode.rooms]
+        for agent in agents:
+            timeout = agent.context.config.peer_timeout_s
+            with agent.context.lock:
+                now = agent.context.clock()
+                silent = [peer for peer in agent.peers.peers.values()
+                          if peer.state is PeerState.SILENT
+                          and now - peer.last_seen >= max(peer.writer_lease_s, timeout)]
+                for peer in silent:
+                    log.warning("kvbridge-sglang: prefill rank %s of %s declared gone: the server is unreachable "
+                                "(%s) and the rank silent for %.1f s", peer.agent, bootstrap_addr, why,
+                                now - peer.last_seen)
+                    agent.declare_gone(peer.agent)
 
     def _close_retired(self, *, idle_only: bool) -> None:
         """Close retired agents; ``idle_only``: those without rooms (one may still be fenced) retired at least one

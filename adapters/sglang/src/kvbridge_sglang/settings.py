@@ -17,7 +17,10 @@ this adapter only changes some defaults to SGLang's and adds the keys SGLang nee
 | ``KVBRIDGE_SWA_WINDOW`` | unset (no bound) | the model's sliding window in tokens (both sides must agree) |
 | ``KVBRIDGE_DEVICE`` | ``auto`` | ``cpu`` or ``cuda``: where KV and state pointers live (auto: cuda if available) |
 | ``KVBRIDGE_TOPOLOGY_RECHECK_S`` | 2 | decode: how often each prefill server's topology is fetched again (a server |
-| | | restarted at the same address is found within this long) |
+| | | restarted at the same address is found within this long); SGLang's heartbeat to that server |
+| ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` | 2 (floor 1, as SGLang) | decode: after this many failed fetches |
+| | | in a row the server is gone, as SGLang judges it: its ranks that are also silent past their write |
+| | | lease are declared gone (``declare_gone``: their rooms become safe to reuse) |
 
 Every other agent option keeps kvbridge's default (the table in kvbridge's README, "Configuration").
 """
@@ -46,12 +49,13 @@ _ALIASES = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_s",
 
 class SGLangOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """What only this adapter reads (``KVBRIDGE_HOST``, ``KVBRIDGE_SWA_WINDOW``, ``KVBRIDGE_DEVICE``,
-    ``KVBRIDGE_TOPOLOGY_RECHECK_S``)."""
+    ``KVBRIDGE_TOPOLOGY_RECHECK_S``, SGLang's ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE``)."""
 
     host: str = "127.0.0.1"
     swa_window: Annotated[int, msgspec.Meta(gt=0)] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     topology_recheck_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 2.0
+    health_failures: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
 
 
 def default_backend() -> str:
@@ -90,11 +94,16 @@ class Settings(AdapterSettings):
                "swa_window": env.get("KVBRIDGE_SWA_WINDOW") or None, "device": env.get("KVBRIDGE_DEVICE") or "auto"}
         if env.get("KVBRIDGE_TOPOLOGY_RECHECK_S"):
             own["topology_recheck_s"] = env["KVBRIDGE_TOPOLOGY_RECHECK_S"]
+        failures = env.get("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
+        if failures:                               # SGLang floors it at 1
+            own["health_failures"] = str(max(1, int(failures))) if failures.strip().lstrip("-").isdigit() \
+                else failures
         try:
             agent = load_settings(env=env, check_backend=False, defaults=defaults, sources=sources, **aliased)
             options = parse_options(SGLangOptions, own, "kvbridge-sglang setting",
                                     {"swa_window": "KVBRIDGE_SWA_WINDOW", "device": "KVBRIDGE_DEVICE",
-                                     "host": "KVBRIDGE_HOST", "topology_recheck_s": "KVBRIDGE_TOPOLOGY_RECHECK_S"})
+                                     "host": "KVBRIDGE_HOST", "topology_recheck_s": "KVBRIDGE_TOPOLOGY_RECHECK_S",
+                                     "health_failures": "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"})
         except SettingsError as exc:
             raise SettingsError(f"kvbridge-sglang: {exc}") from None
         return cls(agent=agent, options=options)
@@ -124,6 +133,10 @@ class Settings(AdapterSettings):
     @property
     def topology_recheck_s(self) -> float:
         return self.options.topology_recheck_s
+
+    @property
+    def health_failures(self) -> int:
+        return self.options.health_failures
 
     @property
     def staging_bytes(self) -> int:
