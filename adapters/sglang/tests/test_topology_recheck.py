@@ -1,10 +1,11 @@
-"""The decode manager's recheck of a prefill server's topology, in one process against real bootstrap servers
-started one after another at the same port (agents and kvbridge receivers are stand-ins): an unreachable server
-changes nothing until it failed SGLang's heartbeat count in a row, then only its ranks kvbridge also found silent
-past their write lease (or, without one, the peer timeout) are declared gone; a healthy one is never taken for a
-restart, a new server life retires the old agents once (also while its ranks are still registering), its complete
-topology is cached (another TP size included), an unusable one is refused with the reason; a receiver that never reached the old server reopens, one in flight fails with the
-reason; retired agents close only once idle. Runs in .venv-sglang (SGLang's base classes)."""
+"""The decode manager's recheck of a prefill server's topology, in one process against real bootstrap servers started
+one after another at the same port (agents and kvbridge receivers are stand-ins): an unreachable server changes
+nothing until it failed SGLang's heartbeat count in a row, then only its ranks kvbridge also found silent past their
+write lease (or, without one, the peer timeout) are declared gone; a healthy one is never taken for a restart, a new
+server life retires the old agents once (also while its ranks are still registering), its complete topology is
+cached (another TP size included), an unusable one is refused with the reason; a receiver that never reached the old
+server reopens, one in flight fails with the reason; retired agents close only once idle. Runs in .venv-sglang
+(SGLang's base classes)."""
 
 from __future__ import annotations
 
