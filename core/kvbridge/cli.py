@@ -101,6 +101,15 @@ def _demo(args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from kvbridge.doctor import exit_status, run_checks
+
+    findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks)
+    for finding in findings:
+        print(finding.line())
+    return exit_status(findings)
+
+
 def _not_installed(name: str, dist: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         print(f"kvbridge {name}: the {name!r} command comes with the {dist} distribution, which is not installed "
@@ -165,7 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the ranks' Prometheus metrics on 127.0.0.1:N while the demo runs "
                         "(needs kvbridge[metrics])")
     d.set_defaults(func=_demo)
-    _add_commands(sub, {"plugins", "demo"})
+    doc = sub.add_parser("doctor", help="check this host (and a bootstrap server) for what makes transfers slow or "
+                                        "fail; exit status 1 on a warning, 2 on an error")
+    doc.add_argument("--bootstrap", default=None, metavar="tcp://HOST:PORT",
+                     help="a kvbridge bootstrap server: is it reachable, and how far is its clock from ours")
+    doc.add_argument("--ranks", type=int, default=1, help="ranks this host runs (each with its staging area)")
+    doc.set_defaults(func=_doctor)
+    _add_commands(sub, {"plugins", "demo", "doctor"})
     return parser
 
 

@@ -121,6 +121,19 @@ class _Watch(msgspec.Struct, frozen=True, tag="watch", kw_only=True):
     time: float = 0.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClockProbe:
+    """A bootstrap server's wall clock against ours (:meth:`ZmqBootstrap.clock_probe`): ``offset_s`` is its clock
+    minus ours (None when not measured, with ``error``); ``refused``: it refused our request as stale (the offset
+    is the one it measured, ``window_s`` its window)."""
+
+    offset_s: float | None = None
+    rtt_s: float = 0.0
+    window_s: float = 0.0
+    refused: bool = False
+    error: str = ""
+
+
 class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     info: InstanceInfo | None
     error: str = ""
@@ -131,6 +144,7 @@ class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     reset: bool = False    # the server cannot tell what changed since (restart, log overrun): a snapshot
     skew_s: float = 0.0    # refused as stale: the request's time minus the server's clock (0: not refused so)
     window_s: float = 0.0  # ... and the server's window (its clock_window_s)
+    server_time: float = 0.0  # the server's wall clock as it answered (`kvbridge doctor` measures the offset)
 
 
 _Request = _Publish | _Lookup | _Withdraw | _Watch
@@ -306,7 +320,7 @@ class BootstrapServer:
         self._reply(ident, answer, nonce)
 
     def _reply(self, ident: bytes, answer: _Answer, nonce: bytes) -> None:
-        body = msgspec.msgpack.encode(msgspec.structs.replace(answer, nonce=nonce))
+        body = msgspec.msgpack.encode(msgspec.structs.replace(answer, nonce=nonce, server_time=self._clock()))
         try:
             self._sock.send_multipart([ident, b"", seal(self._secret, b"bootstrap-answer", body)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -578,6 +592,22 @@ class ZmqBootstrap:
         if answer.error and not answer.skew_s:       # a skew is logged once a minute by _ask
             log.warning("bootstrap lookup of %r failed: %s", instance, answer.error)
         return answer.info
+
+    def clock_probe(self) -> ClockProbe:
+        """Ask the server its wall clock (a lookup of no instance): its offset from ours, within half the round
+        trip, or why it cannot be measured (no answer; refused, with the skew the server measured)."""
+        sent = self._clock()
+        answer = self._ask(_Lookup(instance=""))
+        received = self._clock()
+        rtt = received - sent
+        if answer.skew_s:
+            return ClockProbe(offset_s=-answer.skew_s, rtt_s=rtt, window_s=answer.window_s, refused=True,
+                              error=answer.error)
+        if answer.error and not answer.server_time:
+            return ClockProbe(rtt_s=rtt, error=answer.error)
+        if not answer.server_time:
+            return ClockProbe(rtt_s=rtt, error="the server names no time (an older release)")
+        return ClockProbe(offset_s=answer.server_time - (sent + received) / 2, rtt_s=rtt)
 
     def watch(self, instance: str | None = None) -> _BootstrapWatch:
         return _BootstrapWatch(self, instance or "")

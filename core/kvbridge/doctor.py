@@ -1,0 +1,201 @@
+"""``kvbridge doctor``: what will make this host slow or fail before traffic arrives, one finding per line with
+what to do, and an exit status by the worst finding (0 ok, 1 warning, 2 error).
+
+Checks: the settings (validated as every rank validates them), the configured backend installed and usable,
+``/dev/shm`` free space against the staging areas of the ranks this host runs, the locked-memory limit RDMA
+registration needs, CUDA devices and their peer access, and, given a bootstrap server, that it answers and how
+far its clock is from ours against the authenticated time window (``clock_window_s``)::
+
+    $ kvbridge doctor --bootstrap tcp://10.0.0.5:17500 --ranks 8
+    ok       settings   valid (backend nixl, staging 32 MiB per rank, clock window 60 s)
+    warning  memlock    ulimit -l is 64 KiB, below one staging area (32 MiB): NIXL (UCX) and Mooncake ...
+    error    clock      the bootstrap server's clock is +75.2 s from ours (+- 0.001 s), outside ...
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import resource
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Finding", "Severity", "exit_status", "run_checks"]
+
+
+class Severity(enum.Enum):
+    """How bad a finding is; the command's exit status is the worst one's ``exit_code``."""
+
+    OK = "ok"
+    INFO = "info"            # worth knowing, nothing to fix (counts as ok)
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def exit_code(self) -> int:
+        return {"warning": 1, "error": 2}.get(self.value, 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    severity: Severity
+    check: str
+    text: str
+
+    def line(self) -> str:
+        return f"{self.severity.value:<8} {self.check:<10} {self.text}"
+
+
+def exit_status(findings: Sequence[Finding]) -> int:
+    return max((f.severity.exit_code for f in findings), default=0)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.0f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.0f} KiB"
+
+
+def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = "/dev/shm",
+               env: Mapping[str, str] | None = None) -> list[Finding]:
+    """Every check, in order; a check that cannot run says why (an error of its own never stops the others)."""
+    from kvbridge.settings import Settings, SettingsError, load_settings
+
+    environ = dict(os.environ if env is None else env)
+    findings: list[Finding] = []
+    try:
+        settings: Settings | None = load_settings(env=environ)
+    except SettingsError as exc:
+        findings.append(Finding(severity=Severity.ERROR, check="settings", text=f"{exc}: every rank refuses to start "
+                                                                              "with it; fix the variable or file"))
+        settings = None
+    checks: list[Callable[[], Iterator[Finding]]] = []
+    if settings is not None:
+        s = settings
+        findings.append(Finding(severity=Severity.OK, check="settings",
+                                text=f"valid (backend {s.backend or 'auto'}, staging {_mib(s.staging_bytes)} per rank, "
+                                     f"clock window {s.clock_window_s:g} s)"))
+        checks += [lambda: _backend(s.backend), lambda: _shm(s.staging_bytes, ranks, shm_path),
+                   lambda: _memlock(s.staging_bytes, s.backend)]
+    checks.append(_cuda)
+    if bootstrap:
+        window = settings.clock_window_s if settings is not None else 60.0
+        secret = settings.secret.encode() if settings is not None and settings.secret else None
+        checks.append(lambda: _bootstrap(bootstrap, secret, window))
+    for check in checks:
+        try:
+            findings.extend(check())
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            findings.append(Finding(severity=Severity.WARNING, check="doctor",
+                                    text=f"a check could not run: {type(exc).__name__}: {exc}"))
+    return findings
+
+
+def _backend(wanted: str) -> Iterator[Finding]:
+    from kvbridge.registry import Registry
+
+    registry = Registry.build()
+    usable = registry.backend_names(available_only=True)
+    records = {r.name: r for r in registry.records()}
+    if not wanted:
+        yield Finding(severity=Severity.OK, check="backend", text=f"usable here: {', '.join(usable) or 'none'}")
+        return
+    if wanted in usable:
+        yield Finding(severity=Severity.OK, check="backend", text=f"{wanted} is installed and usable here")
+        return
+    record = records.get(wanted)
+    why = " ".join(record.reason.split()) if record is not None else "not installed"
+    hint = f" (hint: {record.hint})" if record is not None and record.hint else ""
+    yield Finding(severity=Severity.ERROR, check="backend",
+                  text=f"the configured backend {wanted!r} cannot run here: {why}{hint}; usable: "
+                       f"{', '.join(usable) or 'none'} (kvbridge plugins lists them)")
+
+
+def _shm(staging_bytes: int, ranks: int, path: str) -> Iterator[Finding]:
+    if not os.path.isdir(path):
+        yield Finding(severity=Severity.WARNING, check="shm", text=f"{path} does not exist: host staging areas and "
+                                                                   "the demo's pools live there")
+        return
+    free = shutil.disk_usage(path).free
+    need = staging_bytes * max(1, ranks)
+    if free < need:
+        yield Finding(severity=Severity.ERROR, check="shm",
+                      text=f"{path} has {_mib(free)} free, {ranks} rank(s) x {_mib(staging_bytes)} of host staging "
+                           f"need {_mib(need)}: a rank fails to create its staging area (raise the tmpfs size, e.g. "
+                           "docker --shm-size, or lower staging_bytes)")
+    else:
+        yield Finding(severity=Severity.OK, check="shm", text=f"{path} has {_mib(free)} free for {_mib(need)} of "
+                                                               "host staging")
+
+
+def _memlock(staging_bytes: int, backend: str) -> Iterator[Finding]:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        yield Finding(severity=Severity.OK, check="memlock", text="ulimit -l is unlimited")
+        return
+    if soft < staging_bytes:
+        rdma = backend in ("", "nixl", "mooncake")
+        yield Finding(severity=Severity.WARNING if rdma else Severity.INFO, check="memlock",
+                      text=f"ulimit -l is {_mib(soft)}, below one staging area ({_mib(staging_bytes)}): NIXL (UCX) and "
+                           "Mooncake over RDMA pin registered host memory and fail or fall back to slower paths; "
+                           "raise it (ulimit -l unlimited, LimitMEMLOCK=infinity, docker --ulimit memlock=-1)")
+    else:
+        yield Finding(severity=Severity.OK, check="memlock", text=f"ulimit -l is {_mib(soft)}")
+
+
+def _cuda() -> Iterator[Finding]:
+    import importlib.util
+    import sys
+
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+        yield Finding(severity=Severity.INFO, check="cuda", text="torch is not installed: host memory only")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        yield Finding(severity=Severity.INFO, check="cuda", text="no CUDA device here: host memory only")
+        return
+    count = torch.cuda.device_count()
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
+    yield Finding(severity=Severity.OK, check="cuda", text=f"{count} device(s): {names}")
+    blocked = [(a, b) for a in range(count) for b in range(count) if a != b
+               and not torch.cuda.can_device_access_peer(a, b)]
+    if blocked:
+        pairs = ", ".join(f"{a}->{b}" for a, b in blocked[:8])
+        yield Finding(severity=Severity.WARNING, check="cuda",
+                      text=f"no peer access between GPUs {pairs}: transfers between them go through host memory "
+                           "(UCX cuda_copy), several times slower than NVLink or PCIe peer-to-peer; check the "
+                           "topology (nvidia-smi topo -m) and IOMMU/ACS settings")
+    elif count > 1:
+        yield Finding(severity=Severity.OK, check="cuda", text="every GPU pair has peer access")
+
+
+def _bootstrap(url: str, secret: bytes | None, window_s: float) -> Iterator[Finding]:
+    from kvbridge.zmq_link import ZmqBootstrap
+
+    client = ZmqBootstrap(url, secret=secret, timeout_s=2.0, republish_s=0.0)
+    try:
+        probes = [client.clock_probe()]
+        while len(probes) < 3 and probes[-1].offset_s is not None and not probes[-1].refused:
+            probes.append(client.clock_probe())       # the fastest round trip bounds the offset best
+    finally:
+        client.close()
+    probe = min(probes, key=lambda p: (p.offset_s is None, p.rtt_s))
+    if probe.offset_s is None:
+        yield Finding(severity=Severity.ERROR, check="bootstrap",
+                      text=f"{url} cannot be used: {probe.error}; check the address, the port's firewall and "
+                           "that the server runs (and, with a secret, that both sides have the same one)")
+        return
+    yield Finding(severity=Severity.OK, check="bootstrap", text=f"{url} answers in {probe.rtt_s * 1000:.1f} ms")
+    offset, window = probe.offset_s, probe.window_s or window_s
+    where = f"the bootstrap server's clock is {offset:+.1f} s from ours (+- {probe.rtt_s / 2:.3f} s)"
+    if probe.refused or abs(offset) >= window:
+        yield Finding(severity=Severity.ERROR, check="clock",
+                      text=f"{where}, outside clock_window_s={window:g}: with a secret, every publication, lookup and "
+                           "watch of this host is refused as stale; synchronise the clocks (NTP/chrony) or raise "
+                           "KVBRIDGE_CLOCK_WINDOW_S on the server")
+    elif abs(offset) >= window / 4:
+        yield Finding(severity=Severity.WARNING, check="clock",
+                      text=f"{where}, inside clock_window_s={window:g} but over a quarter of it: a little more drift "
+                           "and this host is refused; synchronise the clocks (NTP/chrony)")
+    else:
+        yield Finding(severity=Severity.OK, check="clock", text=f"{where}, well inside clock_window_s={window:g}")

@@ -1,0 +1,133 @@
+"""``kvbridge doctor`` reports what it must, each with what to do, and exits by the worst finding: a bootstrap
+server whose clock is skewed (in a child process, with and without a secret), an unreachable one, a tiny
+locked-memory limit (a child with ``RLIMIT_MEMLOCK`` lowered), a /dev/shm too small for the staging areas,
+settings every rank would refuse, a backend that cannot run here."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.doctor import Finding, Severity, exit_status, run_checks
+
+SECRET = "doctor-suite-shared-secret-0123"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def server() -> Iterator[object]:
+    """``start(offset_s, secret)``: a bootstrap server in a child process whose wall clock is ``offset_s`` ahead."""
+    children: list[subprocess.Popen[str]] = []
+
+    def start(offset_s: float, secret: str = "") -> str:
+        url = f"tcp://127.0.0.1:{_free_port()}"
+        code = textwrap.dedent(f"""
+            import sys, time
+            from kvbridge.zmq_link import BootstrapServer
+            server = BootstrapServer({url!r}, secret={secret.encode()!r} or None,
+                                     clock=lambda: time.time() + {offset_s}).start()
+            print("up", flush=True)
+            sys.stdin.read()
+        """)
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        children.append(child)
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        return url
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    env.update(extra)
+    return env
+
+
+def _by(findings: list[Finding], check: str) -> list[Finding]:
+    return [f for f in findings if f.check == check]
+
+
+def test_a_healthy_server_and_clock_are_ok(server: object) -> None:
+    url = server(0.0, SECRET)  # type: ignore[operator]
+    findings = run_checks(bootstrap=url, env=_env(KVBRIDGE_SECRET=SECRET))
+    clock = _by(findings, "clock")
+    assert clock and clock[0].severity is Severity.OK and "well inside" in clock[0].text, clock
+    assert _by(findings, "bootstrap")[0].severity is Severity.OK
+
+
+@pytest.mark.parametrize("secret", ["", SECRET], ids=["no-secret", "secret"])
+def test_a_skewed_server_clock_is_an_error_naming_the_offset_and_the_window(server: object, secret: str) -> None:
+    url = server(120.0, secret)  # type: ignore[operator]
+    findings = run_checks(bootstrap=url, env=_env(KVBRIDGE_SECRET=secret) if secret else _env())
+    clock = _by(findings, "clock")
+    assert clock and clock[0].severity is Severity.ERROR, findings
+    text = clock[0].text
+    assert "+12" in text and "clock_window_s=60" in text and "NTP" in text, text
+    assert exit_status(findings) == 2
+
+
+def test_a_drifting_clock_inside_the_window_is_a_warning(server: object) -> None:
+    url = server(-20.0)  # type: ignore[operator]
+    clock = _by(run_checks(bootstrap=url, env=_env()), "clock")
+    assert clock and clock[0].severity is Severity.WARNING, clock
+    offset = float(re.search(r"clock is ([-+][0-9.]+) s", clock[0].text).group(1))  # type: ignore[union-attr]
+    assert abs(offset + 20.0) < 1.0, clock[0].text
+
+
+def test_an_unreachable_bootstrap_server_is_an_error() -> None:
+    started = time.monotonic()
+    findings = run_checks(bootstrap=f"tcp://127.0.0.1:{_free_port()}", env=_env())
+    found = _by(findings, "bootstrap")
+    assert found and found[0].severity is Severity.ERROR and "did not answer" in found[0].text, found
+    assert time.monotonic() - started < 15
+
+
+def test_a_tiny_memlock_limit_is_reported_by_the_command() -> None:
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+
+    done = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=lower, env=_env(KVBRIDGE_BACKEND="loopback"))
+    lines = [line for line in done.stdout.splitlines() if " memlock " in f" {line} "]
+    assert lines and "64 KiB" in lines[0] and "ulimit -l unlimited" in lines[0], done.stdout + done.stderr
+    # loopback does not pin memory: worth knowing, nothing to fix
+    assert lines[0].startswith("info"), lines
+
+
+def test_a_small_shm_for_the_staging_areas_is_an_error(tmp_path: Path) -> None:
+    findings = run_checks(ranks=8, shm_path=str(tmp_path), env=_env(KVBRIDGE_STAGING_BYTES=str(1 << 46)))
+    shm = _by(findings, "shm")
+    assert shm and shm[0].severity is Severity.ERROR and "8 rank(s)" in shm[0].text and "--shm-size" in shm[0].text
+
+
+def test_settings_every_rank_refuses_are_an_error_and_the_command_exits_2() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor"], capture_output=True, text=True,
+                          timeout=120, env=_env(KVBRIDGE_PEER_TIMEOUT_S="nan"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.startswith("error    settings") and "peer_timeout_s" in done.stdout, done.stdout
+
+
+def test_a_backend_that_cannot_run_here_is_an_error() -> None:
+    findings = run_checks(env=_env(KVBRIDGE_BACKEND="mori"))
+    backend = _by(findings, "backend")
+    assert backend and backend[0].severity is Severity.ERROR and "'mori'" in backend[0].text, findings
