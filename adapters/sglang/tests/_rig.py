@@ -186,9 +186,10 @@ def zygote() -> Zygote:
 
 def runtime_key(key: str) -> bool:
     """An environment variable read only after a rank started: kvbridge's settings (not ``KVBRIDGE_LOG`` nor the
-    shm run tag, read at import) and pytest's name of the current test (it changes every test)."""
-    if key == "PYTEST_CURRENT_TEST":
-        return True
+    shm run tag, read at import), the SGLang heartbeat count the adapter reads, and pytest's name of the current
+    test (it changes every test)."""
+    if key in ("PYTEST_CURRENT_TEST", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"):
+        return True            # the second: read by the adapter's decode manager (SGLang's own one is replaced)
     return key.startswith("KVBRIDGE_") and key not in ("KVBRIDGE_LOG", RUN_ENV)
 
 

@@ -67,7 +67,9 @@ def test_prefill_sigstop_past_timeout_then_sigcont(tmp_path: Path, monkeypatch: 
     base = scenario(requests=4)
     victim = _victim(base, range(0, 4))
     sc = scenario(requests=4, adv={"watch_s": 6.0, "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "stop"}})
-    run = Run(sc, tmp_path, env=ENV)
+    # SGLang's heartbeat must not judge the stopped server gone here (the next test): only the writer's
+    # acknowledgement after SIGCONT can fence the room
+    run = Run(sc, tmp_path, env={**ENV, "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
     k = str(victim)
     try:
         dec = _wait(run, DEC, lambda res: k in res.get("failed", {}), 150)
@@ -90,6 +92,37 @@ def test_prefill_sigstop_past_timeout_then_sigcont(tmp_path: Path, monkeypatch: 
     assert not dec["raised"], dec["raised"]
     assert dec["status"].get(k, "").startswith("failed")
     _ = others
+
+
+def test_a_prefill_stopped_past_its_lease_with_its_server_unreachable_is_declared_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's heartbeat judgement: the prefill process (its bootstrap server with it) stops mid-request; after
+    two failed topology fetches and once the rank was silent past its write lease (twice the 3 s peer timeout),
+    the adapter declares it gone and the room is release-safe while it is still stopped, never before the
+    lease ran out. After SIGCONT the writer's own lease has run out: not one byte changes in the room's pages."""
+    need_sglang()
+    monkeypatch.setattr(_rig, "DRIVER", DRV)
+    base = scenario(requests=4)
+    victim = _victim(base, range(0, 4))
+    sc = scenario(requests=4, adv={"watch_s": 6.0, "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "stop"}})
+    run = Run(sc, tmp_path, env={**ENV, "KVBRIDGE_TOPOLOGY_RECHECK_S": "0.5"})
+    k = str(victim)
+    try:
+        dec = _wait(run, DEC, lambda res: victim in res.get("safe", []), 60)
+        assert victim in dec.get("safe", []), f"never release-safe while stopped\n{run.log(DEC)}\n{run.log(PRE)}"
+        assert dec["safe_at"][k] - dec["failed_at"][k] >= 6.0 - 3.0 - 0.5, "safe before the writer's lease ran out"
+        assert "declared gone" in run.log(DEC), run.log(DEC)
+        time.sleep(0.5)
+        run.signal(PRE, signal.SIGCONT)
+        results = run.wait(200)
+    finally:
+        run.kill()
+    dec, pre = results[DEC], results[PRE]
+    assert pre.get("resumed_at"), run.log(PRE)
+    assert dec.get("done"), dec.get("exception")
+    assert not dec["late"], f"writes landed after is_abort_release_safe: {dec['late']}"
+    assert dec["status"].get(k, "").startswith("failed")
+    assert not dec["raised"], dec["raised"]
 
 
 @pytest.mark.parametrize("stage", [0, 1])
