@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Set up everything kvbridge needs on a fresh Debian/Ubuntu host: system library, venv, engines, plugins.
 # Idempotent: a second run only checks what is there.
+#
+#   ./scripts/setup.sh          everything the tests need: .venv, and the vLLM and SGLang venvs (~8 GB)
+#   ./scripts/setup.sh --core   kvbridge, its plugins and transfer engines in .venv only: what `kvbridge demo`
+#                               needs (~1.8 GB, a few minutes on a fresh machine); the full run adds the rest later
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CORE_ONLY=0
+case "${1:-}" in
+  --core) CORE_ONLY=1 ;;
+  "") ;;
+  *) echo "scripts/setup.sh: unknown argument '$1' (--core: only what kvbridge demo needs)" >&2; exit 2 ;;
+esac
 
 # The three venvs take ~8 GB (.venv 1.8, .venv-vllm 2.9, .venv-sglang 3.1) plus pip's temporary unpacking: say
 # so up front instead of failing half-way with "No space left on device" (a CI run once did, 43 s in).
@@ -10,7 +20,7 @@ export PIP_NO_CACHE_DIR=1          # wheels are installed once; a cache would do
 # pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (as on the CI host) Python
 # never caches what it compiles, and every test process would compile torch, vLLM or SGLang again (a run without
 # compiled wheels took minutes longer).
-if [ ! -d .venv-sglang ]; then
+if [ "$CORE_ONLY" = 0 ] && [ ! -d .venv-sglang ]; then
   free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
   if [ "${free_kib:-0}" -lt $((9 * 1024 * 1024)) ]; then
     echo "scripts/setup.sh: $(pwd) has $((free_kib / 1024)) MiB free; the venvs need about 9 GiB (free some" \
@@ -28,7 +38,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
 fi
 # etcd for kvbridge-etcd's tests (a real server the tests start on free ports; its Python client, etcd3gw,
 # comes with the plugin below).
-if ! command -v etcd >/dev/null 2>&1; then
+if [ "$CORE_ONLY" = 0 ] && ! command -v etcd >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
@@ -109,6 +119,13 @@ sglang_deps() {
   .venv-sglang/bin/python -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null \
     || .venv-sglang/bin/python -m pip install -q --disable-pip-version-check 'setuptools>=68'
 }
+
+if [ "$CORE_ONLY" = 1 ]; then
+  start=$SECONDS
+  main_deps
+  echo "scripts/setup.sh: --core (kvbridge, plugins, engines in .venv) took $((SECONDS - start)) s"
+  exit 0
+fi
 
 logs=$(mktemp -d)
 pids=()
