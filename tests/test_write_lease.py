@@ -186,3 +186,33 @@ def test_without_a_flight_bound_silence_past_the_lease_still_proves_nothing() ->
     finally:
         pre.close()
         dec.close()
+
+
+def test_a_request_queued_before_its_sender_is_never_written_under_a_newer_lease(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """An adversarial pass's finding: the decode's request waited for the prefill's sender() (an early request),
+    the prefill stopped past its lease, the decode fenced the room and its abort was lost, then the pair shook
+    hands anew and the decode gave the pages to another room. The old request survived the lease reset, and the
+    late sender() wrote it into the new room's pages. Now the reset fails the early room too."""
+    pre, dec, clock = pair
+    assert pre.prefill is not None and dec.decode is not None
+    receiver = dec.receiver(7, "inst")
+    receiver.send_metadata({"kv": np.array([3, 4])})
+    _run(clock, 0.2, pre, dec)
+    assert 7 in pre.prefill._early
+    _run(clock, TIMEOUT_S + LEASE_S + FLIGHT_BOUND_S + 0.5, dec, until=lambda: dec.decode.safe_to_reuse(7))
+    assert dec.decode.safe_to_reuse(7)
+    assert pre.link.recv(0.0)                          # the abort was lost with everything else
+    receiver.clear()
+    receiver2 = dec.receiver(17, "inst")               # the same pages, another room
+    receiver2.send_metadata({"kv": np.array([3, 4])})
+    _run(clock, 0.1, dec)
+    _run(clock, 2.0, pre, dec, until=lambda: receiver2.poll() is KVPoll.WaitingForInput)
+    assert receiver2.poll() is KVPoll.WaitingForInput and dec.peers.peers["p0"].lease_epoch == 2
+    late = pre.sender(7)                               # the engine gets to the old request only now
+    _run(clock, 0.3, pre, dec)
+    if late.poll() is KVPoll.WaitingForInput:
+        late.send(np.array([3, 4]), last=True)
+        _run(clock, 1.0, pre, dec)
+    assert late.poll() is KVPoll.Failed, late.poll()
+    assert pre.prefill.rooms[7].nbytes == 0 and not _landed(dec, [3, 4])

@@ -592,10 +592,14 @@ class PrefillSide(RoomTable[SendRoom]):
             self._unqueue(room_id, peer.agent)
 
     def _lease_reset(self, peer: Peer, reason: str) -> None:
-        """Our write lease to ``peer`` ran out and a new one begins: its rooms fail (it hears of each)."""
+        """Our write lease to ``peer`` ran out and a new one begins: its rooms fail (it hears of each), and so do
+        the rooms its requests wait for whose sender() has not come yet: a request made under the old lease must
+        never be written under the new one (the decode may have handed its pages to another room meanwhile)."""
         for room in self.rooms.values():
             if peer.agent in room.requests and room.incarnations.get(peer.agent) == peer.incarnation:
                 self._fail(room, reason)
+        for room_id in list(self._early_by_agent.get(peer.agent, ())):
+            self._remember_abort(room_id, reason)
 
     def _peer_revived(self, peer: Peer) -> None:
         """A decode judged dead by silence spoke again: the rooms that failed meanwhile were never told to it
