@@ -273,3 +273,16 @@ def test_rejected_frames_are_exported_per_agent() -> None:
         while exported() < 300 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert dec.rejected_frames == 300 and exported() == 300
+
+
+def test_peer_death_reasons_are_bounded_labels_naming_the_cause() -> None:
+    """The death label is the cause, not the peer (it was "peer <name> at tcp": cut at the address's colon)."""
+    from kvbridge.metrics import _death_class
+
+    cases = {"peer p0 at tcp://127.0.0.1:5 is gone (no message for 3.0 s)": "no message for s",
+             "peer p7 at tcp://h:1 is gone (exited: its kernel closed our liveness connection)": "exited",
+             "peer p0 declared gone by the engine": "declared gone by the engine",
+             "peer x at tcp://h:1 is gone (restarted as incarnation 0xabc12)": "restarted as incarnation",
+             "peer p0 at tcp://h:1 is gone (said goodbye)": "said goodbye"}
+    for reason, label in cases.items():
+        assert _death_class(reason) == label, (reason, _death_class(reason))

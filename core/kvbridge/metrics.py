@@ -50,6 +50,7 @@ multiprocess mode: each process calls :func:`enable` with ``multiprocess_dir`` (
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import weakref
@@ -240,6 +241,14 @@ def _reason_class(reason: str) -> str:
     return " ".join(head.split()[:6]) or "unknown"
 
 
+def _death_class(reason: str) -> str:
+    """A bounded label from a peer death's text: why it is gone, without the peer's name and address
+    (``peer X at tcp://h:p is gone (no message for 3.0 s)`` -> ``no message for s``)."""
+    found = re.search(r" is gone \((.*)\)\s*$", reason)
+    why = found.group(1) if found else re.sub(r"^peer \S+ ", "", reason)
+    return _reason_class(re.sub(r"0x[0-9a-fA-F]+", "", why))
+
+
 _ROOM_STATES = ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed")
 
 
@@ -250,7 +259,7 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
     if m is None:
         return
     name = getattr(agent, "name", "?")
-    agent.peers.on_death(lambda peer, reason: m.deaths.labels(name, _reason_class(reason)).inc())
+    agent.peers.on_death(lambda peer, reason: m.deaths.labels(name, _death_class(reason)).inc())
     ref = weakref.ref(agent)
 
     def sample() -> None:
