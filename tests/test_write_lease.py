@@ -214,5 +214,7 @@ def test_a_request_queued_before_its_sender_is_never_written_under_a_newer_lease
     if late.poll() is KVPoll.WaitingForInput:
         late.send(np.array([3, 4]), last=True)
         _run(clock, 1.0, pre, dec)
-    assert late.poll() is KVPoll.Failed, late.poll()
+    # failed by the reset, or (when the prefill judged the decode dead by silence first and dropped the request)
+    # waiting for a request that never comes: either way nothing of it is written (before the fix: Success)
+    assert late.poll() in (KVPoll.Failed, KVPoll.Bootstrapping), late.poll()
     assert pre.prefill.rooms[7].nbytes == 0 and not _landed(dec, [3, 4])
