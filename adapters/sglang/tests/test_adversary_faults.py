@@ -58,18 +58,22 @@ def _wait(run: Run, key: Any, pred: Any, timeout_s: float) -> dict[str, Any]:
 DEC, PRE = ("decode", 0, 0, 0), ("prefill", 0, 0, 0)
 
 
+def _stopping_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> tuple[Run, int]:
+    """Four requests; the prefill stops itself (SIGSTOP) at chunk 1 of a multi-chunk one, the victim."""
+    need_sglang()
+    monkeypatch.setattr(_rig, "DRIVER", DRV)
+    victim = _victim(scenario(requests=4), range(0, 4))
+    sc = scenario(requests=4, adv={"watch_s": 6.0, "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "stop"}})
+    return Run(sc, tmp_path, env={**ENV, **env}), victim
+
+
 def test_prefill_sigstop_past_timeout_then_sigcont(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill stops mid-request past the peer timeout, then continues: decode has failed the room with a
     reason, is_abort_release_safe is False while the writer is stopped, turns True once it quiesced, and from
     then on the room's destination pages stay unchanged."""
-    need_sglang()
-    monkeypatch.setattr(_rig, "DRIVER", DRV)
-    base = scenario(requests=4)
-    victim = _victim(base, range(0, 4))
-    sc = scenario(requests=4, adv={"watch_s": 6.0, "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "stop"}})
     # SGLang's heartbeat must not judge the stopped server gone here (the next test): only the writer's
     # acknowledgement after SIGCONT can fence the room
-    run = Run(sc, tmp_path, env={**ENV, "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
+    run, victim = _stopping_run(tmp_path, monkeypatch, {"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"})
     k = str(victim)
     try:
         dec = _wait(run, DEC, lambda res: k in res.get("failed", {}), 150)
@@ -100,12 +104,7 @@ def test_a_prefill_stopped_past_its_lease_with_its_server_unreachable_is_declare
     two failed topology fetches and once the rank was silent past its write lease (twice the 3 s peer timeout),
     the adapter declares it gone and the room is release-safe while it is still stopped, never before the
     lease ran out. After SIGCONT the writer's own lease has run out: not one byte changes in the room's pages."""
-    need_sglang()
-    monkeypatch.setattr(_rig, "DRIVER", DRV)
-    base = scenario(requests=4)
-    victim = _victim(base, range(0, 4))
-    sc = scenario(requests=4, adv={"watch_s": 6.0, "die": {"pp": 0, "tp": 0, "k": victim, "chunk": 1, "how": "stop"}})
-    run = Run(sc, tmp_path, env={**ENV, "KVBRIDGE_TOPOLOGY_RECHECK_S": "0.5"})
+    run, victim = _stopping_run(tmp_path, monkeypatch, {"KVBRIDGE_TOPOLOGY_RECHECK_S": "0.5"})
     k = str(victim)
     try:
         dec = _wait(run, DEC, lambda res: victim in res.get("safe", []), 60)

@@ -95,33 +95,19 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_u
     #                             writer ran out admits it again only through a Welcome of a newer epoch
 
 
-class _WelcomeV6(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
-    """A Welcome as protocol 6 spells it (no ``writer_lease_s``): what a peer of 0.2.0 can read."""
-
-    version: int
-    agent: str
-    address: str
-    accepted: bool
-    reason: str
-    layout: PoolLayout | None = None
-    backend: str = ""
-    endpoint: bytes = b""
-    buffers: tuple[RemoteBuffers, ...] = ()
-    liveness: str = ""
+def _welcome_without(name: str, newer: frozenset[str]) -> type[msgspec.Struct]:
+    """The Welcome as an older protocol spells it: every field but ``newer`` (its decoders refuse unknown
+    fields), so an older peer can read what we send it."""
+    fields: list[tuple[str, object] | tuple[str, object, object]] = []
+    for f in msgspec.structs.fields(Welcome):
+        if f.name not in newer:
+            fields.append((f.name, f.type) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default))
+    return msgspec.defstruct(name, fields, kw_only=True, frozen=True, tag="welcome", forbid_unknown_fields=True)
 
 
-class _WelcomeV5(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_unknown_fields=True):
-    """A Welcome as protocol 5 spells it (no ``liveness``): what a peer of the previous release can read."""
-
-    version: int
-    agent: str
-    address: str
-    accepted: bool
-    reason: str
-    layout: PoolLayout | None = None
-    backend: str = ""
-    endpoint: bytes = b""
-    buffers: tuple[RemoteBuffers, ...] = ()
+#: protocol 6 (0.2.0): no write lease; protocol 5 (wave 2): no liveness listener either
+_WelcomeV6 = _welcome_without("_WelcomeV6", frozenset({"writer_lease_s", "lease_epoch"}))
+_WelcomeV5 = _welcome_without("_WelcomeV5", frozenset({"writer_lease_s", "lease_epoch", "liveness"}))
 
 
 _SPEAKS = "this prefill speaks protocol "
