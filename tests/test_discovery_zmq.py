@@ -96,3 +96,40 @@ def test_discovery_services_are_a_plugin_axis() -> None:
         open_discovery("nosuch://host:1", registry=registry)
     with pytest.raises(PluginError, match="lowercase URL schemes"):
         DiscoverySpec(name="bad", schemes=("Not A Scheme",), factory="x:y")
+
+
+def test_a_publication_the_server_did_not_answer_in_time_is_asked_again_and_a_refusal_is_not() -> None:
+    """A starved server thread on a loaded host left three tests' ranks dead at start ("did not answer in 2000
+    ms"): the publication is asked again, up to PUBLISH_ATTEMPTS times; an answer, even a refusal, ends it."""
+    from kvbridge.discovery import DiscoveryError
+    from kvbridge.zmq_link import PUBLISH_ATTEMPTS
+
+    secret = b"publish-retry-suite-secret-0123"
+    server = BootstrapServer("tcp://127.0.0.1:0", secret=secret).start()
+    replies: list[int] = []
+    real = server._reply
+
+    def slow_at_first(ident: bytes, answer: object, nonce: bytes) -> None:
+        replies.append(1)
+        if len(replies) > drop:
+            real(ident, answer, nonce)  # type: ignore[arg-type]
+
+    server._reply = slow_at_first  # type: ignore[method-assign]
+    try:
+        drop = PUBLISH_ATTEMPTS - 1                      # every attempt but the last goes unanswered
+        client = ZmqBootstrap(server.address, secret=secret, timeout_s=0.3, republish_s=0)
+        client.publish("retry", 1, 0, "tcp://127.0.0.1:1")
+        assert len(replies) == PUBLISH_ATTEMPTS and client.lookup("retry") is not None
+        replies.clear()
+        drop = 10 * PUBLISH_ATTEMPTS                     # never answered: the error says how often it asked
+        with pytest.raises(DiscoveryError, match=f"did not answer in 300 ms \\({PUBLISH_ATTEMPTS} times\\)"):
+            client.publish("retry", 1, 0, "tcp://127.0.0.1:1")
+        replies.clear()
+        drop = 0
+        skewed = ZmqBootstrap(server.address, secret=secret, timeout_s=0.3, republish_s=0,
+                              clock=lambda: time.time() + 600.0)
+        with pytest.raises(DiscoveryError, match="clock skew"):
+            skewed.publish("retry", 1, 0, "tcp://127.0.0.1:1")
+        assert len(replies) == 1, "a refusal was asked again"
+    finally:
+        server.close()

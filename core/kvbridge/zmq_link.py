@@ -147,6 +147,8 @@ class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     server_time: float = 0.0  # the server's wall clock as it answered (`kvbridge doctor` measures the offset)
 
 
+PUBLISH_ATTEMPTS = 3        # a publication the server did not answer in time is asked this many times in all
+
 _Request = _Publish | _Lookup | _Withdraw | _Watch
 _REQ_DECODER = msgspec.msgpack.Decoder(_Request)
 _ANS_DECODER = msgspec.msgpack.Decoder(_Answer)
@@ -506,24 +508,31 @@ class ZmqBootstrap:
             return request
         return msgspec.structs.replace(request, nonce=new_nonce(), time=self._clock())
 
-    def _ask(self, request: _Request, timeout_ms: int | None = None) -> _Answer:
-        request = self._stamp(request)
+    def _ask(self, request: _Request, timeout_ms: int | None = None, *, attempts: int = 1) -> _Answer:
+        """One request and its answer; a server that did not answer in time is asked again, ``attempts`` times in
+        all (each time freshly stamped); an answer, even a refusal, is never asked again."""
         timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
-        sock = self._socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        try:
-            sock.connect(self.url)
-            sock.send(seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(request)))
-            answer = _ANS_DECODER.decode(unseal(self._secret, b"bootstrap-answer", sock.recv()))
-        except zmq.Again:
-            return _Answer(info=None, error=f"bootstrap server {self.url} did not answer in {timeout_ms} ms")
-        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _Answer(info=None, error=f"bootstrap server {self.url} answered badly: {exc}")
-        finally:
-            sock.close(0)
-        if self._secret is not None and answer.nonce != request.nonce:
+        for _ in range(attempts):
+            stamped = self._stamp(request)
+            sock = self._socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            try:
+                sock.connect(self.url)
+                sock.send(seal(self._secret, b"bootstrap-request", msgspec.msgpack.encode(stamped)))
+                answer = _ANS_DECODER.decode(unseal(self._secret, b"bootstrap-answer", sock.recv()))
+                break
+            except zmq.Again:
+                continue
+            except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return _Answer(info=None, error=f"bootstrap server {self.url} answered badly: {exc}")
+            finally:
+                sock.close(0)
+        else:
+            return _Answer(info=None, error=f"bootstrap server {self.url} did not answer in {timeout_ms} ms"
+                                            + (f" ({attempts} times)" if attempts > 1 else ""))
+        if self._secret is not None and answer.nonce != stamped.nonce:
             return _Answer(info=None, error="bootstrap answer does not belong to this request")
         if answer.skew_s:
             self._skewed(answer)
@@ -556,8 +565,11 @@ class ZmqBootstrap:
             sock.close()
 
     def publish(self, instance: str, tp_size: int, rank: int, address: str) -> None:
+        """Tell the server where our rank is; a server that does not answer in time is asked again (up to
+        ``PUBLISH_ATTEMPTS`` times: a rank must not fail its start on one slow answer of a starved server thread on
+        a loaded host, as three tests of one clean-clone CI run did)."""
         answer = self._ask(_Publish(instance=instance, tp_size=tp_size, rank=rank, address=address,
-                                    lease_s=self._lease_s, life=self._life))
+                                    lease_s=self._lease_s, life=self._life), attempts=PUBLISH_ATTEMPTS)
         if answer.error:
             raise DiscoveryError(f"could not publish rank {rank} of {instance!r}: {answer.error}")
         with self._lock:
