@@ -19,6 +19,7 @@ from test_agent import kv_buffers, kv_layout
 
 from kvbridge.agent import AgentConfig, Role, TransferAgent
 from kvbridge.agent.handles import Receiver, Sender
+from kvbridge.agent.peers import Lease
 from kvbridge.links import LocalHub
 from kvbridge.protocol.states import PeerState
 from kvbridge.protocol.wire import KVPoll, Welcome, spoken_as
@@ -218,3 +219,21 @@ def test_a_request_queued_before_its_sender_is_never_written_under_a_newer_lease
     # waiting for a request that never comes: either way nothing of it is written (before the fix: Success)
     assert late.poll() in (KVPoll.Failed, KVPoll.Bootstrapping), late.poll()
     assert pre.prefill.rooms[7].nbytes == 0 and not _landed(dec, [3, 4])
+
+
+def test_a_lease_that_ran_out_while_the_decode_still_talks_holds_the_write_until_an_echo(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """A CI run on a starved host: both sides judged each other silent, then talked again, and the prefill's
+    sends failed "write lease ... ran out" before the first new echo came back. A decode that talks to us has not
+    fenced us (it drops a fenced writer's frames and never echoes): the write waits for the echo, then goes."""
+    pre, dec, clock = pair
+    assert pre.prefill is not None
+    sender, receiver = _open(pre, dec, clock, 5, [6, 7])
+    pre.peers.peers["d0"].lease_until = clock() - 0.1      # its echoes were late: the lease ran out
+    pre.progress()                                          # the inbox was read since, the decode talks
+    assert pre.peers.lease("d0", clock()) is Lease.UNCONFIRMED
+    with pre.context.lock:
+        pre.prefill.send(5, np.array([6, 7]), True, {})
+        assert pre.prefill.rooms[5].pending and pre.prefill.rooms[5].nbytes == 0, "held, not posted, not failed"
+    _run(clock, 1.0, pre, dec, until=lambda: receiver.poll() is KVPoll.Success)
+    assert receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success and _landed(dec, [6, 7])

@@ -85,9 +85,9 @@ class Lease(enum.Enum):
 
     VALID = "valid"               # an echo of our heartbeats came within the lease: post
     UNCONFIRMED = "unconfirmed"   # it ran out, but our inbox was not read since (this rank held its lock, a long
-    #                               send): a renewing echo may be waiting there, so the write waits for a read
-    EXPIRED = "expired"           # it ran out and a read since brought no echo: the decode may have handed the
-    #                               pages back, nothing more is posted to it
+    #                               send) or the decode still talks to us: the write waits for a renewing echo
+    EXPIRED = "expired"           # it ran out, a read since brought no echo and the decode is silent: it may have
+    #                               handed the pages back, nothing more is posted to it
 
 
 class Dropped(ProtocolError):
@@ -584,11 +584,17 @@ class PeerTable:
 
     # ---------------------------------------------------------------- liveness
     def lease(self, agent: str, now: float) -> Lease:
-        """Prefill side: may we post to decode ``agent`` (:class:`Lease`)?"""
+        """Prefill side: may we post to decode ``agent`` (:class:`Lease`)? A lease that ran out while the decode
+        still talks to us (a frame within the peer timeout: it was only slow to echo, e.g. after both sides judged
+        each other silent on a starved host) holds the write instead of failing it: nothing is posted until an
+        echo renews the lease, and a decode that fenced us by its lease drops our frames and never echoes."""
         peer = self.peers.get(agent)
         if peer is None or now <= peer.lease_until:
             return Lease.VALID
-        return Lease.UNCONFIRMED if self.inbox_read_at < peer.lease_until else Lease.EXPIRED
+        if self.inbox_read_at < peer.lease_until or (
+                peer.alive and now - peer.last_seen < self._ctx.config.peer_timeout_s):
+            return Lease.UNCONFIRMED
+        return Lease.EXPIRED
 
     def lease_left(self, agent: str, now: float) -> float:
         """Prefill side: seconds our write lease to decode ``agent`` still runs (inf without a lease)."""
