@@ -121,6 +121,8 @@ class Peer:
     lease_until: float = math.inf          # prefill side: posting to this decode is allowed until then (our clock)
     lease_epoch: int = 0                   # the prefill's count of leases granted, as of this record's Welcome
     lease_over: bool = False               # decode side: silent past its lease: this record can write no more
+    unobserved_s: float = 0.0              # of the time since last_seen, how long this rank itself was not running
+    #                                        its liveness check (starved, paused, a long engine step): not silence
 
     @property
     def alive(self) -> bool:
@@ -139,6 +141,17 @@ class Peer:
         """Our next heartbeat to this peer, echoing the last one it sent us."""
         held = now - self.beat_received_at if self.beat_sent_at else 0.0
         return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=self.beat_sent_at, echo_held=held)
+
+
+def silence(peer: Peer, now: float, late: float) -> float:
+    """Seconds ``peer`` has been silent while this rank was running its liveness check, counting a check that runs
+    ``late`` seconds past its interval as not running for those seconds (since the peer's last message only).
+    A check still advances silence by at least one heartbeat interval, so a dead peer is found even by a rank that
+    checks rarely: within the timeout x (its check gap / the heartbeat interval). Last message at 0 s, this rank
+    stopped from 1 s to 5 s, checking at 5 s: silent for about 1 s, not 5.
+    """
+    peer.unobserved_s += min(late, max(0.0, now - peer.last_seen))
+    return now - peer.last_seen - peer.unobserved_s
 
 
 PeerDied = Callable[[Peer, str], None]
@@ -162,6 +175,7 @@ class PeerTable:
         self._on_lease_reset: list[PeerDied] = []
         self._last_beat = 0.0
         self._beat_seq = 0
+        self._last_check: float | None = None   # when tick() last ran (a late one means we were not running)
         self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
         self.beats_threaded = False
         #: when the last read of the link whose small frames were all handled began (prefill: a write lease that
@@ -244,7 +258,7 @@ class PeerTable:
         if env.version != peer.version and not isinstance(body, (Hello, Welcome)):
             raise Dropped(f"{type(body).__name__} of protocol {env.version} from {env.sender!r}, which negotiated "
                           f"{peer.version}")
-        peer.last_seen = self._ctx.clock()
+        peer.last_seen, peer.unobserved_s = self._ctx.clock(), 0.0
         if isinstance(body, Goodbye):
             return peer
         if peer.state is PeerState.SILENT:
@@ -638,12 +652,15 @@ class PeerTable:
                     self.post(peer, peer.beat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq, now=now))
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
         timeout = ctx.config.peer_timeout_s
+        late = self._lateness(now)
         for peer in list(self.peers.values()):     # only a live peer (ALIVE or LEAVING: LIVE_PEER) can die here
             state = peer.state
             if state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
-            elif state is PeerState.ALIVE and now - peer.last_seen > timeout:
-                self._died(peer, f"no message for {now - peer.last_seen:.1f} s", PeerEvent.SILENCE)
+            elif state is PeerState.ALIVE and silence(peer, now, late) > timeout:
+                unobserved = f", {peer.unobserved_s:.1f} s of it while this rank was not running" if (
+                    peer.unobserved_s >= 0.05) else ""
+                self._died(peer, f"no message for {now - peer.last_seen:.1f} s{unobserved}", PeerEvent.SILENCE)
             elif (state is PeerState.SILENT and peer.writer_lease_s and ctx.role is Role.DECODE
                   and (bound := ctx.config.write_flight_bound_s) is not None
                   and now - peer.last_seen >= peer.writer_lease_s + bound):
@@ -656,6 +673,15 @@ class PeerTable:
         self._reap(now)
         if self._refused:
             self._forget_refused(now)
+
+    def _lateness(self, now: float) -> float:
+        """How much later than one heartbeat interval after the previous check this one runs: time this rank itself
+        was not running (the host starved it, SIGSTOP, a GC pause, an engine step between polls). Frames that came
+        meanwhile wait in the link, and on a shared host the peer was starved too: that time is not its silence."""
+        previous, self._last_check = self._last_check, now
+        if previous is None:
+            return 0.0
+        return max(0.0, now - previous - self._ctx.config.heartbeat_interval_s)
 
     def _reap(self, now: float) -> None:
         """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""

@@ -1,0 +1,65 @@
+"""Silence is judged only over time the judging rank itself ran its liveness check.
+
+A rank that was not running (the host starved it, SIGSTOP, a GC pause, an engine step between two polls) read no
+frame meanwhile, and on a shared host its peers were starved as well: counting that time as their silence failed
+healthy rooms (a clean-clone CI run on a 2-core host: "peer prefill-1 ... is gone (no message for 1.8 s)" with a
+1.5 s timeout, in the first room of a netns test, before any fault). A check that runs late counts its lateness
+past one heartbeat interval as unobserved; a dead peer is still found, by a rank that checks rarely too.
+Manual clock, as in test_write_lease.py: a stopped rank is one whose ``progress()`` is not called.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import test_write_lease
+from test_write_lease import TIMEOUT_S, ManualClock, _landed, _open, _run
+
+from kvbridge.agent import TransferAgent
+from kvbridge.protocol.states import PeerState
+from kvbridge.protocol.wire import KVPoll
+
+pair = test_write_lease.pair       # the fixture: a prefill and a decode rank on one manual clock
+
+
+def test_ranks_stopped_together_past_the_timeout_do_not_judge_each_other_dead(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """The whole host stops for 5 peer timeouts (both ranks), then both run again: every peer stays alive and the
+    room open across the stop succeeds byte-exact. Failed before: the first rank to run judged the other dead."""
+    pre, dec, clock = pair
+    sender, receiver = _open(pre, dec, clock, 1, [1, 2])
+    clock.now += 5 * TIMEOUT_S                              # nobody runs
+    _run(clock, 3 * TIMEOUT_S, dec, pre)                    # the decode happens to run first
+    assert dec.peers.peers["p0"].state is PeerState.ALIVE
+    assert pre.peers.peers["d0"].state is PeerState.ALIVE
+    assert receiver.poll() is KVPoll.WaitingForInput
+    sender.send(np.array([1, 2]), last=True)
+    _run(clock, 1.0, pre, dec, until=lambda: receiver.poll() is KVPoll.Success)
+    assert receiver.poll() is KVPoll.Success and _landed(dec, [1, 2])
+
+
+def test_a_rank_stopped_alone_still_finds_a_peer_that_died_meanwhile(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """The decode stops for 5 timeouts and its prefill never runs again: once the decode runs, it judges the
+    prefill dead within about one timeout of its own running, with the reason saying what was not counted."""
+    pre, dec, clock = pair
+    _sender, receiver = _open(pre, dec, clock, 1, [1])
+    last = dec.peers.peers["p0"].last_seen
+    clock.now += 5 * TIMEOUT_S
+    resumed = clock()
+    _run(clock, 2 * TIMEOUT_S, dec, until=lambda: receiver.poll() is KVPoll.Failed)
+    assert receiver.poll() is KVPoll.Failed
+    assert clock() - resumed <= TIMEOUT_S + 0.1
+    assert "while this rank was not running" in receiver.failure_reason
+    assert dec.peers.peers["p0"].last_seen == last
+
+
+def test_a_rank_that_checks_rarely_still_finds_a_dead_peer(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """A rank whose engine polls only every 0.5 s (2.5 heartbeat intervals) with no progress thread: each check
+    advances silence by at least one interval, so a dead peer is found within the timeout x 2.5."""
+    pre, dec, clock = pair
+    _sender, receiver = _open(pre, dec, clock, 1, [1])
+    start = clock()
+    _run(clock, 4 * TIMEOUT_S, dec, step_s=0.5, until=lambda: receiver.poll() is KVPoll.Failed)
+    assert receiver.poll() is KVPoll.Failed
+    assert clock() - start <= 2.5 * TIMEOUT_S + 0.5
