@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm
 BLOCK, TOKENS = 32, 16
 LENGTHS = [5, 32, 33, 77, 130]            # block-aligned and not; up to 5 blocks
 START_S = 900
+# how long a prefill room holds its blocks for the decode's request (and a decode waits to connect): a CI run on
+# a starved 2-core host saw a TP 2 decode's requests come after 120 s, when the prefill had given them up
+WAIT_S = 400.0
 TP = {"one": 1, "two": 2}
 
 
@@ -42,8 +45,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     dumps = tmp / "dumps"
     dumps.mkdir()
     extra = {"backend": "loopback", "bootstrap": "tcp://127.0.0.1:17641", "test_hooks": True,
-             "dump_dir": str(dumps), "peer_timeout_s": 10.0, "connect_timeout_s": 120.0,
-             "bootstrap_timeout_s": 120.0}
+             "dump_dir": str(dumps), "peer_timeout_s": 10.0, "connect_timeout_s": WAIT_S, "bootstrap_timeout_s": WAIT_S}
     base = {"model": str(model), "role": "kv_both"}
     instances: dict[str, Instance] = {}
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -279,7 +280,6 @@ def test_decode_never_asks_prefill_frees_after_bootstrap_timeout() -> None:
 def _kill_silently(w: WorkerSide) -> None:
     """What SIGKILL does to a prefill worker, in-process: its threads stop without a goodbye, its backend
     goes (the loopback's liveness socket is freed, as the kernel does for a dead process)."""
-    w._stop.set()
     agent = w.prefill
     assert agent is not None
     agent._stop.set()
@@ -434,5 +434,30 @@ def test_request_finished_before_its_first_layer_is_released() -> None:
             got |= rig.p.finished([])[0]
             time.sleep(0.02)
         assert "early" in got, f"never released; worker still tracks {list(rig.p._sending)}"
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_save_before_the_decode_asks_goes_without_another_prefill_step() -> None:
+    """vLLM's usual order: the prefill request finishes, then the decode asks (maybe while the prefill engine is
+    idle). The whole request is handed to kvbridge at save, held until the decode's request comes and posted then
+    from kvbridge's own thread (the worker has no send thread, and the prefill's get_finished is never called
+    here); the decode's one cached block is not sent."""
+    rig = Rig()
+    try:
+        assert not [t for t in threading.enumerate() if t.name == "kvbridge-vllm-send"]
+        for b in (5, 6):
+            for name in NAMES:
+                rig.dst[name][b].zero_()
+        rig.p.save("r", SaveSpec(room=81, block_ids=(0, 1, 2)))
+        assert rig.p._sending["r"].sender.poll() is KVPoll.Bootstrapping      # nobody asked yet: held
+        rig.d.load("r", LoadSpec(room=81, instance="p", block_ids=(5, 6), prefix_len=BLOCK))
+        wait(lambda: "r" in rig.d.finished([])[1], "the decode's load, with no prefill step")
+        assert rig.d.load_errors() == set()
+        assert_block_equal(rig.src, 1, rig.dst, 5)
+        assert_block_equal(rig.src, 2, rig.dst, 6)
+        assert rig.p._sending["r"].sender.stats[0] == 2 * len(NAMES) * rig.src[NAMES[0]][0].nbytes
+        assert wait(lambda: rig.p.finished(["r"])[0], "the prefill's release") == {"r"}
     finally:
         rig.close()

@@ -8,7 +8,7 @@ arrived seconds late and decode requests timed out. Threads (and ZMQ I/O threads
 
     with unpinned():
         context = zmq.Context()        # its I/O thread starts with the first socket, unpinned
-        worker = WorkerSide(...)        # progress, heartbeat and sender threads unpinned
+        worker = WorkerSide(...)        # the agents' progress and heartbeat threads unpinned
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The worker side of the connector on kvbridge's agent, without vLLM: one instance per vLLM worker (TP rank).
 
 A prefill worker opens a ``Sender`` per request once the step that computed its last prompt token has run
-(``wait_for_save``), sends the whole request (every block after the decode's prefix) when the decode's
-request arrived, and reports the request done once ``safe_to_reuse`` and vLLM has finished it. A decode
+(``wait_for_save``) and sends the whole request at once (``from_start``): kvbridge holds it until the decode's
+request arrives (maybe while the engine is idle) and posts every block after the decode's prefix then, on its
+own progress thread; the worker reports the request done once ``safe_to_reuse`` and vLLM has finished it. A decode
 worker starts a handshake with a prefill instance the first time a request names it (never blocking the
 engine's step: the room waits until the handshake completes, and fails if it is refused or times out),
 opens a ``Receiver`` per request, and reports it done on Success, or its blocks as load errors on Failure
@@ -11,7 +12,7 @@ opens a ``Receiver`` per request, and reports it done on Success, or its blocks 
 Layer-wise: the room opens at the first layer the step that completes the prompt writes (``begin_save``); if
 the decode's request is already there (it asked first, as with a router that sends both at once), each layer
 is posted from ``save_kv_layer`` as soon as the forward pass wrote it, and ``wait_for_save`` posts the rest.
-Otherwise (vLLM's usual order: decode asks after prefill returned) the whole request goes once it asks.
+Otherwise (vLLM's usual order: decode asks after prefill returned) the whole request is held until it asks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class SaveSpec:
 
     room: int
     block_ids: tuple[int, ...]
-    delay_s: float = 0.0         # test hook: hold the send this long after the decode's request arrived
+    delay_s: float = 0.0         # test hook: hold the send this long after the decode's request arrived (it goes
+    #                              at the first engine step, ``finished()``, past that)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,11 +104,7 @@ class WorkerSide:
         self._finished_early: OrderedDict[str, None] = OrderedDict()   # named finished before any save of theirs
         self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
         self._load_errors: set[int] = set()
-        # Sends wait for the decode's request, which arrives after vLLM finished the prefill request (maybe
-        # while the engine is idle): a thread posts them, get_finished() reports them.
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()      # vLLM's calls against close()
         self.prefill: TransferAgent | None = None
         self.decode: TransferAgent | None = None
         try:
@@ -117,20 +115,6 @@ class WorkerSide:
         except BaseException:
             self.close()
             raise
-        if self.prefill is not None:
-            self._thread = threading.Thread(target=self._send_loop, name="kvbridge-vllm-send", daemon=True)
-            self._thread.start()
-
-    def _send_loop(self) -> None:
-        while not self._stop.wait(0.005):
-            with self._lock:
-                pending = [(r, s) for r, s in self._sending.items() if not s.sent]
-                for req_id, state in pending:
-                    try:
-                        self._advance_send(req_id, state)
-                    except Exception:     # one bad request must not stop the others' sends
-                        log.exception("kvbridge: request %s: send failed", req_id)
-                        state.sent = True
 
     def _agent(self, role: Role, link: Link, instance: str) -> TransferAgent:
         try:
@@ -228,6 +212,9 @@ class WorkerSide:
             self._advance_send(req_id, state)
 
     def _advance_send(self, req_id: str, state: _Sending) -> None:
+        """Send what the request has left: the layers a layer-wise send has not posted yet, else the whole
+        request from position 0, which kvbridge holds until the decode's request came (then drops the decode's
+        cached prefix). Only the test hook's delay waits here, for a later engine step."""
         if state.sent or not state.computed:
             return
         status = state.sender.poll()
@@ -236,21 +223,20 @@ class WorkerSide:
             log.warning("kvbridge: request %s (room %d) failed before sending: %s", req_id, state.sender.room,
                         state.sender.failure_reason)
             return
-        if status < KVPoll.WaitingForInput:
-            return
         if state.delay_s:
+            if status < KVPoll.WaitingForInput:
+                return
             state.ready_at = state.ready_at or time.monotonic() + state.delay_s
             if time.monotonic() < state.ready_at:
                 return
         if state.layers_posted:       # layer-wise: the layers the forward pass wrote after the last post
             self._post_layers(req_id, state, range(state.layers_posted, len(self.pool.layers)))
             return
-        skip = state.sender.decode_prefix_len // self.block_size
         state.sent = True
-        log.debug("kvbridge: request %s (room %d): sending %d blocks after the decode's %d cached", req_id,
-                  state.sender.room, len(state.blocks) - skip, skip)
+        log.debug("kvbridge: request %s (room %d): sending %d blocks (%s)", req_id, state.sender.room,
+                  len(state.blocks), "held until the decode asks" if status < KVPoll.WaitingForInput else "now")
         try:
-            state.sender.send(state.blocks[skip:], last=True)
+            state.sender.send(state.blocks, last=True, from_start=True)
         except KVBridgeError as exc:
             log.warning("kvbridge: request %s (room %d): send failed: %s", req_id, state.sender.room, exc)
 
@@ -415,9 +401,6 @@ class WorkerSide:
     def close(self) -> None:
         """vLLM's shutdown: each agent drains (rooms in flight get ``drain_timeout_s`` to finish, the rest fail
         cleanly and the peers hear it), then closes."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
         for agent in (self.prefill, self.decode):
             if agent is not None:
                 try:
