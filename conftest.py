@@ -81,7 +81,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     """With ``KVBRIDGE_CPU_LOG=path``: append each test's CPU seconds (this process and the children it reaped
-    meanwhile) and wall seconds to ``path``, to find where a CI run's CPU goes (the 2-core host is CPU-bound)."""
+    meanwhile), wall seconds and start (the host's monotonic clock, shared by the workers: which tests overlapped)
+    to ``path``, to find where a CI run's CPU goes (the 2-core host is CPU-bound)."""
     import os
     import time
 
@@ -95,4 +96,4 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         after = os.times()
         cpu = sum(after[:4]) - sum(before[:4])
         with open(path, "a") as log:
-            log.write(f"{cpu:.2f}\t{time.monotonic() - start:.2f}\t{item.nodeid}\n")
+            log.write(f"{cpu:.2f}\t{time.monotonic() - start:.2f}\t{start:.1f}\t{item.nodeid}\n")
