@@ -67,6 +67,8 @@ def _module(item: pytest.Item) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engines: starts real inference engines (vLLM CPU instances); scripts/test.sh "
+                                       "runs these modules after the others, one at a time")
     # pytest-xdist's loadfile scheduler sorts modules by their number of tests (most first) unless told not to:
     # that order put a one-test module of two minutes (the vLLM serve test) last, alone, in a clean-clone run
     if hasattr(config.option, "loadscopereorder"):

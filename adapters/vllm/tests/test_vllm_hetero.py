@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from _vllmrig import VLLM_PYTHON, Instance, make_model, reap_dead_segments
 
-pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
+pytestmark = [pytest.mark.engines,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
               pytest.mark.timeout(1200)]
 
 BLOCK, TOKENS = 32, 16

@@ -25,7 +25,8 @@ import pytest
 from _vllmrig import VLLM_PYTHON, make_model, reap_dead_segments
 from test_proxy import load_proxy
 
-pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
+pytestmark = [pytest.mark.engines,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run scripts/setup.sh)"),
               pytest.mark.timeout(900)]
 
 START_S, TOKENS = 420, 16
