@@ -6,7 +6,7 @@ byte-exact. Meanwhile this test samples each rank process from /proc: descriptor
 and this run's /dev/shm segments. After the warm-up (the first quarter of the run) each rank's
 descriptors stay within +8, RSS within +32 MB, its /dev/shm mappings and segments unchanged.
 
-The default run does 1,000 requests; ``KVBRIDGE_LONG_TESTS=1`` (set by ``.ci/run``) does 10,000.
+The default run does 1,000 requests; ``KVBRIDGE_LONG_TESTS=1`` (set by ``.ci/long``) does 10,000.
 """
 
 from __future__ import annotations
