@@ -143,14 +143,14 @@ class Peer:
         return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=self.beat_sent_at, echo_held=held)
 
 
-def silence(peer: Peer, now: float, late: float) -> float:
-    """Seconds ``peer`` has been silent while this rank was running its liveness check, counting a check that runs
-    ``late`` seconds past its interval as not running for those seconds (since the peer's last message only).
-    A check still advances silence by at least one heartbeat interval, so a dead peer is found even by a rank that
-    checks rarely: within the timeout x (its check gap / the heartbeat interval). Last message at 0 s, this rank
-    stopped from 1 s to 5 s, checking at 5 s: silent for about 1 s, not 5.
+def silence(peer: Peer, now: float, late: float, timeout: float) -> float:
+    """Seconds ``peer`` has been silent while this rank was running its liveness check: a check that runs ``late``
+    seconds past its interval counts those seconds (since the peer's last message) as not observed, up to one
+    ``timeout`` per silence, so a dead peer is still judged dead by the first check at least 2 x ``timeout`` after
+    its last message, however rarely this rank checks. Last message at 0 s, this rank stopped from 1 s to 2.5 s
+    and checking at 2.5 s with a 3 s timeout: silent for about 1 s, not 2.5.
     """
-    peer.unobserved_s += min(late, max(0.0, now - peer.last_seen))
+    peer.unobserved_s = min(timeout, peer.unobserved_s + min(late, max(0.0, now - peer.last_seen)))
     return now - peer.last_seen - peer.unobserved_s
 
 
@@ -657,7 +657,7 @@ class PeerTable:
             state = peer.state
             if state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
-            elif state is PeerState.ALIVE and silence(peer, now, late) > timeout:
+            elif state is PeerState.ALIVE and silence(peer, now, late, timeout) > timeout:
                 unobserved = f", {peer.unobserved_s:.1f} s of it while this rank was not running" if (
                     peer.unobserved_s >= 0.05) else ""
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s{unobserved}", PeerEvent.SILENCE)
@@ -676,8 +676,9 @@ class PeerTable:
 
     def _lateness(self, now: float) -> float:
         """How much later than one heartbeat interval after the previous check this one runs: time this rank itself
-        was not running (the host starved it, SIGSTOP, a GC pause, an engine step between polls). Frames that came
-        meanwhile wait in the link, and on a shared host the peer was starved too: that time is not its silence."""
+        was not running (the host starved it, SIGSTOP, a GC pause, an engine step between polls). Its link may not
+        have read the frames sent meanwhile yet, and on a shared host the peer was starved too: that time is not
+        the peer's silence (see :func:`silence`)."""
         previous, self._last_check = self._last_check, now
         if previous is None:
             return 0.0
