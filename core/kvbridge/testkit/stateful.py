@@ -1,15 +1,23 @@
 """A hypothesis state machine over two backends of one process (imported only when its test runs).
 
 Rules: register (a matching source/destination pair of buffers), send (whole items between them),
-poll, abandon (release a handle without waiting: its destination items are retired), notify, drain,
-deregister. The model is the expected destination bytes and the set of outstanding handles.
+peek (poll a handle once: it must not have failed), complete (wait for a handle to end, within the bound),
+abandon (release a handle without waiting: its destination items are retired), notify, drain, deregister.
+The model is the expected destination bytes and the set of outstanding handles.
 Invariants: destination items with no write in flight equal the model; no guard byte changes; sources
-never change; each notice arrives at most once, and by teardown every notice and every write arrived.
+never change; each notice arrives at most once, and by teardown every notice the backend took (True from
+``notify_completion``; False is allowed: the agent then sends it over the control link) and every write arrived.
+
+Deterministic for asynchronous backends: which rules may run next never depends on how far a transfer got in
+real time (hypothesis replays a failing example by its choices, and refuses a machine whose preconditions
+changed between runs). So a handle leaves the outstanding set only through ``complete``, which waits for it, or
+``abandon``; ``peek`` polls without changing the model.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +44,9 @@ from kvbridge.protocol.records import PeerInfo
 from kvbridge.slicing import Segments
 from kvbridge.testkit.pools import GuardedBuffer
 
-__all__ = ["BackendMachine", "run_backend_machine"]
+__all__ = ["EXAMPLES_ENV", "BackendMachine", "run_backend_machine"]
+
+EXAMPLES_ENV = "KVBRIDGE_KIT_STATEFUL_EXAMPLES"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -74,7 +84,9 @@ class BackendMachine(RuleBasedStateMachine):
         self.all_pairs: list[_Pair] = []
         self.outstanding: list[_Send] = []
         self.peer: str | None = None
-        self.sent: set[bytes] = set()
+        self.sent: set[bytes] = set()               # notices the backend took (notify_completion True)
+        self.refused: set[bytes] = set()            # notices it returned False for: not owed (a copy may come)
+        self.notices = itertools.count()
         self.received: Counter[bytes] = Counter()
         self.rng = np.random.default_rng(0)
 
@@ -139,14 +151,32 @@ class BackendMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.outstanding))
     @rule(data=st.data())
-    def poll(self, data: st.DataObject) -> None:
+    def peek(self, data: st.DataObject) -> None:
+        """One non-blocking poll; whatever it says, the handle stays outstanding (pending or done alike)."""
         send = data.draw(st.sampled_from(self.outstanding), "handle")
         result = self.a.poll(send.handle)
-        if result.state is HandleState.PENDING:
-            return
+        assert result.state is not HandleState.FAILED, \
+            f"a valid send of {send.pair.component} failed: {result.reason}"
+
+    @precondition(lambda self: bool(self.outstanding))
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        """Poll one handle until it ends (at most the bound), then release it."""
+        send = data.draw(st.sampled_from(self.outstanding), "handle")
+        result = self._wait(send)
         self.outstanding.remove(send)
         self.a.release(send.handle)
         self._finish(send, result.state, result.reason)
+
+    def _wait(self, send: _Send) -> Any:
+        deadline = time.monotonic() + self.bound_s
+        while True:
+            result = self.a.poll(send.handle)
+            if result.state is not HandleState.PENDING:
+                return result
+            assert time.monotonic() < deadline, \
+                f"a send of {send.pair.component} is still PENDING after {self.bound_s} s"
+            time.sleep(0.0005)
 
     @precondition(lambda self: bool(self.outstanding))
     @rule(data=st.data())
@@ -161,14 +191,18 @@ class BackendMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.notifications and self.peer is not None)
     @rule()
     def notify(self) -> None:
-        message = f"kvbridge-testkit machine notice {len(self.sent)}".encode()
-        assert self.a.notify_completion(self.peer, message) is True, "notify_completion returned False"
-        self.sent.add(message)
+        message = f"kvbridge-testkit machine notice {next(self.notices)}".encode()
+        taken = self.a.notify_completion(self.peer, message)
+        assert isinstance(taken, bool), f"notify_completion returned {taken!r}, not a bool"
+        if taken:              # False: the agent sends it over the control link (docs/plugin-api.md)
+            self.sent.add(message)
+        else:
+            self.refused.add(message)
 
     @rule()
     def drain(self) -> None:
         for _, message in self.b.drain_notifications():
-            assert message in self.sent, f"drained a notice that was never sent: {message!r}"
+            assert message in self.sent | self.refused, f"drained a notice that was never sent: {message!r}"
             self.received[message] += 1
             assert self.received[message] == 1, f"the notice {message!r} arrived twice"
 
@@ -191,18 +225,13 @@ class BackendMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            deadline = time.monotonic() + self.bound_s
             while self.outstanding:
-                send = self.outstanding[0]
-                result = self.a.poll(send.handle)
-                if result.state is HandleState.PENDING:
-                    assert time.monotonic() < deadline, f"a send is still PENDING after {self.bound_s} s"
-                    time.sleep(0.001)
-                    continue
-                self.outstanding.pop(0)
+                send = self.outstanding.pop(0)
+                result = self._wait(send)
                 self.a.release(send.handle)
                 self._finish(send, result.state, result.reason)
             self.memory_matches_model()
+            deadline = time.monotonic() + self.bound_s
             while set(self.received) != self.sent:
                 self.drain()
                 assert time.monotonic() < deadline, f"notices never arrived: {sorted(self.sent - set(self.received))}"
@@ -221,8 +250,12 @@ class BackendMachine(RuleBasedStateMachine):
 
 def run_backend_machine(make_backend: Callable[[str], Any], notifications: bool, *, examples: int, bound_s: float,
                         steps: int = 20) -> None:
-    """Run the machine; shrinking is off with ``--kvbridge-no-shrink`` or ``KVBRIDGE_KIT_NO_SHRINK=1``."""
+    """Run the machine; shrinking is off with ``--kvbridge-no-shrink`` or ``KVBRIDGE_KIT_NO_SHRINK=1``, and
+    ``KVBRIDGE_KIT_STATEFUL_EXAMPLES=N`` runs N examples instead of the subject's ``stateful_examples`` (a long
+    run: ``KVBRIDGE_KIT_STATEFUL_EXAMPLES=150 pytest plugins/nixl/tests -k stateful``)."""
     from kvbridge.testkit.plugin import kit_settings
+
+    examples = int(os.environ.get(EXAMPLES_ENV) or examples)
 
     run_state_machine_as_test(
         # hypothesis only calls it (its stub asks for the class; a factory carries the arguments)
