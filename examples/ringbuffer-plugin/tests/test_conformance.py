@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
+from kvbridge.plugin import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
 from kvbridge.testkit import StateTypeTests
 
 

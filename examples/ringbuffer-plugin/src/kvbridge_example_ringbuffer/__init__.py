@@ -7,8 +7,7 @@ whenever any process builds a kvbridge registry.
 
 from __future__ import annotations
 
-from kvbridge.plugin import hookimpl
-from kvbridge.specs import StateTypeSpec
+from kvbridge.plugin import StateTypeSpec, hookimpl
 from kvbridge_example_ringbuffer.metrics import kvbridge_send_component, reset, sends_per_backend
 
 __all__ = ["kvbridge_send_component", "kvbridge_state_types", "reset", "sends_per_backend"]

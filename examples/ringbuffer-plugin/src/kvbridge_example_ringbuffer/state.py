@@ -20,10 +20,16 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvbridge.errors import GeometryError, IncompatiblePeer
-from kvbridge.geometry import Component, DType, IndexKind, Rank
-from kvbridge.slicing import ComponentSlice
-from kvbridge.state.base import StateType
+from kvbridge.plugin import (
+    Component,
+    ComponentSlice,
+    DType,
+    GeometryError,
+    IncompatiblePeer,
+    IndexKind,
+    Rank,
+    StateType,
+)
 
 
 def capacity_of(component: Component) -> int:
