@@ -46,6 +46,7 @@ def test_a_rank_stopped_alone_still_finds_a_peer_that_died_meanwhile(
     for 5 timeouts, at its first check (one timeout at most is excused)."""
     pre, dec, clock = pair
     _sender, receiver = _open(pre, dec, clock, 1, [1])
+    dec.progress()
     last = dec.peers.peers["p0"].last_seen
     clock.now += 0.8 * TIMEOUT_S
     resumed = clock()
@@ -55,6 +56,7 @@ def test_a_rank_stopped_alone_still_finds_a_peer_that_died_meanwhile(
     assert "while this rank was not running" in receiver.failure_reason
     assert dec.peers.peers["p0"].last_seen == last
     _sender, receiver = _open(pre, dec, clock, 2, [2])
+    dec.progress()                  # nothing of the prefill's waits in the decode's link
     clock.now += 5 * TIMEOUT_S
     dec.progress()
     assert receiver.poll() is KVPoll.Failed

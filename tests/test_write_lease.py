@@ -11,6 +11,7 @@ decode echoed on (a long send) holds its next write until its inbox is read, the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -59,8 +60,10 @@ def pair() -> Iterator[tuple[TransferAgent, TransferAgent, ManualClock]]:
 
 
 def _run(clock: ManualClock, seconds: float, *agents: TransferAgent, step_s: float = 0.05,
-         until: object = None) -> None:
-    """Step ``agents`` (the others are stopped) while the clock moves ``seconds`` (at least 200 steps)."""
+         until: object = None, real_s: float = 20.0) -> None:
+    """Step ``agents`` (the others are stopped) while the clock moves ``seconds`` (at least 200 steps). With
+    ``until``, once the clock has moved that far, go on stepping at the same time for up to ``real_s`` of real
+    time until it holds: a decode's instance lookup runs on a thread, which a loaded host may start late."""
     end = clock.now + seconds
     for _ in range(max(200, int(seconds / step_s) + 1)):
         for agent in agents:
@@ -68,6 +71,11 @@ def _run(clock: ManualClock, seconds: float, *agents: TransferAgent, step_s: flo
         if callable(until) and until():
             return
         clock.now = min(end, clock.now + step_s)
+    deadline = time.monotonic() + real_s
+    while callable(until) and not until() and time.monotonic() < deadline:
+        time.sleep(0.002)
+        for agent in agents:
+            agent.progress()
 
 
 def _open(pre: TransferAgent, dec: TransferAgent, clock: ManualClock, room: int,
