@@ -342,7 +342,7 @@ from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.specs import StateTypeSpec
 from kvbridge.state.base import StateType
 from kvbridge.state.kv import KVState
-from kvbridge.testkit import StateTypeTests
+from kvbridge.testkit import BufferMeaning, StateTypeTests
 from test_testkit_factory import kv_factory
 
 
@@ -429,6 +429,84 @@ class TestSlot(StateTypeTests):
     def component_factory(self, draw):
         return slot_factory(draw)
 
+    def logical_model(self, logical):
+        return (BufferMeaning(units="heads", axis=0), BufferMeaning(units="replicated"))
+
+
+class Scales(StateType):
+    """Per-page FP8 block scales [heads, blocks], heads sharded; travels with the last chunk, paired by position."""
+    name = "scales"
+    chunked = False
+
+    def check_component(self, component, tp):
+        if component.index_kind is not IndexKind.PAGE:
+            raise GeometryError(f"{component.name!r}: scales are indexed by page")
+        for buf in component.buffers:
+            buf.check_tp(tp.size)
+
+    def pair_indices(self, component, src_items, src_first, dst_items, dst_first):
+        lo = dst_first - src_first
+        if lo < 0 or lo + len(dst_items) > len(src_items):
+            raise GeometryError(f"{component.name!r}: decode pages from {dst_first} not covered by prefill's")
+        return src_items[lo: lo + len(dst_items)], dst_items
+
+
+class ScalesFromZero(Scales):
+    """Sends a decode prefix hit's scales from position 0 (ignores where the two lists start)."""
+    def pair_indices(self, component, src_items, src_first, dst_items, dst_first):
+        return src_items[: len(dst_items)], dst_items
+
+
+def scales_factory(draw, wrong_axis=False):
+    heads = draw(st.sampled_from([2, 4]))
+    blocks = 4
+
+    def build(tp, n):
+        if wrong_axis:       # every rank holds all heads and a 1/TP share of the blocks
+            shape, shard = (heads, local_units(blocks, tp)), ShardAxis(1, blocks)
+        else:
+            shape, shard = (local_units(heads, tp), blocks), ShardAxis(0, heads)
+        return Component(name="sc", state_type="scales", index_kind=IndexKind.PAGE, options={"page_size": 4},
+                         buffers=(BufferGeometry(name="sc.0", num_items=n, item_shape=shape, dtype=DType.FLOAT32,
+                                                 shard=shard),))
+    return build
+
+
+class TestScalesNoModel(StateTypeTests):
+    spec = StateTypeSpec(name="scales", factory=Scales)
+
+    def component_factory(self, draw):
+        return scales_factory(draw)
+
+
+class TestScales(TestScalesNoModel):
+    def logical_model(self, logical):
+        return (BufferMeaning(units="KV heads", axis=0),)
+
+
+class TestScalesFromZero(TestScales):
+    spec = StateTypeSpec(name="scales", factory=ScalesFromZero)
+
+
+class TestScalesWrongAxis(TestScales):
+    def component_factory(self, draw):
+        return scales_factory(draw, wrong_axis=True)
+
+
+def wrong_axis_kv_factory(draw):
+    """Token-major KV pages [tokens, heads, dim] whose ShardAxis names the token axis."""
+    heads, page = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4]))
+    return lambda tp, n: Component(name="kv", state_type="kv", index_kind=IndexKind.PAGE, buffers=tuple(
+        BufferGeometry(name=f"{t}.0", num_items=n, item_shape=(page, local_units(heads, tp), 2),
+                       dtype=DType.BFLOAT16, shard=ShardAxis(0, heads)) for t in "kv"))
+
+
+class TestKVWrongAxis(_KVTests):
+    spec = StateTypeSpec(name="kv", factory=KVState)
+
+    def component_factory(self, draw):
+        return wrong_axis_kv_factory(draw)
+
 
 class TestClaimsChunked(TestSlot):
     spec = StateTypeSpec(name="slot", factory=ClaimsChunked)
@@ -453,6 +531,21 @@ class TestClaimsChunked(TestSlot):
                  id="check-component-accepting-everything-fails"),
     pytest.param("TestSlot and (consistent or refused or end_to_end or built)", {"passed": 4}, [],
                  id="correct-slot-state-passes"),
+    # issue 23: decode prefix hits, and a reference by meaning rather than by the declared ShardAxis
+    pytest.param("TestScales and not (NoModel or FromZero or WrongAxis) and (end_to_end or reassembly or cover)",
+                 {"passed": 3}, [], id="correct-positional-page-state-passes"),
+    pytest.param("TestScalesFromZero and end_to_end", {"failed": 1},
+                 ["decode prefix 'whole pages' (4 tokens held; source positions from 0, destination from 1)",
+                  "bytes differ"], id="prefix-hit-sent-from-position-0-fails"),
+    pytest.param("TestScalesWrongAxis and reassembly", {"failed": 1},
+                 ["buffer 'sc.0' is declared ShardAxis(axis=1, total=4, groups=()), but it holds KV heads: ",
+                  "on axis 0 of its TP-1 item"], id="scales-declared-on-the-wrong-axis-fail"),
+    pytest.param("TestKVWrongAxis and reassembly", {"failed": 1},
+                 ["buffer 'k.0' is declared ShardAxis(axis=0, ", "but it holds KV heads: "],
+                 id="kv-declared-on-the-token-axis-fails"),
+    pytest.param("TestScalesNoModel and (reassembly or end_to_end or cover)", {"failed": 2, "passed": 1},
+                 ["the kit has no logical model of state type 'scales'", "define logical_model(self, logical)"],
+                 id="unknown-kind-without-a-logical-model-is-told-to-give-one"),
 ])
 def test_broken_state_types_fail_the_kit_checks(pytester: pytest.Pytester, selection: str,
                                                 outcomes: dict[str, int], expected: list[str]) -> None:

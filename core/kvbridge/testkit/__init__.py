@@ -23,6 +23,9 @@ _EXPORTS = {
     "ComponentFactory": "kvbridge.testkit.states",
     "RequestItems": "kvbridge.testkit.states",
     "shard_buffer": "kvbridge.testkit.states",
+    "prefix_request": "kvbridge.testkit.states",
+    "DECODE_PREFIXES": "kvbridge.testkit.states",
+    "BufferMeaning": "kvbridge.testkit.logical",
     "Fault": "kvbridge.testkit.faults",
     # registry checks of a state-type plugin
     "assert_state_type_installed": "kvbridge.testkit.discovery",
@@ -54,12 +57,13 @@ _EXPORTS = {
     "transfer": "kvbridge.testkit.rig",
 }
 
-__all__ = ["BackendTests", "BasicBackendTests", "CallKind", "CheckedBackend", "ComponentFactory", "DiscoveryTests",
-           "Fault", "FaultInjector", "HardwareBackendTests", "InjectedFault", "Model", "MultiProcessBackendTests",
-           "Outcome", "RequestItems", "Rig", "StateTypeTests", "TP_SIZES", "assert_identity_at_equal_tp",
-           "assert_state_type_installed", "composed_types", "connected_backends", "connected_ranks", "kit_registry",
-           "make_rank", "page_plan", "peer_info", "plan_for", "reference_heads", "requires", "run_backend_reshard",
-           "run_reshard", "shard_buffer", "shardable", "transfer", "units_held", "wait"]
+__all__ = ["BackendTests", "BasicBackendTests", "BufferMeaning", "CallKind", "CheckedBackend", "ComponentFactory",
+           "DECODE_PREFIXES", "DiscoveryTests", "Fault", "FaultInjector", "HardwareBackendTests", "InjectedFault",
+           "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig", "StateTypeTests", "TP_SIZES",
+           "assert_identity_at_equal_tp", "assert_state_type_installed", "composed_types", "connected_backends",
+           "connected_ranks", "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for", "prefix_request",
+           "reference_heads", "requires", "run_backend_reshard", "run_reshard", "shard_buffer", "shardable",
+           "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,9 +18,15 @@ A state-type plugin's ``tests/test_conformance.py``::
 ``component_factory`` draws one model geometry and returns ``build(tp_size, num_items)``: the component
 one rank of that TP size holds, raising :class:`~kvbridge.errors.UnsupportedTopology` for TP sizes the
 geometry cannot be split over. ``build(1, n)`` is the logical (un-sharded) component. The kit fills the
-logical tensors with random bytes and cuts each rank's share out with :meth:`StateTypeTests.shard` -
-by default :func:`shard_buffer`, the generic rule for a buffer's ``ShardAxis`` (override it for a
-geometry that is not described by its shard axis alone).
+logical tensors with random bytes and cuts each rank's share out by what each buffer *holds*
+(:meth:`StateTypeTests.logical_model`: KV heads, Mamba conv channels and SSM heads, replicated items, for
+the kinds the kit knows; a plugin describes its own), never by the ``ShardAxis`` the plugin declared - so a
+buffer declared sharded along the wrong axis fails the reshard property. :meth:`StateTypeTests.shard` cuts
+a share by hand instead, for a geometry no :class:`~kvbridge.testkit.logical.BufferMeaning` describes.
+
+Requests of a page-indexed component include decode prefix hits: the decode already holds the first P
+tokens (none, part of a page, whole pages, ending inside a page, all but the last page), lists only the
+pages from ``P // page_size`` on, and its prefix pages must come through untouched.
 
 Properties, for generated geometries and (Pt, Dt) pairs of ``tp_sizes``:
 
@@ -32,16 +38,17 @@ Properties, for generated geometries and (Pt, Dt) pairs of ``tp_sizes``:
 * ``check_component`` refuses invalid components: the other index kind (unless ``index_kinds`` lists
   both), whatever ``invalid_components`` lists, and (via ``Registry.compose``) a pool of the wrong TP size;
 * ``chunked = True`` is consistent: page-indexed, ``pair_indices`` not overridden, requests paired by
-  position from 0 (what the agent does with a chunked component);
+  position from the decode's first missing page (what the agent does with a chunked component);
 * end to end: TransferAgents over LocalHub with the ``loopback`` backend move a request byte-exact, sent
-  in two prefill chunks (a chunked state's items split over both, other state on the last).
+  in two prefill chunks (a chunked state's items split over both, other state on the last), once per
+  decode prefix kind for a page-indexed component; the decode's prefix pages keep their bytes.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
@@ -58,10 +65,12 @@ from kvbridge.state.base import StateType
 from kvbridge.testkit import reference as ref
 from kvbridge.testkit.checked import installed_registry, kit_registry
 from kvbridge.testkit.kitbase import KitTests
+from kvbridge.testkit.logical import BufferMeaning, builtin_model, cut
 from kvbridge.testkit.pools import GuardedBuffer
 from kvbridge.testkit.world import World
 
-__all__ = ["ComponentFactory", "RequestItems", "StateTypeTests", "shard_buffer"]
+__all__ = ["DECODE_PREFIXES", "BufferMeaning", "ComponentFactory", "RequestItems", "StateTypeTests",
+           "prefix_request", "shard_buffer"]
 
 #: ``build(tp_size, num_items) -> Component`` (raises UnsupportedTopology for TP sizes it cannot hold)
 ComponentFactory = Callable[[int, int], Component]
@@ -70,7 +79,8 @@ _NON_DIVIDING = ((2, 3), (3, 2), (3, 4), (4, 3), (4, 6), (6, 4), (2, 5), (6, 8))
 
 
 def shard_buffer(logical: np.ndarray, buffer: BufferGeometry, tp_size: int, rank: int) -> np.ndarray:
-    """The generic reference shard: what ``rank`` of ``tp_size`` holds of a logical buffer.
+    """The cut by the *declared* shard axis: what ``rank`` of ``tp_size`` holds if the declaration is right
+    (the kit compares it with the cut by meaning; it is no reference on its own).
 
     ``logical`` is ``[items, *item_shape, itemsize]`` uint8 (the TP-1 tensor), ``buffer`` its TP-1
     geometry; the result is ``[items, local item bytes]``. Written with :mod:`kvbridge.testkit.reference`
@@ -87,25 +97,61 @@ def shard_buffer(logical: np.ndarray, buffer: BufferGeometry, tp_size: int, rank
 class RequestItems:
     """One request's items: source items (and the absolute position of the first), destination items
     (and theirs), and ``pairs`` - which source item each destination item must end up holding (by
-    default the k-th source item for the k-th destination item)."""
+    default the k-th source item for the k-th destination item). ``prefix_len``: tokens the decode
+    already holds (``decode_prefix_len``); ``held``: the decode items holding its prefix's whole pages,
+    which no write may touch."""
 
     src: np.ndarray
     src_first: int
     dst: np.ndarray
     dst_first: int
     pairs: tuple[np.ndarray, np.ndarray] | None = None
+    prefix_len: int = 0
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def expected_pairs(self) -> tuple[np.ndarray, np.ndarray]:
         return self.pairs if self.pairs is not None else (self.src, self.dst)
 
 
+#: the decode prefix hits a page-indexed request is drawn with
+DECODE_PREFIXES = ("none", "part of a page", "whole pages", "inside a page", "all but the last page")
+
+
+def prefix_tokens(kind: str, pages: int, page_size: int) -> int:
+    """Tokens a decode holds for prefix ``kind`` of a ``pages``-page request (always fewer than it needs)."""
+    half, whole = max(1, page_size // 2), max(1, pages // 2) * page_size
+    tokens = {"none": 0, "part of a page": half if page_size > 1 else 0, "whole pages": whole,
+              "inside a page": whole + half if page_size > 1 else whole,
+              "all but the last page": (pages - 1) * page_size}[kind]
+    return min(tokens, (pages - 1) * page_size)
+
+
+def prefix_request(component: Component, rng: np.random.Generator, *, pages: int, prefix_len: int,
+                   page_size: int, source_from_zero: bool) -> RequestItems:
+    """A ``pages``-page request whose decode holds its first ``prefix_len`` tokens.
+
+    The decode lists the pages from ``prefix_len // page_size`` on (its own prefix pages, ``held``, stay out);
+    the prefill lists them too, or - ``source_from_zero`` - every page from position 0, as an engine that
+    does not look at the prefix would (a chunked component's pages are then sent with ``from_start=True``;
+    a positional ``pair_indices`` must leave the prefix out).
+    """
+    first = prefix_len // page_size
+    src = 1 + rng.permutation(component.num_items - 1)[:pages].astype(np.int64)
+    dst_all = 1 + rng.permutation(component.num_items - 1)[:pages].astype(np.int64)
+    start = 0 if source_from_zero else first
+    return RequestItems(src=src[start:], src_first=start, dst=dst_all[first:], dst_first=first,
+                        pairs=(src[first:], dst_all[first:]), prefix_len=prefix_len, held=dst_all[:first])
+
+
 @dataclass
 class _Model:
-    """A drawn geometry: the builder, its logical component, and the TP sizes it can be held at."""
+    """A drawn geometry: the builder, its logical component, the TP sizes it can be held at, and (once
+    asked for) what each buffer holds."""
 
     build: ComponentFactory
     logical: Component
     sizes: tuple[int, ...]
+    meanings: tuple[BufferMeaning, ...] | None = None
 
 
 class _StatePool:
@@ -144,6 +190,8 @@ class StateTypeTests(KitTests):
     e2e_examples: ClassVar[int] = 6
 
     _kvbridge_name_attr: ClassVar[str] = "state_type"
+    #: the geometry the running example drew (set by ``_model``; the logical model is computed for it)
+    _current: _Model
 
     # ---------------------------------------------------------------- what the plugin author provides
     def component_factory(self, draw: Callable[..., Any]) -> ComponentFactory:
@@ -151,16 +199,90 @@ class StateTypeTests(KitTests):
         raise NotImplementedError(f"{type(self).__name__} must define component_factory(self, draw) returning "
                                   "build(tp_size, num_items) -> Component")
 
+    def logical_model(self, logical: Component) -> tuple[BufferMeaning, ...]:
+        """What each buffer of the logical (TP-1) component holds, in wire order: the reference reshards by
+        this, never by the declared ``ShardAxis``. The kit knows the kinds ``kv``, ``swa`` (KV heads),
+        ``mamba`` (conv channels, SSM heads), ``nsa`` and ``row`` (replicated); any other state type must
+        override this (or :meth:`shard`), e.g. per-page FP8 scales ``[heads, blocks]`` and a replicated
+        position row::
+
+            from kvbridge.testkit import BufferMeaning
+
+            def logical_model(self, logical):
+                return (BufferMeaning(units="KV heads", axis=0),     # scales: heads on item axis 0
+                        BufferMeaning(units="replicated"))           # every rank holds the whole row
+
+        Unit counts come from the logical item's shape (``build(1, n)``); ``groups`` gives blocks sharded one
+        by one (GDN ``[q | k | v]``). Write it from the model, not from the builder's ShardAxis.
+        """
+        builds = {tp: self._current.build(tp, self.num_items) for tp in self._current.sizes}
+        return builtin_model(logical, builds)
+
     def shard(self, logical: np.ndarray, buffer: BufferGeometry, tp_size: int, rank: int) -> np.ndarray:
-        """The independent logical -> rank reshard (default: :func:`shard_buffer`)."""
-        return shard_buffer(logical, buffer, tp_size, rank)
+        """What ``rank`` of ``tp_size`` holds of the logical buffer ``buffer`` (``logical`` is its
+        ``[items, *item_shape, itemsize]`` uint8 tensor), as ``[items, local item bytes]``. Default: the cut
+        by the buffer's :meth:`logical_model` meaning; override only for a share no meaning describes."""
+        return cut(logical, self._meaning(buffer), tp_size, rank)
 
     def request_items(self, component: Component, rng: np.random.Generator) -> RequestItems:
-        """A request's items: ``items_per_request`` distinct items on each side (never item 0), first 0."""
+        """A request's items: ``items_per_request`` distinct items on each side (never item 0). A page-indexed
+        component's request has a decode prefix hit of a random kind (:data:`DECODE_PREFIXES`; the end-to-end
+        test runs every kind when this is not overridden), a slot's none. Override for a state type whose
+        requests look otherwise (give ``prefix_len`` and ``held`` when the decode holds a prefix)."""
+        kind = str(rng.choice(DECODE_PREFIXES)) if component.index_kind is IndexKind.PAGE else "none"
+        return self._prefix_request(component, rng, kind)
+
+    def _prefix_request(self, component: Component, rng: np.random.Generator, kind: str) -> RequestItems:
         k = min(self.items_per_request, component.num_items - 1)
-        src = 1 + rng.permutation(component.num_items - 1)[:k]
-        dst = 1 + rng.permutation(component.num_items - 1)[:k]
-        return RequestItems(src=src.astype(np.int64), src_first=0, dst=dst.astype(np.int64), dst_first=0)
+        if component.index_kind is not IndexKind.PAGE:
+            src = 1 + rng.permutation(component.num_items - 1)[:k]
+            dst = 1 + rng.permutation(component.num_items - 1)[:k]
+            return RequestItems(src=src.astype(np.int64), src_first=0, dst=dst.astype(np.int64), dst_first=0)
+        page_size = _page_size(component)
+        state = self._subject_state()
+        # from position 0: a chunked component's pages sent with from_start=True (the agent drops the prefix),
+        # a positional pair_indices given the whole list; the base pairing takes equal lists only
+        from_zero = state is not None and (state.chunked or type(state).pair_indices is not StateType.pair_indices)
+        return prefix_request(component, rng, pages=k, prefix_len=prefix_tokens(kind, k, page_size),
+                              page_size=page_size, source_from_zero=from_zero and kind != "all but the last page")
+
+    def _requests(self, component: Component, rng: np.random.Generator) -> list[tuple[str, RequestItems]]:
+        """The requests of one end-to-end run: one per prefix kind when the default requests apply."""
+        if self._overrides("request_items") or component.index_kind is not IndexKind.PAGE:
+            return [("as given", self.request_items(component, rng))]
+        return [(kind, self._prefix_request(component, rng, kind)) for kind in DECODE_PREFIXES]
+
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(StateTypeTests, name)
+
+    def _subject_state(self) -> StateType | None:
+        """A fresh instance of the state type under test (None when it cannot be resolved)."""
+        spec = self._kvbridge_resolve()
+        if not isinstance(spec, StateTypeSpec):
+            return None
+        instance = resolve(spec.factory)()
+        return instance if isinstance(instance, StateType) else None
+
+    def _meaning(self, buffer: BufferGeometry) -> BufferMeaning:
+        """The meaning of a logical buffer of the current geometry (its logical model, computed once)."""
+        model = self._current
+        if model.meanings is None:
+            meanings = tuple(self.logical_model(model.logical))
+            if len(meanings) != len(model.logical.buffers) or \
+                    not all(isinstance(m, BufferMeaning) for m in meanings):
+                raise AssertionError(f"logical_model returned {len(meanings)} entries for the "
+                                     f"{len(model.logical.buffers)} buffers of {model.logical.name!r}; give one "
+                                     "BufferMeaning per buffer, in wire order")
+            for m, b in zip(meanings, model.logical.buffers):
+                if m.axis is not None and not 0 <= m.axis < len(b.item_shape):
+                    raise AssertionError(f"buffer {b.name!r}: logical_model puts its {m.units} on axis {m.axis}, "
+                                         f"outside its item {b.item_shape}")
+                if m.axis is not None and m.groups and sum(m.groups) != b.item_shape[m.axis]:
+                    raise AssertionError(f"buffer {b.name!r}: logical_model's blocks {m.groups} do not add up to "
+                                         f"the {b.item_shape[m.axis]} {m.units} of axis {m.axis}")
+            model.meanings = meanings
+        names = [b.name for b in model.logical.buffers]
+        return model.meanings[names.index(buffer.name)]
 
     # ---------------------------------------------------------------- subject
     @classmethod
@@ -225,7 +347,8 @@ class StateTypeTests(KitTests):
             if len(comp.buffers) != len(logical.buffers):
                 raise AssertionError(f"build({tp}) has {len(comp.buffers)} buffers, build(1) {len(logical.buffers)}")
             sizes.append(tp)
-        return _Model(build, logical, tuple(sizes))
+        self._current = _Model(build, logical, tuple(sizes))
+        return self._current
 
     def _pair(self, data: Any, model: _Model) -> tuple[int, int]:
         from hypothesis import strategies as st
@@ -243,8 +366,9 @@ class StateTypeTests(KitTests):
             for x, lg, g in zip(logical, model.logical.buffers, comp.buffers):
                 local = self.shard(x, lg, tp, r)
                 assert local.shape == (g.num_items, g.item_nbytes), (
-                    f"buffer {g.name!r}: the reference shard for rank {r}/{tp} has {local.shape[1]} bytes per item, "
-                    f"build({tp}) says {g.item_nbytes}; the component factory and the shard function disagree")
+                    f"buffer {g.name!r}: by what it holds, rank {r}/{tp} holds {local.shape[1]} bytes per item, "
+                    f"build({tp}) says {g.item_nbytes} (item {g.item_shape}); the component factory and the "
+                    f"logical model disagree{self._described(lg)}")
                 bufs.append(local)
             out.append(bufs)
         return out
@@ -270,26 +394,67 @@ class StateTypeTests(KitTests):
                                    f"{dg.item_nbytes} B) or is empty")
         return sl
 
+    def _described(self, logical: BufferGeometry) -> str:
+        if self._overrides("shard"):
+            return " (shard is overridden)"
+        return f"; its logical model: {self._meaning(logical).describe(logical)}"
+
+    def _counts(self, state: StateType, model: _Model, pt: int, dt: int) -> list[list[np.ndarray]]:
+        """How many times the elected writers' slices write each byte of an item, per decode rank and buffer."""
+        src_comp, dst_comp = model.build(pt, self.num_items), model.build(dt, self.num_items)
+        counts = []
+        for d in range(dt):
+            writes = [np.zeros(g.item_nbytes + 1, np.int64) for g in dst_comp.buffers]
+            for p in target_ranks(pt, dt, d):
+                sl = self._slice(state, src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
+                for b, seg in enumerate(sl.buffers):
+                    np.add.at(writes[b], seg.dst_off, 1)
+                    np.add.at(writes[b], seg.dst_off + seg.nbytes, -1)
+            counts.append([np.cumsum(w)[:-1] for w in writes])
+        return counts
+
     def _assemble(self, state: StateType, model: _Model, logical: list[np.ndarray], pt: int, dt: int
-                  ) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]], list[list[np.ndarray]]]:
-        """Apply every elected writer's slice: (assembled, write counts, expected) per decode rank and buffer."""
+                  ) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]]]:
+        """Apply every elected writer's slice: (assembled, expected) per decode rank and buffer."""
         src_comp, dst_comp = model.build(pt, self.num_items), model.build(dt, self.num_items)
         sources = self._shards(model, logical, pt)
         expected = self._shards(model, logical, dt)
-        assembled, counts = [], []
+        assembled = []
         for d in range(dt):
             got = [np.zeros_like(e) for e in expected[d]]
-            writes = [np.zeros(e.shape[1] + 1, np.int64) for e in expected[d]]
             for p in target_ranks(pt, dt, d):
                 sl = self._slice(state, src_comp, dst_comp, Rank(p, pt), Rank(d, dt))
                 for b, seg in enumerate(sl.buffers):
                     for so, do, n in zip(seg.src_off.tolist(), seg.dst_off.tolist(), seg.nbytes.tolist()):
                         got[b][:, do: do + n] = sources[p][b][:, so: so + n]
-                        writes[b][do] += 1
-                        writes[b][do + n] -= 1
             assembled.append(got)
-            counts.append([np.cumsum(w)[:-1] for w in writes])
-        return assembled, counts, expected
+        return assembled, expected
+
+    def _check_declarations(self, model: _Model, logical: list[np.ndarray]) -> None:
+        """Each buffer's declared ShardAxis gives every rank what its meaning does (the slicing follows the
+        declaration, so a wrong one moves the wrong units); skipped when ``shard`` is overridden."""
+        if self._overrides("shard"):
+            return
+        for x, g in zip(logical, model.logical.buffers):
+            meaning = self._meaning(g)
+            for tp in model.sizes:
+                for r in range(tp):
+                    try:
+                        share = cut(x, meaning, tp, r)
+                    except (ValueError, ref.ReferenceTopologyError) as exc:
+                        raise AssertionError(f"buffer {g.name!r}: build({tp}) holds it at TP {tp}, but by what it "
+                                             f"holds ({meaning.describe(g)}) it cannot be: {exc}") from None
+                    try:
+                        declared: np.ndarray | None = shard_buffer(x, g, tp, r)
+                        why = ""
+                    except (ValueError, ref.ReferenceTopologyError) as exc:
+                        declared, why = None, str(exc)
+                    if declared is None or not np.array_equal(declared, share):
+                        raise AssertionError(
+                            f"buffer {g.name!r} is declared {g.shard or 'replicated (shard=None)'}, but it holds "
+                            f"{meaning.describe(g)}: by that declaration rank {r} of TP {tp} holds other bytes than "
+                            f"its share{f' ({why})' if why else ''}; declare the axis that holds its "
+                            f"{meaning.units} (or correct logical_model)")
 
     # ---------------------------------------------------------------- properties
     def test_built_components_are_valid(self, state: StateType) -> None:
@@ -319,7 +484,7 @@ class StateTypeTests(KitTests):
         def check(data: Any) -> None:
             model = self._model(data)
             pt, dt = self._pair(data, model)
-            _, counts, _ = self._assemble(state, model, self._logical(model, np.random.default_rng(0)), pt, dt)
+            counts = self._counts(state, model, pt, dt)
             dst_comp = model.build(dt, self.num_items)
             for d in range(dt):
                 for c, g in zip(counts[d], dst_comp.buffers):
@@ -339,8 +504,12 @@ class StateTypeTests(KitTests):
         """Applying the slices to each prefill rank's share reassembles exactly what the independent
         reference says each decode rank holds.
 
+        The reference cuts each logical buffer by what it holds (:meth:`logical_model`), so first every
+        buffer's declared ShardAxis must agree with that: a buffer declared sharded along another axis (or
+        replicated while its units are split) fails here, by name.
+
         Troubleshooting: a mismatch with correct coverage means bytes land at the wrong place - offsets of
-        shard groups, head order, or the wrong replica.
+        shard groups, head order, or the wrong replica. "has no logical model": define ``logical_model``.
         """
         from hypothesis import strategies as st
 
@@ -348,7 +517,9 @@ class StateTypeTests(KitTests):
             model = self._model(data)
             pt, dt = self._pair(data, model)
             seed = data.draw(st.integers(0, 2**32 - 1), "seed")
-            got, _, expected = self._assemble(state, model, self._logical(model, np.random.default_rng(seed)), pt, dt)
+            logical = self._logical(model, np.random.default_rng(seed))
+            self._check_declarations(model, logical)
+            got, expected = self._assemble(state, model, logical, pt, dt)
             dst_comp = model.build(dt, self.num_items)
             for d in range(dt):
                 for g, e, geom in zip(got[d], expected[d], dst_comp.buffers):
@@ -362,10 +533,11 @@ class StateTypeTests(KitTests):
     def test_chunked_flag_is_consistent(self, state: StateType) -> None:
         """A state type that claims ``chunked = True`` is really sent like KV pages: the agent sends its
         items with every prefill chunk, taking the chunk's *KV page ids* as its source items and the next
-        entries of the decode's list as destinations, paired by position from 0. So such a state type must
-        be indexed by page (a slot is one per request and final only after the last chunk), must not
-        override ``pair_indices`` (never called for a chunked component), and its requests must pair the
-        k-th source item with the k-th destination item, both lists starting at position 0.
+        entries of the decode's list as destinations, paired by position from the decode's first missing
+        page. So such a state type must be indexed by page (a slot is one per request and final only after
+        the last chunk), must not override ``pair_indices`` (never called for a chunked component), and its
+        requests must pair the k-th source item with the k-th destination item, both lists starting at the
+        same position.
 
         Troubleshooting: state that is final only when prefill ends (a slot, a window, a ring, an indexer)
         travels once, with the last chunk: set ``chunked = False``. Only a component whose pages are
@@ -390,10 +562,12 @@ class StateTypeTests(KitTests):
                                      "after the last chunk; set chunked = False")
             request = self.request_items(comp, np.random.default_rng(0))
             src, dst = request.expected_pairs()
-            positional = (request.src_first == 0 and request.dst_first == 0 and len(request.src) == len(request.dst)
-                          and np.array_equal(src, request.src) and np.array_equal(dst, request.dst))
+            lo = request.dst_first - request.src_first       # > 0: sent from position 0 (from_start=True)
+            positional = (request.src_first in (0, request.dst_first) and lo >= 0
+                          and len(request.src) - lo == len(request.dst)
+                          and np.array_equal(src, request.src[lo:]) and np.array_equal(dst, request.dst))
             assert positional, (
-                f"{where}, but its requests do not pair item k with item k from position 0 (source first "
+                f"{where}, but its requests do not pair item k with item k by position (source first "
                 f"{request.src_first}, destination first {request.dst_first}, {len(request.src)} source and "
                 f"{len(request.dst)} destination items, pairs given: {request.pairs is not None}); chunked items "
                 "are paired by position across chunks, so this pairing can only be had with chunked = False")
@@ -562,9 +736,7 @@ class StateTypeTests(KitTests):
         seed = data.draw(st.integers(0, 2**32 - 1), "seed")
         rng = np.random.default_rng(seed)
         logical = self._logical(model, rng)
-        request = self.request_items(model.logical, rng)
-        page_size = model.logical.options.get("page_size", 16)
-        page_size = page_size if isinstance(page_size, int) else 16
+        page_size = _page_size(model.logical)
         world = World(registry=registry, backend="loopback", pairs=[(pt, dt)],
                       make_pool=lambda role, tp, r: _StatePool(model.build(tp, self.num_items), tp, r, page_size),
                       config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
@@ -575,40 +747,65 @@ class StateTypeTests(KitTests):
             for rank in world.prefill[pt]:
                 for buf, share in zip(rank.pool.buffers, sources[rank.pool.layout.tp_rank]):
                     buf.write(share)
-            before = []
-            for rank in world.decode[dt]:
-                noise = [rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in rank.pool.buffers]
-                for buf, n in zip(rank.pool.buffers, noise):
-                    buf.write(n)
-                before.append(noise)
-            name = model.logical.name
-            if state.chunked:
-                metadata: dict[str, Any] = {name: request.dst}
-            else:
-                metadata = {name: (request.dst, request.dst_first)}
-            room = world.open(pt, dt, next(_ROOMS), metadata, 10.0)
-            if state.chunked:      # pages of a chunked component travel with the chunks that cover them
-                cut = len(request.src) // 2
-                room.send([request.src[:cut], request.src[cut:]])
-            else:                  # state travels once, with the last of the chunks
-                none = np.zeros(0, np.int64)
-                room.send([none, none], state={name: (request.src, request.src_first)})
-            room.wait_success(10.0)
-            src_items, dst_items = request.expected_pairs()
-            for rank, noise in zip(world.decode[dt], before):
-                r = rank.pool.layout.tp_rank
-                for buf, n, target, geom in zip(rank.pool.buffers, noise, targets[r],
-                                                rank.pool.component.buffers):
-                    want = n.reshape(geom.num_items, geom.item_nbytes).copy()
-                    want[dst_items] = target[src_items]
-                    got = buf.read().reshape(want.shape)
-                    bad = np.argwhere(got != want)
-                    assert not bad.size, (f"Pt {pt} -> Dt {dt}, decode rank {r}, buffer {geom.name!r}: {len(bad)} "
-                                          f"bytes differ (first: item {int(bad[0][0])}, byte {int(bad[0][1])}); the "
-                                          f"request paired source items {src_items.tolist()} with destination items "
-                                          f"{dst_items.tolist()}")
-                    assert not buf.guard_damage(), f"buffer {geom.name!r}: {buf.guard_damage()}"
-            room.settle(10.0)
+            for kind, request in self._requests(model.logical, rng):
+                self._e2e_room(state, world, model, pt, dt, targets, request, f"decode prefix {kind!r}", rng)
         finally:
             world.close()
 
+    def _e2e_room(self, state: StateType, world: World, model: _Model, pt: int, dt: int,
+                  targets: list[list[np.ndarray]], request: RequestItems, kind: str, rng: np.random.Generator) -> None:
+        """One room of the end-to-end run: fresh noise on the decode, the request moved, every byte checked."""
+        before = []
+        for rank in world.decode[dt]:
+            noise = [rng.integers(0, 256, b.nbytes, dtype=np.uint8) for b in rank.pool.buffers]
+            for buf, n in zip(rank.pool.buffers, noise):
+                buf.write(n)
+            before.append(noise)
+        name = model.logical.name
+        metadata: dict[str, Any] = {name: request.dst} if state.chunked else {name: (request.dst, request.dst_first)}
+        room = world.open(pt, dt, next(_ROOMS), metadata, 10.0, prefix_len=request.prefix_len)
+        if state.chunked:      # pages of a chunked component travel with the chunks that cover them
+            cut_at = len(request.src) // 2
+            chunks = [request.src[:cut_at], request.src[cut_at:]] if cut_at else [request.src]
+            from_start = request.src_first < request.dst_first     # the agent drops the decode's prefix pages
+            for k, pages in enumerate(chunks):
+                for sender in room.senders:
+                    sender.send(pages, last=k == len(chunks) - 1, from_start=from_start)
+        else:                  # state travels once, with the last of the chunks
+            none = np.zeros(0, np.int64)
+            room.send([none, none], state={name: (request.src, request.src_first)})
+        room.wait_success(10.0)
+        src_items, dst_items = request.expected_pairs()
+        where = (f"Pt {pt} -> Dt {dt}, {kind} ({request.prefix_len} tokens held; source positions from "
+                 f"{request.src_first}, destination from {request.dst_first})")
+        for rank, noise in zip(world.decode[dt], before):
+            r = rank.pool.layout.tp_rank
+            for buf, n, target, geom in zip(rank.pool.buffers, noise, targets[r], rank.pool.component.buffers):
+                was = n.reshape(geom.num_items, geom.item_nbytes)
+                got = buf.read().reshape(was.shape)
+                touched = [int(i) for i in request.held if not np.array_equal(got[i], was[i])]
+                assert not touched, (f"{where}, decode rank {r}, buffer {geom.name!r}: the decode's prefix page(s) "
+                                     f"{touched} (positions {[request.held.tolist().index(i) for i in touched]}) "
+                                     "were overwritten; only the pages after the prefix may be written")
+                want = was.copy()
+                want[dst_items] = target[src_items]
+                bad = np.argwhere(got != want)
+                assert not bad.size, (f"{where}, decode rank {r}, buffer {geom.name!r}: {len(bad)} bytes differ "
+                                      f"(first: item {int(bad[0][0])}, byte {int(bad[0][1])}); the request paired "
+                                      f"source items {src_items.tolist()} with destination items "
+                                      f"{dst_items.tolist()}{_hint(request)}")
+                assert not buf.guard_damage(), f"buffer {geom.name!r}: {buf.guard_damage()}"
+        room.settle(10.0)
+
+
+def _page_size(component: Component) -> int:
+    """Tokens per page of the kit's pools: the component's ``page_size`` option, else 16."""
+    size = component.options.get("page_size", 16)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 16
+
+
+def _hint(request: RequestItems) -> str:
+    if request.src_first == request.dst_first:
+        return ""
+    return (f" (the lists start at positions {request.src_first} and {request.dst_first}: source position p must "
+            "land in destination position p, so the decode's prefix is left out)")

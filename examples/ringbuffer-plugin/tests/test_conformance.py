@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvbridge.plugin import BufferGeometry, Component, DType, IndexKind, ShardAxis, local_units
-from kvbridge.testkit import StateTypeTests
+from kvbridge.testkit import BufferMeaning, StateTypeTests
 
 
 class TestRingBufferConformance(StateTypeTests):
@@ -31,3 +31,9 @@ class TestRingBufferConformance(StateTypeTests):
             ), index_kind=IndexKind.SLOT, options={"capacity": capacity})
 
         return build
+
+    def logical_model(self, logical):
+        # what each buffer holds, written from the model (the kit reshards by this, not by the ShardAxis)
+        return (BufferMeaning(units="heads", axis=1),          # hidden [capacity, heads, dim]
+                BufferMeaning(units="replicated"),             # token ids: every rank holds them whole
+                BufferMeaning(units="replicated"))             # cursor
