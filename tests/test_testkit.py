@@ -333,6 +333,183 @@ class TestNotInstalled(BackendTests):
     assert "engine-probe-thread" not in result.stdout.str()
 
 
+def test_engine_runtime_started_by_the_first_backend_is_the_baseline(pytester: pytest.Pytester) -> None:
+    """An engine whose first backend starts a runtime for the life of the process (a thread and a descriptor, as
+    UCX does) is built once before the class's baseline: the first test that makes a backend is not blamed."""
+    pytester.makepyfile(test_kit_subject='''
+import os
+import threading
+
+from kvbridge.backends.loopback import LoopbackBackend, SPEC
+from kvbridge.specs import BackendSpec
+from kvbridge.testkit import BackendTests
+
+RUNTIME = []
+
+
+class StartsARuntime(LoopbackBackend):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if not RUNTIME:
+            stop = threading.Event()
+            threading.Thread(target=stop.wait, args=(60,), name="engine-runtime-thread", daemon=True).start()
+            RUNTIME.append((stop, os.pipe()))
+
+
+class TestRuntime(BackendTests):
+    spec = BackendSpec(name="starts-a-runtime", factory=StartsARuntime, capabilities=SPEC.capabilities)
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "register_and_deregister")
+    result.assert_outcomes(passed=1)
+    assert "engine-runtime-thread" not in result.stdout.str()
+
+
+# ------------------------------------------------------------------------------------------ large writes, fences, files
+BROKEN_FENCES = BROKEN_BACKENDS + '''
+import numpy as np
+
+from kvbridge.backends.loopback import SPEC
+
+
+class TruncatesAbove1MiB(LoopbackBackend):
+    def send_component(self, transfer):
+        p = transfer.plan
+        cut = TransferPlan(p.src_addr, p.dst_addr, np.minimum(p.nbytes, np.uint64(1 << 20)), p.buffer)
+        return super().send_component(dataclasses.replace(transfer, plan=cut))
+
+
+class LyingFence(LoopbackBackend):
+    @staticmethod
+    def writer_gone(endpoint):
+        return True                      # "gone" - for a writer that is only stopped, too
+
+
+class NeverGone(LoopbackBackend):
+    @staticmethod
+    def writer_gone(endpoint):
+        return False                     # a killed writer's rooms stay fenced until declare_gone
+
+
+# module attributes: the fence tier's writer process imports the spec
+LIAR = BackendSpec(name="lying-fence", factory=LyingFence, capabilities=SPEC.capabilities, writer_gone_bound_s=1.0)
+NEVER = BackendSpec(name="never-gone", factory=NeverGone, capabilities=SPEC.capabilities, writer_gone_bound_s=1.0)
+NO_FENCE = BackendSpec(name="no-fence", factory=LoopbackBackend,
+                       capabilities=frozenset({Capability.HOST_MEMORY, Capability.MULTI_PROCESS}))
+
+
+class TestTruncates(BackendTests):
+    spec = BackendSpec(name="truncates", factory=TruncatesAbove1MiB, capabilities=CAPS)
+
+
+class TestLiar(BackendTests):
+    spec = LIAR
+
+
+class TestNeverGone(BackendTests):
+    spec = NEVER
+
+
+class TestNoFence(BackendTests):
+    spec = NO_FENCE
+'''
+
+
+def test_backend_that_truncates_large_descriptors_fails(pytester: pytest.Pytester) -> None:
+    # no descriptor of the other basic tests reaches 1 MiB: only the large-descriptor test sees the cut
+    expect_kit(pytester, BROKEN_FENCES, "TestTruncates and (large_descriptors or single_component)",
+               ["'truncates' a single 1048577 B descriptor", "1 of 1048577 bytes differ from the source, the first at "
+                "offset 1048576 (truncated: no byte from there on arrived)"], failed=1, passed=1)
+
+
+def test_backend_whose_writer_gone_lies_fails_the_fence_tier(pytester: pytest.Pytester) -> None:
+    expect_kit(pytester, BROKEN_FENCES, "(TestLiar or TestNeverGone) and (stopped or killed)",
+               ["'lying-fence': writer_gone(endpoint) answered True for a writer that is stopped (SIGSTOP), not gone",
+                "'never-gone': writer_gone(endpoint) still answered False after its writer's process was killed "
+                "(SIGKILL); the backend states writer_gone_bound_s=1"], failed=2, passed=2)
+
+
+def test_a_backend_without_writer_gone_is_told_what_it_loses(pytester: pytest.Pytester) -> None:
+    expect_kit(pytester, BROKEN_FENCES, "TestNoFence and (stopped or killed)",
+               ["'no-fence' does not declare writer-gone: the agent never asks it whether a writer is gone",
+                "stays fenced, not safe_to_reuse, until the engine calls declare_gone"], skipped=2)
+
+
+def test_files_left_in_dev_shm_and_the_temp_dir_are_leaks(pytester: pytest.Pytester) -> None:
+    """A backend that leaves files in /dev/shm (no pid in their names) and temporary files fails the test that made
+    them, naming them; kit classes of other test workers running meanwhile do not count them (leaks.py)."""
+    pytester.makepyfile(test_kit_subject='''
+import atexit
+import os
+import tempfile
+import uuid
+
+from kvbridge.backends.loopback import LoopbackBackend, SPEC
+from kvbridge.specs import BackendSpec
+from kvbridge.testkit import BackendTests
+
+LEFT = []
+atexit.register(lambda: [os.unlink(p) for p in LEFT if os.path.exists(p)])
+
+
+class LeavesFiles(LoopbackBackend):
+    def register_buffers(self, component, regions):
+        for _ in range(3):
+            path = f"/dev/shm/kit-shm-leak-{uuid.uuid4().hex}"
+            with open(path, "wb") as f:
+                f.write(b"moved through here")
+            LEFT.append(path)
+        fd, _ = tempfile.mkstemp(prefix="kit-tmp-leak-")
+        os.close(fd)
+        return super().register_buffers(component, regions)
+
+
+class TestLeavesFiles(BackendTests):
+    spec = BackendSpec(name="leaves-files", factory=LeavesFiles, capabilities=SPEC.capabilities)
+    leak_grace_s = 0.2
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "single_component")
+    result.assert_outcomes(passed=1, errors=1)
+    out = result.stdout.str()
+    assert "leaves-files: this test leaked:" in out
+    assert "6 file(s) left in /dev/shm (created during the test, never removed): /dev/shm/kit-shm-leak-" in out
+    assert "2 temporary file(s) left behind (created during the test, never removed): " in out
+    assert "/kit-tmp-leak-" in out
+    assert "the class TestLeavesFiles leaked" not in out                 # reported once, by the test that leaked
+
+
+def test_left_behind_attributes_files() -> None:
+    """While a kit class runs: a file this process creates in /dev/shm or the temporary directory is the test's,
+    so is one named with its pid, and anything in the kit's temporary directory; another process's is not, held
+    or not, nor another run's kvbridge segment."""
+    import random
+    import string
+
+    from kvbridge.testkit import leaks
+
+    tag = "".join(random.choices(string.ascii_lowercase, k=10))
+    made, mine = f"/dev/shm/kit-made-{tag}", os.path.join(leaks.SYSTEM_TMP, f"kit-{os.getpid()}-{tag}")
+    foreign, other_run = f"/dev/shm/kit-foreign-{tag}", f"/dev/shm/kvbridge-kit-zz{tag}-{os.getpid()}-0"
+    held, tmp_foreign = f"/dev/shm/kit-held-{tag}", os.path.join(leaks.SYSTEM_TMP, f"kit-foreign-{tag}")
+    outside = [foreign, other_run, held, tmp_foreign]
+    script = f"import sys\nfor p in {outside!r}: open(p, 'w').close()\nf = open({held!r})\nprint(flush=True)\n" \
+             "sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    private = leaks.push_private_tempdir()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline()       # its files made, one held
+        Path(made).write_bytes(b"x")
+        Path(mine).write_bytes(b"x")
+        fd, temporary = __import__("tempfile").mkstemp()
+        os.close(fd)
+        assert temporary.startswith(private)
+        assert leaks.left_behind([*outside, made, mine, temporary]) == sorted([made, mine, temporary])
+    finally:
+        leaks.pop_private_tempdir()
+        holder.communicate(b"", timeout=10)
+        for path in [*outside, made, mine]:
+            os.unlink(path)
+
+
 # ------------------------------------------------------------------------------------------ broken state types
 BROKEN_STATES = '''
 from hypothesis import strategies as st

@@ -48,6 +48,10 @@ class Capability(str, enum.Enum):
     NOTIFY_FAILURES = "notify-failures"  # drain_notify_failures() -> [.peer, .notice]: notices it could not deliver
 
 
+#: How long after a writer's process ended ``writer_gone`` may take to answer True, for a backend that declares
+#: ``Capability.WRITER_GONE`` without stating its own ``BackendSpec.writer_gone_bound_s``.
+DEFAULT_WRITER_GONE_BOUND_S = 5.0
+
 #: The optional backend methods, each behind the capability that declares it (the agent calls no other).
 OPTIONAL_METHODS: dict[Capability, str] = {
     Capability.WRITER_GONE: "writer_gone",
@@ -128,6 +132,10 @@ class BackendSpec:
     ``descriptor_cost_us`` (optional) is what one more descriptor costs the engine beyond its bytes, in
     microseconds: the agent's cost model stages a slice when its average descriptor is smaller than this
     times the staging throughput. None: 6 us, measured for UCX-like engines (NIXL).
+
+    ``writer_gone_bound_s`` (optional, with ``Capability.WRITER_GONE``) is the backend's stated bound: at most
+    this long after a writer's process ended, ``writer_gone(endpoint)`` answers True for its endpoint (the
+    kit's fence tier holds it to that). None: :data:`DEFAULT_WRITER_GONE_BOUND_S`.
     """
 
     name: str
@@ -137,11 +145,16 @@ class BackendSpec:
     description: str = ""
     bench: str | BenchEntry | None = None
     descriptor_cost_us: float | None = None
+    writer_gone_bound_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name)
         if self.descriptor_cost_us is not None and not self.descriptor_cost_us >= 0:
             raise PluginError(f"backend {self.name!r}: descriptor_cost_us={self.descriptor_cost_us!r} must be >= 0")
+        bound = self.writer_gone_bound_s
+        if bound is not None and not 0 < bound < float("inf"):
+            raise PluginError(f"backend {self.name!r}: writer_gone_bound_s={bound!r} must be a finite number of "
+                              "seconds > 0")
 
     @property
     def kind(self) -> PluginKind:

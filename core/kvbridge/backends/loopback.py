@@ -528,6 +528,9 @@ SPEC = BackendSpec(
     # copy_descriptors costs ~0.2-0.5 us per descriptor beyond its bytes (2-core host, 2026-11): staging
     # (two more host passes) wins only for runs below ~1.5 KB
     descriptor_cost_us=0.5,
+    # writer_gone reads the kernel's own state: the abstract name is free once the writer's last descriptor
+    # closed, which its exit does at once (a copy is a memmove of the writer's process: none outlives it)
+    writer_gone_bound_s=1.0,
 )
 
 

@@ -17,6 +17,7 @@ _EXPORTS = {
     "BasicBackendTests": "kvbridge.testkit.backends",
     "MultiProcessBackendTests": "kvbridge.testkit.backends",
     "HardwareBackendTests": "kvbridge.testkit.backends",
+    "FenceBackendTests": "kvbridge.testkit.backends",
     "requires": "kvbridge.testkit.backends",
     "StateTypeTests": "kvbridge.testkit.states",
     "DiscoveryTests": "kvbridge.testkit.discovery_kit",
@@ -58,12 +59,12 @@ _EXPORTS = {
 }
 
 __all__ = ["BackendTests", "BasicBackendTests", "BufferMeaning", "CallKind", "CheckedBackend", "ComponentFactory",
-           "DECODE_PREFIXES", "DiscoveryTests", "Fault", "FaultInjector", "HardwareBackendTests", "InjectedFault",
-           "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig", "StateTypeTests", "TP_SIZES",
-           "assert_identity_at_equal_tp", "assert_state_type_installed", "composed_types", "connected_backends",
-           "connected_ranks", "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for", "prefix_request",
-           "reference_heads", "requires", "run_backend_reshard", "run_reshard", "shard_buffer", "shardable",
-           "transfer", "units_held", "wait"]
+           "DECODE_PREFIXES", "DiscoveryTests", "Fault", "FaultInjector", "FenceBackendTests", "HardwareBackendTests",
+           "InjectedFault", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig", "StateTypeTests",
+           "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed", "composed_types",
+           "connected_backends", "connected_ranks", "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for",
+           "prefix_request", "reference_heads", "requires", "run_backend_reshard", "run_reshard", "shard_buffer",
+           "shardable", "transfer", "units_held", "wait"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ A backend plugin's whole ``tests/test_conformance.py``::
     class TestMoriStandIn(BackendTests):
         spec = kvbridge_mori.testing.STANDIN_SPEC          # or a spec that is not installed by entry point
 
-Tiers (``BackendTests`` runs all three; each is also a class of its own):
+Tiers (``BackendTests`` runs all four; each is also a class of its own):
 
 * :class:`BasicBackendTests` - one process, host memory: the backend alone (register, send, poll, notify,
   bounds) and under the core's TransferAgent over an in-process hub (byte-exact TP resharding of
@@ -19,17 +19,22 @@ Tiers (``BackendTests`` runs all three; each is also a class of its own):
   faults injected by :class:`~kvbridge.testkit.faults.FaultInjector`, a hypothesis state machine);
 * :class:`MultiProcessBackendTests` - decode ranks in a real child process, control plane over ZMQ on
   127.0.0.1, and a peer killed mid-room (``requires(multi-process)``, marked ``multiprocess``);
+* :class:`FenceBackendTests` - a writer (prefill) in a child process with a room in flight to a decode rank
+  here, stopped (SIGSTOP: ``writer_gone`` stays False, the room unsafe) and killed (SIGKILL: ``writer_gone``
+  True within the spec's ``writer_gone_bound_s``, the room safe) (``requires(writer-gone)`` and
+  ``multi-process``, marked ``multiprocess``);
 * :class:`HardwareBackendTests` - the byte-exact test with CUDA memory (``requires(cuda-memory)``,
   marked ``hardware("cuda")``).
 
 What runs is decided by the spec's capabilities: a test of a capability the spec does not declare is
-skipped with "'<name>' does not declare <capability>" (the basic and multi-process tiers need
-``host-memory``). Knobs a subclass may set: ``options`` (handed to the factory; or override the
-class-scoped ``backend_options`` fixture), ``tp_pairs``, ``descriptor_tp_pairs``, ``multiprocess_tp_pairs``,
-``hardware_tp_pairs``, ``waiting_timeout_s``, ``room_timeout_s``, ``spawn_timeout_s``,
-``stateful_examples`` / ``stateful_steps``, and from :mod:`~kvbridge.testkit.kitbase` ``known_failures``
-and ``leak_allowed_threads``. Every bytes check compares with :mod:`kvbridge.testkit.reference`, never
-with kvbridge's own slicing or planner.
+skipped with "'<name>' does not declare <capability>" (the basic, multi-process and fence tiers need
+``host-memory``; without ``writer-gone`` the reason says what the backend loses). Knobs a subclass may set:
+``options`` (handed to the factory; or override the class-scoped ``backend_options`` fixture), ``tp_pairs``,
+``descriptor_tp_pairs``, ``multiprocess_tp_pairs``, ``hardware_tp_pairs``, ``waiting_timeout_s``,
+``room_timeout_s``, ``spawn_timeout_s``, ``stateful_examples`` / ``stateful_steps``, and from
+:mod:`~kvbridge.testkit.kitbase` ``known_failures`` and ``leak_allowed_threads``. Every bytes check compares
+with :mod:`kvbridge.testkit.reference`, never with kvbridge's own slicing or planner. The backend's stated
+bound for ``writer_gone`` is its spec's ``writer_gone_bound_s``.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.wire import KVPoll
 from kvbridge.registry import Registry
 from kvbridge.slicing import Segments
-from kvbridge.specs import BackendSpec, Capability
+from kvbridge.specs import DEFAULT_WRITER_GONE_BOUND_S, BackendSpec, Capability
 from kvbridge.testkit.checked import installed_registry, kit_registry, options_of
 from kvbridge.testkit.faults import Fault, FaultInjector
 from kvbridge.testkit.kitbase import KitTests
@@ -60,10 +65,17 @@ from kvbridge.testkit.kvmodel import KVPool
 from kvbridge.testkit.pools import GuardedBuffer
 from kvbridge.testkit.world import Room, World, wait_until
 
-__all__ = ["ALL_PAIRS", "BackendTests", "BasicBackendTests", "HardwareBackendTests", "MultiProcessBackendTests",
-           "requires"]
+__all__ = ["ALL_PAIRS", "LARGE_DESCRIPTOR_SIZES", "BackendTests", "BasicBackendTests", "FenceBackendTests",
+           "HardwareBackendTests", "MultiProcessBackendTests", "requires"]
 
 ALL_PAIRS = tuple((p, d) for p in (1, 2, 4) for d in (1, 2, 4))
+#: single-descriptor sizes of test_large_descriptors_are_exact (the agent's staged writes reach 256 MiB)
+LARGE_DESCRIPTOR_SIZES = (1, 4097, (1 << 20) + 1, 64 << 20)
+_NO_WRITER_GONE = (
+    "the agent never asks it whether a writer is gone, so a failed room whose writer neither acknowledges the "
+    "abort nor is proven dead by the core (its liveness connection, AgentConfig.prove_writer_death; or its write "
+    "lease with write_flight_bound_s) stays fenced, not safe_to_reuse, until the engine calls declare_gone; the "
+    "fence tier (a stopped and a killed writer) does not run")
 _ROOMS = itertools.count(10_000)
 
 
@@ -103,6 +115,22 @@ def _premature_done_hint(correct_now: Any, when: str) -> str:
     return ""
 
 
+def _large_problems(src: GuardedBuffer, dst: GuardedBuffer, at_src: int, at_dst: int, nbytes: int) -> list[str]:
+    """What is wrong after ``nbytes`` from ``src[at_src:]`` were written to ``dst[at_dst:]`` (dst was all zeros)."""
+    out = []
+    got, want = dst.data[at_dst: at_dst + nbytes], src.data[at_src: at_src + nbytes]
+    bad = np.flatnonzero(got != want) if not np.array_equal(got, want) else np.zeros(0, np.int64)
+    if bad.size:
+        first = int(bad[0])
+        cut = " (truncated: no byte from there on arrived)" if not np.any(got[first:]) else ""
+        out.append(f"{bad.size} of {nbytes} bytes differ from the source, the first at offset {first}{cut}")
+    if np.any(dst.data[:at_dst]) or np.any(dst.data[at_dst + nbytes:]):
+        out.append("bytes outside the descriptor's destination changed")
+    if dst.guard_damage():
+        out.append(f"wrote outside registered memory: {dst.guard_damage()}")
+    return out
+
+
 class _BackendKit(KitTests):
     """Subject resolution, fixtures and helpers shared by the tiers."""
 
@@ -123,8 +151,24 @@ class _BackendKit(KitTests):
     fault_pair: ClassVar[tuple[int, int]] = (2, 1)
 
     _kvbridge_name_attr: ClassVar[str] = "backend"
+    _kvbridge_capability_notes: ClassVar[Mapping[str, str]] = {Capability.WRITER_GONE.value: _NO_WRITER_GONE}
 
     # ---------------------------------------------------------------- subject
+    @classmethod
+    def _kvbridge_prime_subject(cls, request: pytest.FixtureRequest) -> None:
+        """Build the class's registry and one backend (closed at once) before the class's leak baseline: an
+        engine runtime that the first backend starts for the life of the process (UCX's threads and
+        descriptors, say) belongs to the baseline, not to the first test."""
+        if not isinstance(cls._kvbridge_resolve(), BackendSpec) or cls._kvbridge_unavailable(request.config):
+            return
+        try:
+            registry: Registry = request.getfixturevalue("kit_registry")
+            options = options_of(request.getfixturevalue("backend_options"))
+            registry.create_backend(request.getfixturevalue("backend_spec").name, name="kit-prime",
+                                    options=options).close()
+        except (Exception, pytest.skip.Exception):  # noqa: BLE001 - the tests that need the backend report it
+            pass
+
     @classmethod
     def _kvbridge_lookup(cls, name: str) -> BackendSpec | str:
         try:
@@ -424,6 +468,39 @@ class BasicBackendTests(_BackendKit):
         if found:
             found[-1] += _premature_done_hint(lambda: not problems(), "the handle polled DONE")
         assert not found, f"'{self._kvbridge_subject()}' {what}:\n  " + "\n  ".join(found)
+
+    def test_large_descriptors_are_exact(self, make_backend: Any, request: pytest.FixtureRequest) -> None:
+        """Single descriptors of 1 B, 4097 B, 1 MiB + 1 and 64 MiB (``LARGE_DESCRIPTOR_SIZES``), each at odd
+        offsets, arrive whole: every byte equals the source, nothing around it changed.
+
+        Troubleshooting: an engine with a largest message or registration granule must split a descriptor
+        itself (the agent's staged writes are up to ``staging_piece_bytes``, 256 MiB); "truncated" means the
+        bytes from that offset on never arrived while the handle polled DONE.
+        """
+        size = max(LARGE_DESCRIPTOR_SIZES) + 8192
+        a, b = make_backend("src"), make_backend("dst")
+        src, dst = GuardedBuffer(size), GuardedBuffer(size)
+        src.data[:] = np.random.default_rng(_seed(request)).integers(0, 256, size, dtype=np.uint8)
+        reg_a = a.register_buffers("kit", [region_of(src.data)])
+        reg_b = b.register_buffers("kit", [region_of(dst.data)])
+        peer = a.add_peer(PeerInfo("kit-dst", b.endpoint, (reg_b.remote(),)))
+        for chunk, nbytes in enumerate(LARGE_DESCRIPTOR_SIZES):
+            at_src, at_dst = 4099 - chunk, 7 + 1000 * chunk
+            plan = TransferPlan(np.array([region_of(src.data).addr + at_src], np.uint64),
+                                np.array([region_of(dst.data).addr + at_dst], np.uint64),
+                                np.array([nbytes], np.uint64), np.zeros(1, np.int32))
+            handle = a.send_component(ComponentTransfer(room=9, component="kit", peer=peer, chunk=chunk, last=True,
+                                                        src=reg_a, dst=reg_b.remote(), plan=plan))
+            result = self._wait_handle(a, handle, f"a {nbytes} B descriptor")
+            a.release(handle)
+            assert result.state is HandleState.DONE, \
+                f"a {nbytes} B descriptor ended {result.state.name}: {result.reason}"
+            problems = _large_problems(src, dst, at_src, at_dst, nbytes)
+            assert not problems, f"'{self._kvbridge_subject()}' a single {nbytes} B descriptor:\n  " + \
+                "\n  ".join(problems)
+            dst.data[at_dst: at_dst + nbytes] = 0
+        b.deregister_buffers(reg_b)
+        a.deregister_buffers(reg_a)
 
     def _assert_refused(self, backend: Any, transfer: ComponentTransfer, what: str) -> None:
         try:
@@ -777,6 +854,54 @@ class MultiProcessBackendTests(_BackendKit):
                         waiting_timeout_s=self.waiting_timeout_s, tracker=self._kvbridge_tracker())
 
 
+class FenceBackendTests(_BackendKit):
+    """Fence tier: a backend's ``writer_gone(endpoint)`` against a real writer process, stopped and killed."""
+
+    _kvbridge_kit_class: ClassVar[bool] = True
+    # writer-gone first: its skip reason (what the backend loses) is the one reported
+    _kvbridge_tier_requires: ClassVar[tuple[str, ...]] = (Capability.WRITER_GONE.value, Capability.HOST_MEMORY.value,
+                                                          Capability.MULTI_PROCESS.value)
+    spawn_timeout_s: ClassVar[float] = 60.0
+
+    @staticmethod
+    def gone_bound_s(spec: BackendSpec) -> float:
+        """The backend's stated bound (``BackendSpec.writer_gone_bound_s``, else the default)."""
+        return spec.writer_gone_bound_s or DEFAULT_WRITER_GONE_BOUND_S
+
+    @pytest.mark.kvbridge_multiprocess
+    def test_stopped_writer_is_not_gone(self, backend_spec: BackendSpec, backend_options: dict[str, str],
+                                        request: pytest.FixtureRequest) -> None:
+        """A writer with a room in flight is stopped (SIGSTOP) past the peer timeout: the decode fails the room,
+        but ``writer_gone`` for the writer's endpoint keeps answering False and the room stays not
+        ``safe_to_reuse`` (watched for the stated bound after the failure); then SIGCONT, and the room settles.
+
+        Troubleshooting: a stopped process still holds the engine's registration of the decode's memory and
+        writes when it resumes; silence, a missed heartbeat or a dead connection are no proof of its exit.
+        Answer True only on the kernel's word (the process is gone) or the engine's (it revoked the writer).
+        """
+        from kvbridge.testkit.peer import run_fenced_writer
+
+        run_fenced_writer(backend_spec, options_of(backend_options), seed=_seed(request), stop=True,
+                          gone_bound_s=self.gone_bound_s(backend_spec), bound_s=self.room_timeout_s,
+                          spawn_timeout_s=self.spawn_timeout_s, tracker=self._kvbridge_tracker())
+
+    @pytest.mark.kvbridge_multiprocess
+    def test_killed_writer_is_gone_within_the_bound(self, backend_spec: BackendSpec, backend_options: dict[str, str],
+                                                    request: pytest.FixtureRequest) -> None:
+        """The writer is killed (SIGKILL) with a room in flight: ``writer_gone`` for its endpoint answers True
+        within the spec's ``writer_gone_bound_s`` (default 5 s), and the decode room becomes safe to reuse with
+        no other proof of the death (``AgentConfig.prove_writer_death`` is off on the decode).
+
+        Troubleshooting: True must also mean that no write the dead process posted can still land; state a
+        bound that covers the engine's drain of a dead peer's writes.
+        """
+        from kvbridge.testkit.peer import run_fenced_writer
+
+        run_fenced_writer(backend_spec, options_of(backend_options), seed=_seed(request), stop=False,
+                          gone_bound_s=self.gone_bound_s(backend_spec), bound_s=self.room_timeout_s,
+                          spawn_timeout_s=self.spawn_timeout_s, tracker=self._kvbridge_tracker())
+
+
 class HardwareBackendTests(_BackendKit):
     """Hardware tier: the byte-exact test with CUDA memory on both sides."""
 
@@ -804,7 +929,7 @@ class HardwareBackendTests(_BackendKit):
             world.close()
 
 
-class BackendTests(BasicBackendTests, MultiProcessBackendTests, HardwareBackendTests):
+class BackendTests(BasicBackendTests, MultiProcessBackendTests, FenceBackendTests, HardwareBackendTests):
     """Every tier of the backend kit (see the module docstring for the ten lines a plugin writes)."""
 
     _kvbridge_kit_class: ClassVar[bool] = True

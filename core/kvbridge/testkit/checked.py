@@ -260,7 +260,8 @@ def _checked_factory(factory: str | Callable[..., Any], tracker: Tracker, spec_n
 def checked_spec(spec: BackendSpec, tracker: Tracker) -> BackendSpec:
     """The same backend, built as a CheckedBackend reporting to ``tracker``."""
     return BackendSpec(name=spec.name, factory=functools.partial(_checked_factory, spec.factory, tracker, spec.name),
-                       capabilities=spec.capabilities, description=spec.description)
+                       capabilities=spec.capabilities, description=spec.description,
+                       writer_gone_bound_s=spec.writer_gone_bound_s)
 
 
 def kit_registry(backend: BackendSpec, *, tracker: Tracker, states: Iterable[StateTypeSpec] = (),

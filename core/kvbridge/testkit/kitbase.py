@@ -17,7 +17,12 @@ from typing import Any, ClassVar
 import pytest
 
 from kvbridge.testkit.checked import Tracker
-from kvbridge.testkit.leaks import Snapshot, prime_process_singletons
+from kvbridge.testkit.leaks import (
+    Snapshot,
+    pop_private_tempdir,
+    prime_process_singletons,
+    push_private_tempdir,
+)
 from kvbridge.testkit.plugin import MARK_HARDWARE, MARK_REQUIRES
 
 __all__ = ["KitTests", "kit_tests", "override_problems"]
@@ -80,7 +85,8 @@ class KitTests:
     _kvbridge_kit_class: ClassVar[bool] = True
     #: test name (``test_x`` or ``test_x[param-id]``) -> reason; those tests run as strict xfails
     known_failures: ClassVar[Mapping[str, str]] = {}
-    #: run the leak checks after every test (file descriptors, threads, children, /dev/shm, handles)
+    #: run the leak checks after every test (file descriptors, threads, children, /dev/shm segments and files,
+    #: temporary files, handles; see :mod:`kvbridge.testkit.leaks`)
     check_leaks: ClassVar[bool] = True
     leak_grace_s: ClassVar[float] = 3.0
     #: name prefixes of threads the plugin keeps for the life of the process (say why where you set it)
@@ -88,6 +94,8 @@ class KitTests:
     #: class-scoped fixtures whose agents outlive a test: tests using them are checked for threads and
     #: file descriptors when the class ends (engines may start per-backend threads on first use)
     shared_fixtures: ClassVar[tuple[str, ...]] = ("kv_world",)
+    #: capability -> what a plugin that does not declare it loses (appended to the skip reason of its tests)
+    _kvbridge_capability_notes: ClassVar[Mapping[str, str]] = {}
 
     # ---------------------------------------------------------------- subclass interface
     #: the class attribute that names the installed plugin under test (the alternative to ``spec``)
@@ -159,7 +167,9 @@ class KitTests:
         needed += list(defined_in.__dict__.get("_kvbridge_tier_requires", ())) if defined_in is not None else []
         for value in dict.fromkeys(needed):
             if value not in declared:
-                marks.append(pytest.mark.skip(reason=f"'{cls._kvbridge_subject()}' does not declare {value}"))
+                note = cls._kvbridge_capability_notes.get(value, "")
+                marks.append(pytest.mark.skip(reason=f"'{cls._kvbridge_subject()}' does not declare {value}"
+                                                     + (f": {note}" if note else "")))
         known = dict(cls.known_failures)
         reason = known.get(name) or known.get(original)
         if reason:
@@ -243,19 +253,29 @@ class KitTests:
         if not cls.check_leaks:
             yield
             return
-        cls._kvbridge_prime(request.config)
-        cls._kvbridge_class_baseline = Snapshot.take()  # type: ignore[attr-defined]
+        push_private_tempdir()
         try:
-            yield
+            cls._kvbridge_prime(request.config)
+            cls._kvbridge_prime_subject(request)
+            cls._kvbridge_class_baseline = Snapshot.take()  # type: ignore[attr-defined]
+            try:
+                yield
+            finally:
+                baseline = cls.__dict__["_kvbridge_class_baseline"]
+                del cls._kvbridge_class_baseline  # type: ignore[attr-defined]
+            problems = cls._kvbridge_tracker().problems() + baseline.leaked(cls.leak_grace_s,
+                                                                           allowed_threads=cls.leak_allowed_threads)
         finally:
-            baseline = cls.__dict__["_kvbridge_class_baseline"]
-            del cls._kvbridge_class_baseline  # type: ignore[attr-defined]
-        problems = cls._kvbridge_tracker().problems() + baseline.leaked(cls.leak_grace_s,
-                                                                       allowed_threads=cls.leak_allowed_threads)
+            pop_private_tempdir()
         if problems:
             _report_against_class(request, f"{cls._kvbridge_subject()}: the class {cls.__qualname__} leaked "
                                            "(found when its last test ended, after its shared fixtures closed; "
                                            "not caused by that test alone):\n  " + "\n  ".join(problems))
+
+    @classmethod
+    def _kvbridge_prime_subject(cls, request: pytest.FixtureRequest) -> None:
+        """Build the plugin under test once before the class's baseline, so the engine runtime it starts for the
+        life of the process (threads, descriptors, files) is the baseline's, not the first test's."""
 
 
 def _report_against_class(request: pytest.FixtureRequest, text: str) -> None:

@@ -1,4 +1,5 @@
-"""Process resources a test must give back: file descriptors, threads, child processes, /dev/shm segments.
+"""Process resources a test must give back: file descriptors, threads, child processes, /dev/shm segments and
+files, temporary files.
 
     before = Snapshot.take()
     ...                                   # the test
@@ -12,20 +13,47 @@ processes from /proc/self/task/*/children; /dev/shm segments this process maps, 
 ``kvbridge-<kit|demo>-<run tag>-<pid>-...`` by this run (:mod:`kvbridge.shmnames`) after this process or a child the
 kit started; another run's segments on the host are never counted. Linux only: elsewhere the /proc parts compare as
 empty.
+
+Files (:func:`left_behind`): a before/after listing of /dev/shm, of the kit's own temporary directory and of the
+host's temporary directory; an entry new since the snapshot and still there after the grace period is the test's
+when something ties it to the test. /dev/shm and /tmp are shared by every process of the host (other test workers,
+other runs: a busy host's engines drop ``sem.mp-*`` and ``psm_*`` files there every few seconds, created and
+orphaned by processes long gone), and no listing says who created an entry, so "new and unclaimed" would blame a
+test for other processes' files. The ties:
+
+* it is in the kit's temporary directory (:func:`push_private_tempdir`: Python's ``tempfile`` of this process,
+  and the ``TMPDIR`` of the kit's child processes, point there while a kit class runs), which holds nothing else;
+* this process created it through Python (an audit hook records ``open``/``os.open`` with ``O_CREAT``,
+  ``tempfile``, ``os.mkdir``, renames and links, ``mmap`` of a file, a unix socket's ``bind``) while a kit class
+  ran;
+* this process or a kit child holds it open or mapped;
+* it carries the pid of this process or of a kit child as a word of its name (``<prefix>-<pid>-<n>``), or is
+  this run's kvbridge segment of one of them.
+
+Not caught: a file that native code (an engine's C library) creates in this process, closes and unmaps, with no
+pid in its name - there is no way to tell it from another process's.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
+import re
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 
-from kvbridge.shmnames import segment_prefix
+from kvbridge.shmnames import RUN_TAG, segment_prefix
 
-__all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "describe_fds", "prime_process_singletons"]
+__all__ = ["CHILD_PIDS", "SHM_PREFIXES", "Snapshot", "child_env", "describe_fds", "left_behind", "pop_private_tempdir",
+           "prime_process_singletons", "push_private_tempdir"]
 
 #: /dev/shm names a leak check looks at even when unmapped: this run's ``<prefix><pid>-...`` of this process or of a
 #: child it started (the kit's peers register here); /dev/shm is host-wide, other runs' segments are not ours
@@ -180,6 +208,162 @@ def _shm() -> frozenset[str]:
     return frozenset(n for n in names if os.path.exists(f"/dev/shm/{n}"))
 
 
+SHM_DIR = "/dev/shm"
+#: the host's temporary directory, as this process saw it before the kit pointed ``tempfile`` elsewhere
+SYSTEM_TMP = tempfile.gettempdir()
+_PRIVATE: list[tuple[str, str | None]] = []     # (the kit's temporary directory, tempfile.tempdir before it)
+_PRIVATE_NAMES = itertools.count()
+_KVBRIDGE_NAME = re.compile(r"kvbridge-[a-z]{1,16}-([a-z0-9]{4,16})-(\d+)-")
+_CREATED: set[str] = set()                      # paths (or dir_fd-relative names) this process created, by audit
+_AUDITED = [False]
+
+
+def _path_of(value: object) -> str | None:
+    if isinstance(value, int):
+        try:
+            return os.readlink(f"/proc/self/fd/{value}") if value >= 0 else None
+        except OSError:
+            return None
+    try:
+        return os.fsdecode(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _created_path(event: str, args: tuple[object, ...]) -> object:
+    """What an audit event of this process creates (a path, an fd, a name), or None."""
+    if event == "open":
+        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        return args[0] if flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) else None
+    if event in ("tempfile.mkstemp", "tempfile.mkdtemp", "os.mkdir"):
+        return args[0]
+    if event in ("os.rename", "os.link", "os.symlink"):
+        return args[1]
+    if event == "mmap.__new__":
+        return args[0]
+    if event == "socket.bind" and len(args) > 1 and isinstance(args[1], (str, bytes)):
+        return args[1]
+    return None
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    """Record what this process creates while a kit class runs (Python-level calls: ``open``, ``os.open``,
+    ``tempfile``, ``mmap`` of a file, a unix socket's ``bind``...)."""
+    if not _PRIVATE or event not in _CREATING:
+        return
+    path = _path_of(_created_path(event, args))
+    if not path:
+        return
+    if not os.path.isabs(path):
+        _CREATED.add(os.path.basename(path))      # relative to a dir_fd the event does not name, or to the cwd
+    elif path.startswith((SHM_DIR + os.sep, SYSTEM_TMP + os.sep)):
+        _CREATED.add(path)
+
+
+_CREATING = frozenset({"open", "tempfile.mkstemp", "tempfile.mkdtemp", "os.mkdir", "os.rename", "os.link",
+                       "os.symlink", "mmap.__new__", "socket.bind"})
+
+
+def push_private_tempdir() -> str:
+    """Point Python's ``tempfile`` at a new directory of this process (under the host's temporary directory) and
+    return it; the kit's child processes get it as ``TMPDIR`` (:func:`child_env`). From then on, until the last
+    :func:`pop_private_tempdir`, the files this process creates through Python are recorded (an audit hook)."""
+    if not _AUDITED[0]:
+        _AUDITED[0] = True
+        sys.addaudithook(_audit)
+    path = os.path.join(SYSTEM_TMP, f"kvbridge-kittmp-{RUN_TAG}-{os.getpid()}-{next(_PRIVATE_NAMES)}")
+    os.makedirs(path, mode=0o700)
+    _PRIVATE.append((path, tempfile.tempdir))
+    tempfile.tempdir = path
+    return path
+
+
+def pop_private_tempdir() -> None:
+    """Undo the last :func:`push_private_tempdir` and delete that directory (what was left there was reported)."""
+    path, before = _PRIVATE.pop()
+    tempfile.tempdir = before
+    shutil.rmtree(path, ignore_errors=True)
+    if not _PRIVATE:
+        _CREATED.clear()
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a kit child process: this one's, with ``TMPDIR`` the kit's temporary directory if any."""
+    return dict(os.environ, TMPDIR=_PRIVATE[-1][0]) if _PRIVATE else dict(os.environ)
+
+
+def _listing(directory: str) -> set[str]:
+    try:
+        return {os.path.join(directory, name) for name in os.listdir(directory)}
+    except OSError:
+        return set()
+
+
+def _files() -> frozenset[str]:
+    """Every entry of /dev/shm, of the host's temporary directory and of the kit's (full paths)."""
+    out = _listing(SHM_DIR) | _listing(SYSTEM_TMP)
+    if _PRIVATE:
+        out |= _listing(_PRIVATE[-1][0])
+    return frozenset(out)
+
+
+def _held_by(pid: int, paths: set[str]) -> set[str]:
+    """Which of ``paths`` process ``pid`` holds open or mapped (its /proc entries; unreadable: none)."""
+    held: set[str] = set()
+    with suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with suppress(OSError):
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    with suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                held.add(fields[5].strip().removesuffix(" (deleted)"))
+    return held & paths
+
+
+def _owner_pids(name: str) -> set[int]:
+    """Words of a name that may be pids: all digits, two or more (``torch_4711_0`` -> 4711; not ``psm_3914da4a``)."""
+    return {int(t) for t in re.split(r"[^A-Za-z0-9]+", name) if len(t) >= 2 and t.isdigit()}
+
+
+def _named_ours(path: str, mine: set[int]) -> bool:
+    """Named by this run for one of ``mine`` (a kvbridge segment name), or with one of their pids as a word."""
+    name = os.path.basename(path)
+    named = _KVBRIDGE_NAME.match(name)
+    if named:
+        return named.group(1) == RUN_TAG and int(named.group(2)) in mine
+    return bool(_owner_pids(name) & mine)
+
+
+def left_behind(new: Iterable[str]) -> list[str]:
+    """The entries of ``new`` (paths new since a snapshot, still there) that are the test's, by the rules of the
+    module docstring; sorted."""
+    new = {p for p in new if os.path.lexists(p)}
+    if not new:
+        return []
+    mine = {os.getpid(), *(pid for pid in CHILD_PIDS if os.path.exists(f"/proc/{pid}"))}
+    private = _PRIVATE[-1][0] + os.sep if _PRIVATE else "\0"
+    out = {p for p in new if p.startswith(private) or p in _CREATED or os.path.basename(p) in _CREATED
+           or _named_ours(p, mine)}
+    rest = new - out
+    if rest:
+        out |= set().union(*(_held_by(pid, rest) for pid in mine))
+    return sorted(out)
+
+
+def _describe_files(paths: list[str]) -> list[str]:
+    """One report line per place: /dev/shm entries, temporary files."""
+    lines = []
+    shm = [p for p in paths if p.startswith(SHM_DIR + os.sep)]
+    tmp = [p for p in paths if not p.startswith(SHM_DIR + os.sep)]
+    for found, what in ((shm, "file(s) left in /dev/shm"), (tmp, "temporary file(s) left behind")):
+        if found:
+            shown = ", ".join(found[:12]) + (f", ... ({len(found) - 12} more)" if len(found) > 12 else "")
+            lines.append(f"{len(found)} {what} (created during the test, never removed): {shown}")
+    return lines
+
+
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
     fds: Counter[str]
@@ -189,20 +373,23 @@ class Snapshot:
     shm: frozenset[str]
     #: descriptor number -> target, to name the new descriptors in a report
     fd_targets: dict[int, str] = field(default_factory=dict)
+    #: entries of /dev/shm and the temporary directories (full paths)
+    files: frozenset[str] = frozenset()
 
     @classmethod
     def take(cls) -> Snapshot:
         targets = _fd_targets()
         return cls(fds=_fd_kinds(targets), threads=frozenset(threading.enumerate()),
                    native_threads=_native_threads(), children=_children(), shm=_shm(),
-                   fd_targets=targets)
+                   fd_targets=targets, files=_files())
 
     def merged(self, other: Snapshot) -> Snapshot:
         """A baseline holding what either snapshot holds (what was already reported is not reported again)."""
         return Snapshot(fds=self.fds | other.fds, threads=self.threads | other.threads,
                         native_threads=max(self.native_threads, other.native_threads),
                         children=self.children | other.children,
-                        shm=self.shm | other.shm, fd_targets={**self.fd_targets, **other.fd_targets})
+                        shm=self.shm | other.shm, fd_targets={**self.fd_targets, **other.fd_targets},
+                        files=self.files | other.files)
 
     def diff(self, now: Snapshot, *, threads_and_fds: bool = True, allowed_threads: tuple[str, ...] = ()) -> list[str]:
         """What ``now`` holds that this snapshot did not. ``allowed_threads``: name prefixes of threads that
@@ -210,7 +397,7 @@ class Snapshot:
         out = []
         if not threads_and_fds:
             now = Snapshot(fds=self.fds, threads=self.threads, native_threads=self.native_threads,
-                           children=now.children, shm=now.shm, fd_targets=self.fd_targets)
+                           children=now.children, shm=now.shm, fd_targets=self.fd_targets, files=now.files)
         extra_fds = now.fds - self.fds
         if extra_fds:
             what = ", ".join(f"{n} x {k}" for k, n in sorted(extra_fds.items()))
@@ -232,6 +419,8 @@ class Snapshot:
         segments = now.shm - self.shm
         if segments:
             out.append(f"{len(segments)} /dev/shm segment(s) left behind: {sorted(segments)}")
+        reported = {os.path.join(SHM_DIR, s) for s in segments}
+        out += _describe_files(left_behind(now.files - self.files - reported))
         return out
 
     def leaked(self, grace_s: float = 3.0, *, threads_and_fds: bool = True,
