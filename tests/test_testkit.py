@@ -94,8 +94,34 @@ class DoneTooEarly(LoopbackBackend):
         return Poll.done()               # DONE before a byte moved
 
 
+class NoticeBeforeData(LoopbackBackend):
+    """Delivers a write's attached notice at once and copies its bytes 0.3 s later (DONE only after the copy)."""
+    def send_component(self, transfer):
+        if transfer.notice:
+            LoopbackBackend.notify_completion(self, transfer.peer, transfer.notice)
+        copied = threading.Event()
+
+        def copy():
+            try:
+                LoopbackBackend.send_component(self, transfer)
+            except Exception:              # closed meanwhile (the kit failed it before the copy)
+                return
+            copied.set()
+        threading.Timer(0.3, copy).start()
+        return copied
+
+    def poll(self, handle):
+        if isinstance(handle, threading.Event):
+            return Poll.done() if handle.is_set() else Poll.pending()
+        return super().poll(handle)
+
+
 class TestDrops(BackendTests):
     spec = BackendSpec(name="drops-every-other", factory=DropsEveryOther, capabilities=CAPS)
+
+
+class TestNoticeFirst(BackendTests):
+    spec = BackendSpec(name="notice-before-data", factory=NoticeBeforeData, capabilities=CAPS)
 
 
 class TestSilent(BackendTests):
@@ -144,6 +170,12 @@ def test_backend_that_reports_done_before_the_data_landed_fails(pytester: pytest
     # the bytes land 0.3 s after DONE: both checks look again and name the cause
     assert out.count("PREMATURE DONE: the bytes were wrong when") >= 2, out[-3000:]
     assert "when the handle polled DONE" in out and "when the decode ranks reported Success" in out
+
+
+def test_backend_whose_notice_overtakes_its_data_fails(pytester: pytest.Pytester) -> None:
+    expect_kit(pytester, BROKEN_BACKENDS, "TestNoticeFirst and notification_visible",
+               ["'notice-before-data': the notice b'kit-attached' was visible while"], failed=1,
+               errors=2)                 # its handle, never released once the check failed: test and class
 
 
 def test_undeclared_capability_is_skipped_with_its_name(pytester: pytest.Pytester) -> None:
@@ -555,6 +587,22 @@ class TestPartialPlans(_KVTests):
     spec = StateTypeSpec(name="kv", factory=PartialPlans)
 
 
+class CachesByRanksOnly(KVState):
+    """Caches slices by the ranks alone, forgetting the components' geometry (a second model gets the first's)."""
+    _cache = {}
+
+    def slice(self, src, dst, src_rank, dst_rank):
+        key = (src_rank.rank, src_rank.size, dst_rank.rank, dst_rank.size)
+        if key not in self._cache:
+            self._cache[key] = super().slice(src, dst, src_rank, dst_rank)
+        return self._cache[key]
+
+
+class TestCachesByRanksOnly(_KVTests):
+    spec = StateTypeSpec(name="kv", factory=CachesByRanksOnly)
+    max_examples = 25
+
+
 class AcceptsAnything(KVState):
     """A check_component that does nothing."""
     def check_component(self, component, tp):
@@ -696,6 +744,9 @@ class TestClaimsChunked(TestSlot):
                  id="ignores-tp-fails-coverage-and-reassembly"),
     pytest.param("PartialPlans and unsupported", {"failed": 1}, ["instead of raising UnsupportedTopology"],
                  id="partial-plans-fail"),
+    # caught by the buffer count or by the reference reshard, whichever geometry hypothesis draws after the first
+    pytest.param("CachesByRanksOnly and reassembly", {"failed": 1}, [],
+                 id="a-slice-cache-keyed-by-ranks-alone-fails"),
     # the end-to-end run alone cannot tell (one slot moves either way); the consistency check does
     pytest.param("TestClaimsChunked and (consistent or end_to_end)", {"failed": 1, "passed": 1},
                  ["'slot' claims chunked = True, but its component 's' is indexed by slot"],
