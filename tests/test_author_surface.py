@@ -37,3 +37,14 @@ def test_every_name_the_example_takes_from_kvbridge_plugin_is_exported() -> None
                for line, module, names in _kvbridge_imports(path) if module == "kvbridge.plugin"
                for name in names if name not in kvbridge.plugin.__all__]
     assert not missing, "names not in kvbridge.plugin.__all__:\n" + "\n".join(missing)
+
+
+def test_the_plugin_api_page_names_every_export() -> None:
+    import re
+
+    import kvbridge.testkit
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "plugin-api.md").read_text()
+    missing = [f"{module.__name__}.{name}" for module in (kvbridge.plugin, kvbridge.testkit)
+               for name in module.__all__ if not re.search(r"`[^`\n]*\b" + re.escape(name) + r"\b", page)]
+    assert not missing, "docs/plugin-api.md does not name: " + ", ".join(missing)
