@@ -3,7 +3,8 @@ plugin subclasses in its ``tests/test_conformance.py``.
 
     from kvbridge.testkit import BackendTests, StateTypeTests
 
-Plugins (their ``testing`` helpers and tests) use only this package root; its modules are internal.
+Plugins (their ``testing`` helpers and tests) use only this package root and ``kvbridge.testkit.reference`` (the
+independent reference reshard, for checks of your own); the other modules are internal.
 
 Importing this package is cheap: the names below load their modules on first use.
 """
@@ -36,6 +37,7 @@ _EXPORTS = {
     "CallKind": "kvbridge.backends.calls",
     "CheckedBackend": "kvbridge.testkit.checked",
     "kit_registry": "kvbridge.testkit.checked",
+    "Tracker": "kvbridge.testkit.checked",
     # the reshard rig: byte-exact TP resharding through a state type, by copy or through backends
     "Outcome": "kvbridge.testkit.reshard",
     "TP_SIZES": "kvbridge.testkit.reshard",
@@ -61,7 +63,7 @@ _EXPORTS = {
 __all__ = ["BackendTests", "BasicBackendTests", "BufferMeaning", "CallKind", "CheckedBackend", "ComponentFactory",
            "DECODE_PREFIXES", "DiscoveryTests", "Fault", "FaultInjector", "FenceBackendTests", "HardwareBackendTests",
            "InjectedFault", "Model", "MultiProcessBackendTests", "Outcome", "RequestItems", "Rig", "StateTypeTests",
-           "TP_SIZES", "assert_identity_at_equal_tp", "assert_state_type_installed", "composed_types",
+           "TP_SIZES", "Tracker", "assert_identity_at_equal_tp", "assert_state_type_installed", "composed_types",
            "connected_backends", "connected_ranks", "kit_registry", "make_rank", "page_plan", "peer_info", "plan_for",
            "prefix_request", "reference_heads", "requires", "run_backend_reshard", "run_reshard", "shard_buffer",
            "shardable", "transfer", "units_held", "wait"]
