@@ -682,13 +682,15 @@ class ScalesFromZero(Scales):
         return src_items[: len(dst_items)], dst_items
 
 
-def scales_factory(draw, wrong_axis=False):
+def scales_factory(draw, wrong_axis=False, unreplicated=False):
     heads = draw(st.sampled_from([2, 4]))
     blocks = 4
 
     def build(tp, n):
         if wrong_axis:       # every rank holds all heads and a 1/TP share of the blocks
             shape, shard = (heads, local_units(blocks, tp)), ShardAxis(1, blocks)
+        elif unreplicated and tp > heads:   # more ranks than heads: cut TP shares instead of replicating heads
+            shape, shard = (1, blocks), ShardAxis(0, tp)
         else:
             shape, shard = (local_units(heads, tp), blocks), ShardAxis(0, heads)
         return Component(name="sc", state_type="scales", index_kind=IndexKind.PAGE, options={"page_size": 4},
@@ -716,6 +718,11 @@ class TestScalesFromZero(TestScales):
 class TestScalesWrongAxis(TestScales):
     def component_factory(self, draw):
         return scales_factory(draw, wrong_axis=True)
+
+
+class TestScalesUnreplicated(TestScales):
+    def component_factory(self, draw):
+        return scales_factory(draw, unreplicated=True)
 
 
 def wrong_axis_kv_factory(draw):
@@ -760,7 +767,8 @@ class TestClaimsChunked(TestSlot):
     pytest.param("TestSlot and (consistent or refused or end_to_end or built)", {"passed": 4}, [],
                  id="correct-slot-state-passes"),
     # issue 23: decode prefix hits, and a reference by meaning rather than by the declared ShardAxis
-    pytest.param("TestScales and not (NoModel or FromZero or WrongAxis) and (end_to_end or reassembly or cover)",
+    pytest.param("TestScales and not (NoModel or FromZero or WrongAxis or Unreplicated) "
+                 "and (end_to_end or reassembly or cover)",
                  {"passed": 3}, [], id="correct-positional-page-state-passes"),
     pytest.param("TestScalesFromZero and end_to_end", {"failed": 1},
                  ["decode prefix 'whole pages' (4 tokens held; source positions from 0, destination from 1)",
@@ -768,6 +776,8 @@ class TestClaimsChunked(TestSlot):
     pytest.param("TestScalesWrongAxis and reassembly", {"failed": 1},
                  ["buffer 'sc.0' is declared ShardAxis(axis=1, total=4, groups=()), but it holds KV heads: ",
                   "on axis 0 of its TP-1 item"], id="scales-declared-on-the-wrong-axis-fail"),
+    pytest.param("TestScalesUnreplicated and reassembly", {"failed": 1}, ["buffer 'sc.0'"],
+                 id="scales-not-replicated-above-the-head-count-fail"),
     pytest.param("TestKVWrongAxis and reassembly", {"failed": 1},
                  ["buffer 'k.0' is declared ShardAxis(axis=0, ", "but it holds KV heads: "],
                  id="kv-declared-on-the-token-axis-fails"),
