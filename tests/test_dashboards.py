@@ -43,7 +43,7 @@ ANNOTATION_LABEL = re.compile(r"\$labels\.(\w+)")
 
 DASHBOARD_NEEDS = {"kvbridge_bytes_total", "kvbridge_transfer_seconds_bucket", "kvbridge_room_failures_total",
                    "kvbridge_rooms_unsafe_overdue", "kvbridge_peer_deaths_total", "kvbridge_staged_bytes_total",
-                   "kvbridge_rejected_frames_total", "kvbridge_link_dropped_frames",
+                   "kvbridge_rejected_frames_total", "kvbridge_link_dropped_frames_total",
                    "kvbridge_peer_protocol_version"}
 ALERTS_NEED = {"kvbridge_rooms_unsafe_overdue", "kvbridge_room_failures_total", "kvbridge_peer_deaths_total",
                "kvbridge_rejected_frames_total", "kvbridge_staged_bytes_total", "kvbridge_transfer_seconds_bucket"}

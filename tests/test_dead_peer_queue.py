@@ -140,7 +140,8 @@ def dropped_metric(agent: str) -> float:
     import prometheus_client
 
     return sum(s.value for f in prometheus_client.REGISTRY.collect() for s in f.samples
-               if s.name == "kvbridge_link_dropped_frames" and s.labels == {"agent": agent, "reason": "dead_peer"})
+               if s.name == "kvbridge_link_dropped_frames_total"
+               and s.labels == {"agent": agent, "reason": "dead_peer"})
 
 
 def test_a_killed_prefills_queued_frames_are_dropped_and_the_fences_requests_stay_bounded(pair: Pair) -> None:
@@ -181,7 +182,7 @@ def test_a_killed_prefills_queued_frames_are_dropped_and_the_fences_requests_sta
     assert pair.dec_link.dropped_dead_frames - sent_before > ROOMS, "the fence stopped asking (nothing to bound)"
     if metrics.enabled():
         wait(lambda: dropped_metric(pair.dec.name) >= pair.dec_link.dropped_dead_frames - 10 * ROOMS, 5,
-             "kvbridge_link_dropped_frames{reason=dead_peer}")
+             "kvbridge_link_dropped_frames_total{reason=dead_peer}")
     pair.dec.declare_gone("pre")
     wait(lambda: all(r.safe_to_reuse for r in receivers), 5, "the rooms to be safe after declare_gone")
     assert pair.dec_link.queued_to(address) <= DOWN_QUEUE_FRAMES

@@ -38,7 +38,7 @@ What is measured (every name starts with ``kvbridge_``):
   ``declare_gone`` is due), and ``rejected_frames_total`` {agent}: control frames the agent refused (bad MAC,
   malformed, replayed, stale, from a non-participant, over a bound; ``TransferAgent.rejected_frames``; a
   flood of forged frames shows here, its log lines are rate-limited): sampled by :func:`watch_agent`;
-  ``link_dropped_frames`` {agent, reason}: control frames its link dropped
+  ``link_dropped_frames_total`` {agent, reason}: control frames its link dropped
   (``full``: a peer's queue overflowed; ``dead_peer``: queued to a peer that died or left, see
   ``ZmqLink.peer_down``): sampled by :func:`watch_agent`.
 
@@ -106,9 +106,9 @@ class _Metrics:
         self.overdue = pc.Gauge("kvbridge_rooms_unsafe_overdue", "Failed decode rooms not safe to reuse longer "
                                 "than the peer timeout (a writer neither acknowledged nor proven gone)", ["agent"],
                                 **gauge)
-        self.link_dropped = pc.Gauge("kvbridge_link_dropped_frames", "Control frames the agent's link dropped "
-                                     "(reason full: a peer's queue overflowed; dead_peer: queued to a peer that "
-                                     "died or left)", ["agent", "reason"], **gauge)
+        self.link_dropped = pc.Counter("kvbridge_link_dropped_frames", "Control frames the agent's link dropped "
+                                       "(reason full: a peer's queue overflowed; dead_peer: queued to a peer that "
+                                       "died or left)", ["agent", "reason"])
         self.deaths = pc.Counter("kvbridge_peer_deaths", "Peers declared dead, by reason", ["agent", "reason"])
         self.rtt = pc.Gauge("kvbridge_peer_heartbeat_rtt_seconds", "Heartbeat round trip to a peer",
                             ["agent", "peer"], **({"multiprocess_mode": "max"} if multi else {}))
@@ -265,6 +265,7 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
     def sample() -> None:
         seen: set[str] = set()
         counted = 0
+        dropped_counted = {"full": 0, "dead_peer": 0}
         while True:
             current = ref()
             if current is None or getattr(current, "_closed", False):
@@ -286,8 +287,10 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             dropped, dead = (getattr(current.link, "dropped_frames", None),
                              getattr(current.link, "dropped_dead_frames", None))
             if isinstance(dropped, int) and isinstance(dead, int):
-                m.link_dropped.labels(name, "full").set(dropped - dead)
-                m.link_dropped.labels(name, "dead_peer").set(dead)
+                for reason, count in (("full", dropped - dead), ("dead_peer", dead)):
+                    if count > dropped_counted[reason]:       # the link's running counts, as counter increments
+                        m.link_dropped.labels(name, reason).inc(count - dropped_counted[reason])
+                        dropped_counted[reason] = count
             for role, side in (("prefill", current.prefill), ("decode", current.decode)):
                 if side is not None:
                     counts = Counter(room.status.name for room in list(side.rooms.values()))
