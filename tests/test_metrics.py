@@ -286,3 +286,28 @@ def test_peer_death_reasons_are_bounded_labels_naming_the_cause() -> None:
              "peer p0 at tcp://h:1 is gone (said goodbye)": "said goodbye"}
     for reason, label in cases.items():
         assert _death_class(reason) == label, (reason, _death_class(reason))
+
+
+def test_the_exporter_binds_metrics_host() -> None:
+    """``metrics_host`` (``KVBRIDGE_METRICS_HOST``) is the address the exporter binds: served there, refused on
+    another address of this host (it was 127.0.0.1 whatever was asked, so no scraper on another host could
+    reach it)."""
+    from kvbridge import metrics
+    from kvbridge.settings import load_settings
+
+    assert load_settings(env={"KVBRIDGE_METRICS_HOST": "0.0.0.0"}, check_backend=False).metrics_host == "0.0.0.0"
+    assert load_settings(env={}, check_backend=False).metrics_host == "127.0.0.1"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.2", 0))
+        port = probe.getsockname()[1]
+    directory = tempfile.mkdtemp(prefix="kvbridge-metrics-host-")
+    server = metrics.serve_multiprocess(port, directory, addr="127.0.0.2")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10) as answer:
+            assert answer.status == 200
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(directory, ignore_errors=True)

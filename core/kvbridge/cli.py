@@ -91,6 +91,7 @@ def _demo(args: argparse.Namespace) -> int:
         summary = run_demo(backend=backend, preset=args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
                            dump=args.dump, metrics_port=args.metrics_port or settings.metrics_port,
+                           metrics_host=settings.metrics_host,
                            settings_file=args.config, drain_on=drain)
     except PluginError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)

@@ -191,11 +191,11 @@ def enabled() -> bool:
     return _METRICS is not None
 
 
-def instrumented_registry(port: int = 0, **build: Any) -> Any:
-    """``Registry.build(plugins=[the metrics plugin], **build)``; ``port`` as in :func:`enable`."""
+def instrumented_registry(port: int = 0, addr: str = "127.0.0.1", **build: Any) -> Any:
+    """``Registry.build(plugins=[the metrics plugin], **build)``; ``port`` and ``addr`` as in :func:`enable`."""
     from kvbridge.registry import Registry
 
-    plugins = [*build.pop("plugins", ()), enable(port)]
+    plugins = [*build.pop("plugins", ()), enable(port, addr=addr)]
     return Registry.build(plugins=plugins, **build)
 
 

@@ -138,6 +138,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     metrics_port: Annotated[int, _doc(
         "serve Prometheus metrics on this port (needs `kvbridge[metrics]`); 0: no exporter", ge=0,
         le=65535)] = 0
+    metrics_host: Annotated[str, _doc(
+        "the address the Prometheus exporter binds: 127.0.0.1 (this host only), 0.0.0.0 or a host address for a "
+        "scraper on another host")] = "127.0.0.1"
     log: Annotated[str, _doc("log level of kvbridge's loggers on stderr (DEBUG, INFO...); empty: unchanged")] = ""
 
     def agent_config(self) -> Any:
@@ -167,7 +170,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         if self.metrics_port:
             from kvbridge import metrics
 
-            return metrics.instrumented_registry(port=self.metrics_port, **build)
+            return metrics.instrumented_registry(port=self.metrics_port, addr=self.metrics_host, **build)
         from kvbridge.registry import Registry
 
         return Registry.build(**build)

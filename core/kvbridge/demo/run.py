@@ -103,6 +103,7 @@ def check_backend(backend: str, registry: Registry | None = None) -> None:
 def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requests: int, seed: int,
              window: int = 4, region_pages: int = 24, timeout_s: float = 300.0, dump: str | None = None,
              out: TextIO = sys.stdout, err: TextIO | None = None, metrics_port: int = 0,
+             metrics_host: str = "127.0.0.1",
              progress: bool | None = None, settings_file: str | None = None,
              drain_on: threading.Event | None = None) -> Summary:
     """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
@@ -152,8 +153,8 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
         if metrics_dir is not None:
             from kvbridge import metrics
 
-            exporter = metrics.serve_multiprocess(metrics_port, metrics_dir)
-            print(f"  metrics on http://127.0.0.1:{metrics_port}/metrics", file=out)
+            exporter = metrics.serve_multiprocess(metrics_port, metrics_dir, addr=metrics_host)
+            print(f"  metrics on http://{metrics_host}:{metrics_port}/metrics", file=out)
         for p in procs:
             p.start()
         # starting the ranks (importing an engine takes tens of seconds on a loaded host) has its own bound;
