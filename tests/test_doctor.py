@@ -131,3 +131,41 @@ def test_a_backend_that_cannot_run_here_is_an_error() -> None:
     findings = run_checks(env=_env(KVBRIDGE_BACKEND="mori"))
     backend = _by(findings, "backend")
     assert backend and backend[0].severity is Severity.ERROR and "'mori'" in backend[0].text, findings
+
+
+def test_a_port_range_with_too_few_free_ports_is_an_error_and_enough_is_ok() -> None:
+    held = []
+    try:
+        lo = _free_port()
+        for port in (lo, lo + 1, lo + 2):                    # three of the range's four ports taken
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                pytest.skip(f"port {port} is in use here")
+            held.append(sock)
+        ports = _by(run_checks(ranks=2, port_range=f"{lo}-{lo + 3}", bind_host="127.0.0.1", env=_env()), "ports")[0]
+        assert ports.severity is Severity.ERROR and "1 of 4 ports free" in ports.text and "2 rank(s)" in ports.text
+        ok = _by(run_checks(ranks=1, port_range=f"{lo + 3}-{lo + 3}", bind_host="127.0.0.1", env=_env()), "ports")[0]
+        assert ok.severity is Severity.WARNING and "1 of 1" in ok.text         # no room for an overlapping restart
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_discovery_url_without_its_plugin_is_an_error_naming_the_scheme() -> None:
+    finding = _by(run_checks(bootstrap="nosuch://10.0.0.1:1/x", env=_env()), "discovery")[0]
+    assert finding.severity is Severity.ERROR and "no discovery service opens nosuch://" in finding.text
+
+
+def test_an_etcd_service_is_checked_answering_and_unreachable(tmp_path: Path) -> None:
+    testing = pytest.importorskip("kvbridge_etcd.testing")
+    why = testing.etcd_unavailable()
+    if why:
+        pytest.skip(why)
+    down = _by(run_checks(bootstrap=f"etcd://127.0.0.1:{_free_port()}/kvb", env=_env()), "discovery")[0]
+    assert down.severity is Severity.ERROR and "cannot be used" in down.text
+    with testing.EtcdServer(tmp_path / "etcd") as etcd:
+        up = _by(run_checks(bootstrap=etcd.url, env=_env()), "discovery")[0]
+    assert up.severity is Severity.OK and "answers a lookup in" in up.text

@@ -105,7 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from kvbridge.doctor import exit_status, run_checks
 
-    findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks)
+    findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks, port_range=args.port_range)
     for finding in findings:
         print(finding.line())
     return exit_status(findings)
@@ -177,8 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
     doc = sub.add_parser("doctor", help="check this host (and a bootstrap server) for what makes transfers slow or "
                                         "fail; exit status 1 on a warning, 2 on an error")
-    doc.add_argument("--bootstrap", default=None, metavar="tcp://HOST:PORT",
-                     help="a kvbridge bootstrap server: is it reachable, and how far is its clock from ours")
+    doc.add_argument("--bootstrap", default=None, metavar="URL",
+                     help="the ranks' discovery: a ZMQ bootstrap server (tcp://HOST:PORT: reachable, and how far its "
+                          "clock is from ours) or a plugin's service (etcd://HOST:PORT/...: installed, answering)")
+    doc.add_argument("--port-range", default=None, metavar="LOW-HIGH",
+                     help="the ranks' control-link port range: how many of its ports are free here")
     doc.add_argument("--ranks", type=int, default=1, help="ranks this host runs (each with its staging area)")
     doc.set_defaults(func=_doctor)
     _add_commands(sub, {"plugins", "demo", "doctor"})

@@ -3,8 +3,10 @@ what to do, and an exit status by the worst finding (0 ok, 1 warning, 2 error).
 
 Checks: the settings (validated as every rank validates them), the configured backend installed and usable,
 ``/dev/shm`` free space against the staging areas of the ranks this host runs, the locked-memory limit RDMA
-registration needs, CUDA devices and their peer access, and, given a bootstrap server, that it answers and how
-far its clock is from ours against the authenticated time window (``clock_window_s``)::
+registration needs, CUDA devices and their peer access, given a ZMQ bootstrap server that it answers and how
+far its clock is from ours against the authenticated time window (``clock_window_s``), given another discovery
+service (``etcd://...``) that its plugin is installed and it answers a lookup, and given the ranks' port range that
+enough of its ports are free here::
 
     $ kvbridge doctor --bootstrap tcp://10.0.0.5:17500 --ranks 8
     ok       settings   valid (backend nixl, staging 32 MiB per rank, clock window 60 s)
@@ -56,7 +58,8 @@ def _mib(nbytes: float) -> str:
 
 
 def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = "/dev/shm",
-               env: Mapping[str, str] | None = None) -> list[Finding]:
+               env: Mapping[str, str] | None = None, port_range: str | None = None,
+               bind_host: str = "0.0.0.0") -> list[Finding]:
     """Every check, in order; a check that cannot run says why (an error of its own never stops the others)."""
     from kvbridge.settings import Settings, SettingsError, load_settings
 
@@ -80,7 +83,12 @@ def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = 
     if bootstrap:
         window = settings.clock_window_s if settings is not None else 60.0
         secret = settings.secret.encode() if settings is not None and settings.secret else None
-        checks.append(lambda: _bootstrap(bootstrap, secret, window))
+        if _is_zmq(bootstrap):
+            checks.append(lambda: _bootstrap(bootstrap, secret, window))
+        else:
+            checks.append(lambda: _discovery(bootstrap, secret))
+    if port_range:
+        checks.append(lambda: _ports(port_range, ranks, bind_host))
     for check in checks:
         try:
             findings.extend(check())
@@ -199,3 +207,72 @@ def _bootstrap(url: str, secret: bytes | None, window_s: float) -> Iterator[Find
                            "and this host is refused; synchronise the clocks (NTP/chrony)")
     else:
         yield Finding(severity=Severity.OK, check="clock", text=f"{where}, well inside clock_window_s={window:g}")
+
+
+def _is_zmq(url: str) -> bool:
+    from kvbridge.discovery import ZMQ_SCHEMES, scheme_of
+
+    return scheme_of(url) in ZMQ_SCHEMES
+
+
+def _discovery(url: str, secret: bytes | None) -> Iterator[Finding]:
+    """A discovery service of a plugin (etcd, ...): its plugin installed, its host accepting a connection, and a
+    lookup answered (the protocol's lookup reports an unreachable service as "no ranks", so the connection is
+    what proves it reachable)."""
+    import secrets
+    import socket
+    import time
+
+    from kvbridge.discovery import DiscoveryError, open_discovery
+    from kvbridge.errors import PluginError
+
+    try:
+        client = open_discovery(url, secret=secret, timeout_s=2.0)
+    except (PluginError, DiscoveryError) as exc:
+        yield Finding(severity=Severity.ERROR, check="discovery", text=f"{url}: {exc}")
+        return
+    try:
+        target = client.route_target()
+        started = time.monotonic()
+        if target is not None:
+            try:
+                socket.create_connection(target, timeout=2.0).close()
+            except OSError as exc:
+                yield Finding(severity=Severity.ERROR, check="discovery",
+                              text=f"{url} cannot be used: {target[0]}:{target[1]} refuses or does not answer "
+                                   f"({exc}); check the address, the port's firewall and that the service runs")
+                return
+        client.lookup(f"kvbridge-doctor-{secrets.token_hex(4)}")     # a name nobody publishes
+        took = time.monotonic() - started
+    finally:
+        client.close()
+    yield Finding(severity=Severity.OK, check="discovery", text=f"{url} answers a lookup in {took * 1000:.1f} ms")
+
+
+def _ports(port_range: str, ranks: int, host: str) -> Iterator[Finding]:
+    """How many ports of the ranks' ``port_range`` this host can bind now (each rank's control link takes one)."""
+    import socket
+
+    from kvbridge.addresses import parse_port_range
+
+    bounds = parse_port_range(port_range)
+    assert bounds is not None
+    lo, hi = bounds
+    free = 0
+    for port in range(lo, hi + 1):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            free += 1
+    where = f"port_range {lo}-{hi}: {free} of {hi - lo + 1} ports free on {host}"
+    if free < ranks:
+        yield Finding(severity=Severity.ERROR, check="ports",
+                      text=f"{where}, {ranks} rank(s) need one each: widen the range or stop what holds them "
+                           "(ss -ltnp)")
+    elif free < 2 * ranks:
+        yield Finding(severity=Severity.WARNING, check="ports",
+                      text=f"{where}: enough for {ranks} rank(s), not for a restart that overlaps the old ranks")
+    else:
+        yield Finding(severity=Severity.OK, check="ports", text=f"{where} for {ranks} rank(s)")
