@@ -157,6 +157,17 @@ def test_loopback_head_major_one_to_two(tmp_path: Path) -> None:
     assert not list(Path("/dev/shm").glob(f"kvbridge-bench-{tag}-*"))       # every pool unlinked its segments
 
 
+def test_a_sweep_over_request_sizes_is_plotted_against_size(tmp_path: Path) -> None:
+    """The 2x H200 sweep of issue 22 (four sizes, in docs/results) draws throughput against request size."""
+    if not _has_matplotlib():
+        pytest.skip("matplotlib is not installed")
+    result = json.loads((Path(__file__).resolve().parents[3] / "docs" / "results"
+                         / "gpu-22-streams-2xH200-048486f.json").read_text())
+    written, problem = write_plots(result, tmp_path, "gpu-")
+    assert problem is None and str(tmp_path / "gpu-throughput-vs-size.png") in written
+    assert (tmp_path / "gpu-throughput-vs-size.png").read_bytes()[:8] == PNG
+
+
 def test_plots_without_matplotlib_say_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert write_plots({"machine": {}, "cases": []}, tmp_path) == ([], MISSING)

@@ -4,6 +4,9 @@
 * ``<prefix>throughput-vs-page.png``: GB/s per page size (one request size, the first equal-TP pair):
   kvbridge per page layout and placement, raw NIXL writing the same bytes as one descriptor, a plain copy;
 * ``<prefix>throughput-vs-tp.png``: the same per prefill -> decode TP pair (scattered pages, first page size);
+* ``<prefix>throughput-vs-size.png`` (when the sweep has several request sizes): GB/s against request size, one
+  line per TP pair and placement, with raw NIXL (one descriptor) and the per-page-descriptor method of the same
+  run;
 * ``<prefix>layerwise-timeline.png``: prefill rank 0's per-layer compute and posts, and when the decode side
   had everything, for "send at the end" and layer-wise streaming.
 
@@ -116,10 +119,41 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
                      fontsize=9)
         written.append(_save(fig, out / f"{prefix}throughput-vs-tp.png", plt))
 
+    if len({c["bytes"] for c in rows}) > 1:
+        written.append(_by_size(rows, title, out / f"{prefix}throughput-vs-size.png", plt))
+
     lw = result.get("layerwise")
     if lw and not lw.get("error") and lw.get("modes"):
         written.append(_timeline(lw, title, out / f"{prefix}layerwise-timeline.png", plt))
     return written, None
+
+
+def _by_size(rows: list[dict[str, Any]], title: str, path: Path, plt: Any) -> str:
+    """GB/s against request size (log-log): kvbridge per (TP pair, layout, placement), then the baselines."""
+    sizes = sorted({c["bytes"] for c in rows})
+    fig, ax = plt.subplots(figsize=(10, 5))
+    lines = dict.fromkeys((c["prefill_tp"], c["decode_tp"], c["layout"], c["placement"]) for c in rows)
+    for pt, dt, layout, placement in lines:
+        pick = {c["bytes"]: c["gbps"] for c in rows
+                if (c["prefill_tp"], c["decode_tp"], c["layout"], c["placement"]) == (pt, dt, layout, placement)}
+        xs = [n for n in sizes if n in pick]
+        ax.plot(xs, [pick[n] for n in xs], marker="o", label=f"kvbridge TP {pt}->{dt}, {layout}, {placement}")
+    for name, field, style in (("raw NIXL, 1 descriptor", "raw_nixl_gbps", "k--"),
+                               ("per-page descriptors (vLLM/SGLang NIXL paths)", "per_page_gbps", "k:"),
+                               ("copy (same bytes)", "copy_gbps", "k-.")):
+        pick = {c["bytes"]: c[field] for c in rows if c.get(field)}
+        xs = [n for n in sizes if n in pick]
+        if xs:
+            ax.plot(xs, [pick[n] for n in xs], style, marker="s", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [_size(n) for n in sizes])
+    ax.set_xlabel("request size (bytes one rank pair moves)")
+    ax.set_ylabel("GB/s (median)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title(f"Throughput vs request size\n{title}", fontsize=9)
+    return _save(fig, path, plt)
 
 
 def _timeline(lw: dict[str, Any], title: str, path: Path, plt: Any) -> str:
