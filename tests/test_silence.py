@@ -72,3 +72,22 @@ def test_a_rank_that_checks_rarely_still_finds_a_dead_peer(
     _run(clock, 4 * TIMEOUT_S, dec, step_s=0.5, until=lambda: receiver.poll() is KVPoll.Failed)
     assert receiver.poll() is KVPoll.Failed
     assert clock() - start <= 2 * TIMEOUT_S + 0.5
+
+
+def test_a_decode_that_was_itself_stopped_still_fences_a_silent_writer_by_its_lease(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """The excuse never delays a fence past its bound: the decode stops for 1.5 timeouts while its writer stops
+    for good; the room fails, and becomes safe by the write lease at ``last_seen + lease + flight bound`` (the
+    lease counts from the last frame, never excused), as when the decode had run throughout."""
+    from test_write_lease import FLIGHT_BOUND_S, LEASE_S
+
+    pre, dec, clock = pair
+    assert dec.decode is not None
+    _sender, receiver = _open(pre, dec, clock, 1, [1])
+    dec.progress()
+    last = dec.peers.peers["p0"].last_seen
+    clock.now += 1.5 * TIMEOUT_S                            # both stop; only the decode comes back
+    _run(clock, LEASE_S + FLIGHT_BOUND_S + TIMEOUT_S, dec, until=lambda: dec.decode.safe_to_reuse(1))
+    assert receiver.poll() is KVPoll.Failed and dec.decode.safe_to_reuse(1)
+    assert clock() - last <= LEASE_S + FLIGHT_BOUND_S + 0.1
+    assert dec.peers.peers["p0"].state is PeerState.DEPARTED
