@@ -10,7 +10,10 @@ Manual clock, as in test_write_lease.py: a stopped rank is one whose ``progress(
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+import pytest
 import test_write_lease
 from test_write_lease import TIMEOUT_S, ManualClock, _landed, _open, _run
 
@@ -91,3 +94,49 @@ def test_a_decode_that_was_itself_stopped_still_fences_a_silent_writer_by_its_le
     assert receiver.poll() is KVPoll.Failed and dec.decode.safe_to_reuse(1)
     assert clock() - last <= LEASE_S + FLIGHT_BOUND_S + 0.1
     assert dec.peers.peers["p0"].state is PeerState.DEPARTED
+
+
+WAITING_S = 0.8      # below the peer timeout: a stop that keeps every peer alive can outlast a room's wait
+
+
+@pytest.fixture
+def short_wait() -> Iterator[tuple[TransferAgent, TransferAgent, ManualClock]]:
+    yield from test_write_lease.make_pair(waiting_timeout_s=WAITING_S, bootstrap_timeout_s=WAITING_S)
+
+
+def test_a_room_wait_does_not_count_the_time_its_ranks_were_stopped(
+        short_wait: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """Both ranks stop for 1.5 waiting timeouts while a room waits for its data (a whole test process starved
+    for 80 s failed a NIXL kit room this way: "waiting timeout: no complete transfer after 8.0 s" right after it
+    resumed, the transfer resuming too); once they run again the room completes byte-exact. A prefill room's
+    bootstrap timer and the early-request queue excuse the stop likewise. Failed before: the decode's first
+    check failed the room."""
+    pre, dec, clock = short_wait
+    sender, receiver = _open(pre, dec, clock, 1, [1, 2])
+    early = dec.receiver(2, "inst")                 # a request whose sender() has not come yet
+    early.send_metadata({"kv": np.array([3])})
+    _run(clock, 0.1, pre, dec)
+    waiting = pre.sender(3)                          # a prefill room no decode asked for yet
+    clock.now += 1.5 * WAITING_S                     # nobody runs
+    _run(clock, 0.1, dec, pre)
+    assert receiver.poll() is KVPoll.WaitingForInput and early.poll() is KVPoll.WaitingForInput
+    assert waiting.poll() is KVPoll.Bootstrapping
+    sender.send(np.array([1, 2]), last=True)
+    late = pre.sender(2)
+    late.send(np.array([3]), last=True)
+    _run(clock, 0.3, pre, dec, until=lambda: receiver.poll() is KVPoll.Success and early.poll() is KVPoll.Success)
+    assert receiver.poll() is KVPoll.Success and early.poll() is KVPoll.Success and _landed(dec, [1, 2, 3])
+
+
+def test_a_room_wait_excuses_at_most_its_own_bound(
+        short_wait: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """A decode stopped for 5 waiting timeouts fails its waiting room at its first check, naming the excused
+    time: a room ends within twice its bound however rarely its rank runs (the simulator's liveness bound)."""
+    pre, dec, clock = short_wait
+    _sender, receiver = _open(pre, dec, clock, 1, [1])
+    dec.progress()
+    clock.now += 5 * WAITING_S
+    pre.progress()
+    dec.progress()
+    assert receiver.poll() is KVPoll.Failed
+    assert "waiting timeout" in receiver.failure_reason and "while this rank was not running" in receiver.failure_reason

@@ -40,9 +40,16 @@ class ManualClock:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferAgent, TransferAgent, ManualClock]]:
+    yield from make_pair()
+
+
+def make_pair(**config_fields: object) -> Iterator[tuple[TransferAgent, TransferAgent, ManualClock]]:
+    """A connected prefill and decode rank on one manual clock (``config_fields`` override the config)."""
     clock, hub = ManualClock(), LocalHub()
-    config = AgentConfig(peer_timeout_s=TIMEOUT_S, heartbeat_interval_s=0.2, write_flight_bound_s=FLIGHT_BOUND_S,
-                         prove_writer_death=False)      # no kernel proof: only the lease can end the fence
+    fields: dict[str, object] = dict(peer_timeout_s=TIMEOUT_S, heartbeat_interval_s=0.2,
+                                     write_flight_bound_s=FLIGHT_BOUND_S,
+                                     prove_writer_death=False)      # no kernel proof: only the lease ends a fence
+    config = AgentConfig(**{**fields, **config_fields})  # type: ignore[arg-type]
     source = kv_buffers(kv_layout(1, 0))
     rng = np.random.default_rng(7)
     for buffer in source:

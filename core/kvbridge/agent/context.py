@@ -12,6 +12,7 @@ from typing import Generic, Protocol, TypeVar
 
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
+from kvbridge.agent.lateness import OwnLateness
 from kvbridge.backends.base import TransferBackend
 from kvbridge.backends.calls import BackendCalls
 from kvbridge.errors import KVBridgeError
@@ -48,6 +49,10 @@ class AgentContext:
     incarnation: int                      # random per agent start; frames for another one are dropped
     clock: Callable[[], float] = time.monotonic   # every protocol time reading (a simulator injects its own)
     events: RoomEvents = field(default_factory=RoomEvents)   # finished / failed / safe rooms, for events()
+    lateness: OwnLateness = field(init=False)   # time this rank was not running: excused by every timer
+
+    def __post_init__(self) -> None:
+        self.lateness = OwnLateness(self.config.heartbeat_interval_s)
 
     @property
     def rank(self) -> Rank:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvbridge.agent.config import TICK_S
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
+from kvbridge.agent.lateness import Since
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.digests import digest_items
@@ -97,7 +98,7 @@ class Scatter:
 class RecvRoom:
     room: int
     instance: str
-    created: float
+    created: Since                             # its bootstrap timer
     state: RecvState = RecvState.BOOTSTRAPPING    # changed only through ``RECV_ROOM`` (DecodeSide._step)
     reason: str = ""
     targets: dict[int, str] = field(default_factory=dict)            # prefill rank -> agent
@@ -116,6 +117,7 @@ class RecvRoom:
     quiesced: set[str] = field(default_factory=set)                  # prefill agents that can no longer write
     pending: tuple[dict[str, PackedIndices], int] | None = None      # metadata given while bootstrapping
     metadata_at: float | None = None
+    waiting: Since | None = None                                     # its waiting timer (from send_metadata)
     failed_at: float | None = None                                   # when it failed (FENCING from then on)
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
@@ -163,7 +165,8 @@ class DecodeSide(RoomTable[RecvRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a receiver on {ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = RecvRoom(room=room, instance=instance, created=self._ctx.clock())
+            state = self.rooms[room] = RecvRoom(room=room, instance=instance,
+                                                             created=self._ctx.lateness.since(self._ctx.clock()))
             if not self._bind_targets(state):
                 self._waiting.add(room)           # a prefill rank is gone: reconnect, the room waits
                 self._reconnect(instance)
@@ -270,6 +273,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                   staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
                                   nonce=room.nonce)
         room.metadata_at = self._ctx.clock()
+        room.waiting = self._ctx.lateness.since(room.metadata_at)
         for peer in peers.values():
             room.floor[peer.agent] = self._peers.seen_up_to(peer.agent, peer.incarnation)
             self._peers.post(peer, request)
@@ -608,14 +612,16 @@ class DecodeSide(RoomTable[RecvRoom]):
         if now < self._next_timeouts:
             return
         self._next_timeouts = now + TICK_S
-        cfg = self._ctx.config
-        for room in self.rooms.values():
-            if room.status is KVPoll.Bootstrapping and now - room.created > cfg.bootstrap_timeout_s:
+        cfg, lateness = self._ctx.config, self._ctx.lateness
+        for room in self.rooms.values():        # timers count only time this rank ran (kvbridge.agent.lateness)
+            bootstrap, waiting = cfg.bootstrap_timeout_s, cfg.waiting_timeout_s
+            if room.status is KVPoll.Bootstrapping and lateness.running(room.created, now, bootstrap) > bootstrap:
                 self._fail(room, f"bootstrap timeout: prefill instance {room.instance!r} not reachable after "
-                                 f"{cfg.bootstrap_timeout_s} s")
-            elif (room.status in (KVPoll.WaitingForInput, KVPoll.Transferring) and room.metadata_at is not None
-                    and now - room.metadata_at > cfg.waiting_timeout_s):
-                self._fail(room, f"waiting timeout: no complete transfer after {cfg.waiting_timeout_s} s")
+                                 f"{bootstrap} s{lateness.unobserved(room.created, bootstrap)}")
+            elif (room.status in (KVPoll.WaitingForInput, KVPoll.Transferring) and room.waiting is not None
+                    and lateness.running(room.waiting, now, waiting) > waiting):
+                self._fail(room, f"waiting timeout: no complete transfer after {waiting} s"
+                                 f"{lateness.unobserved(room.waiting, waiting)}")
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         gone = self._peers.writer_gone(peer)

@@ -175,7 +175,6 @@ class PeerTable:
         self._on_lease_reset: list[PeerDied] = []
         self._last_beat = 0.0
         self._beat_seq = 0
-        self._last_check: float | None = None   # when tick() last ran (a late one means we were not running)
         self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
         self.beats_threaded = False
         #: when the last read of the link whose small frames were all handled began (prefill: a write lease that
@@ -652,7 +651,7 @@ class PeerTable:
                     self.post(peer, peer.beat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq, now=now))
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
         timeout = ctx.config.peer_timeout_s
-        late = self._lateness(now)
+        late = ctx.lateness.note(now)      # before the rooms' timers, which read the total
         for peer in list(self.peers.values()):     # only a live peer (ALIVE or LEAVING: LIVE_PEER) can die here
             state = peer.state
             if state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
@@ -673,16 +672,6 @@ class PeerTable:
         self._reap(now)
         if self._refused:
             self._forget_refused(now)
-
-    def _lateness(self, now: float) -> float:
-        """How much later than one heartbeat interval after the previous check this one runs: time this rank itself
-        was not running (the host starved it, SIGSTOP, a GC pause, an engine step between polls). Its link may not
-        have read the frames sent meanwhile yet, and on a shared host the peer was starved too: that time is not
-        the peer's silence (see :func:`silence`)."""
-        previous, self._last_check = self._last_check, now
-        if previous is None:
-            return 0.0
-        return max(0.0, now - previous - self._ctx.config.heartbeat_interval_s)
 
     def _reap(self, now: float) -> None:
         """Forget peers that are gone and no room refers to any more: sockets, mappings, caches."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvbridge.agent.config import EARLY_BYTES, EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
+from kvbridge.agent.lateness import Since
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.posting import Poster, StateIndices
@@ -39,7 +40,7 @@ class PrefillSide(RoomTable[SendRoom]):
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
         self.rooms: dict[int, SendRoom] = {}
-        self._early: OrderedDict[int, tuple[float, list[TransferRequest]]] = OrderedDict()   # before sender()
+        self._early: OrderedDict[int, tuple[Since, list[TransferRequest]]] = OrderedDict()   # before sender()
         self._early_by_agent: dict[str, OrderedDict[int, None]] = {}   # agent -> its early rooms, oldest first
         self._early_aborts: OrderedDict[int, str] = OrderedDict()
         self._early_bytes_by_agent: dict[str, int] = {}   # agent -> bytes of page ids its early requests hold
@@ -66,7 +67,7 @@ class PrefillSide(RoomTable[SendRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.clock())
+            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.clock()))
             for req in self._unqueue(room):
                 self._accept_request(state, req, self._peers.get(req.agent))
             early_abort = self._early_aborts.pop(room, None)
@@ -206,7 +207,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
                                               reason=f"prefill {ctx.name} is draining ({self.draining})"))
             return
-        created, queued = self._early.get(req.room, (self._ctx.clock(), []))
+        created, queued = self._early.get(req.room, (self._ctx.lateness.since(self._ctx.clock()), []))
         if any(q.agent == req.agent for q in queued):
             return
         size = _request_bytes(req)
@@ -559,14 +560,14 @@ class PrefillSide(RoomTable[SendRoom]):
         if now < self._next_timeouts:
             return
         self._next_timeouts = now + TICK_S
-        timeout = self._ctx.config.bootstrap_timeout_s
-        for room in self.rooms.values():
-            if room.status is KVPoll.Bootstrapping and now - room.created > timeout:
+        timeout, lateness = self._ctx.config.bootstrap_timeout_s, self._ctx.lateness
+        for room in self.rooms.values():        # timers count only time this rank ran (kvbridge.agent.lateness)
+            if room.status is KVPoll.Bootstrapping and lateness.running(room.created, now, timeout) > timeout:
                 self._fail(room, f"bootstrap timeout: {len(room.requests)} of {room.expected_requests or '?'} "
-                                 f"decode requests after {timeout} s")
+                                 f"decode requests after {timeout} s{lateness.unobserved(room.created, timeout)}")
         while self._early:                     # requests whose sender() never came: the decodes hear it
             room_id, (created, _) = next(iter(self._early.items()))
-            if now - created <= timeout:
+            if lateness.running(created, now, timeout) <= timeout:
                 break
             why = f"no sender() for it on this prefill rank within {timeout} s"
             for req in self._unqueue(room_id):

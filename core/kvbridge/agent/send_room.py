@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.agent.lateness import Since
 from kvbridge.backends.base import ComponentTransfer
 from kvbridge.protocol.states import SEND_POLL, WRITE, SendState, WriteEvent, WriteState
 from kvbridge.protocol.wire import KVPoll, Notice, TransferRequest
@@ -118,7 +119,7 @@ class OpenChunk:
 @dataclass(slots=True, kw_only=True)
 class SendRoom:
     room: int
-    created: float
+    created: Since                             # its bootstrap timer
     requests: dict[str, TransferRequest] = field(default_factory=dict)
     # decode agent -> the incarnation whose request it is: a restart under the same name is another decode
     incarnations: dict[str, int] = field(default_factory=dict)

@@ -141,6 +141,9 @@ class _BackendKit(KitTests):
     spec: ClassVar[BackendSpec | None] = None
     #: options for the backend factory (str -> str); the ``backend_options`` fixture returns them
     options: ClassVar[Mapping[str, str]] = {}
+    #: options added for the in-process worlds, where every rank of several TP sizes shares one process (up to
+    #: 16 agents): e.g. a backend thread that polls without pause, one per agent, would starve the process
+    world_options: ClassVar[Mapping[str, str]] = {}
     #: (prefill TP, decode TP) pairs the backend claims, checked byte for byte in one process
     tp_pairs: ClassVar[Sequence[tuple[int, int]]] = ALL_PAIRS
     #: how long a decode room may wait for its data before it fails (the kit's faults rely on it)
@@ -258,7 +261,8 @@ class _BackendKit(KitTests):
     def agent_config(cls, backend_options: dict[str, str], **overrides: Any) -> AgentConfig:
         base: dict[str, Any] = {"heartbeat_interval_s": 0.1, "peer_timeout_s": max(10.0, cls.room_timeout_s),
                                 "bootstrap_timeout_s": cls.room_timeout_s, "waiting_timeout_s": cls.waiting_timeout_s,
-                                "staging_bytes": 1 << 20, "backend_options": options_of(backend_options),
+                                "staging_bytes": 1 << 20,
+                                "backend_options": {**options_of(backend_options), **options_of(cls.world_options)},
                                 # descriptors by default: the kit checks what the backend does with each one
                                 # (staged writes are test_byte_exact_through_staging's)
                                 "staging": "never"}
