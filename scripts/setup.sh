@@ -74,7 +74,7 @@ main_editables() {
   for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
   # kvbridge-bench (tools/bench: `kvbridge bench`, found through its entry point) with its plot and raw NIXL extras
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
-    -e ".[test,lint,metrics,cli]" "${plugins[@]}" -e adapters/vllm -e "tools/bench[plots,nixl]"
+    -e ".[test,lint,metrics,cli,tracing]" "${plugins[@]}" -e adapters/vllm -e "tools/bench[plots,nixl]"
 }
 
 # vLLM on CPU for the vLLM connector's end-to-end tests, in its own venv so .venv stays light (~2.5 GB,

@@ -80,6 +80,15 @@ def _wait_status(poll: Any, done: Any, timeout_s: float) -> Any:
     return status
 
 
+def _wire() -> Any:
+    """The wire module wherever the release keeps it (kvbridge.protocol.wire since wave 3, kvbridge.wire before)."""
+    try:
+        from kvbridge.protocol import wire
+    except ImportError:
+        from kvbridge import wire  # type: ignore[attr-defined,no-redef]
+    return wire
+
+
 def main(job: dict[str, Any]) -> None:
     """Start every rank of ``job["ranks"]`` (a prefill and a decode may share the process: one NIXL start),
     run each in a thread, and close them all once stdin closes."""
@@ -87,10 +96,11 @@ def main(job: dict[str, Any]) -> None:
     import threading
 
     import kvbridge
-    from kvbridge import wire
     from kvbridge.agent import AgentConfig, TransferAgent
-    from kvbridge.wire import Role
     from kvbridge.zmq_link import ZmqLink
+
+    wire = _wire()
+    Role = wire.Role
 
     secret = bytes.fromhex(job["secret"]) if job.get("secret") else None
     config = AgentConfig(secret=secret, **job.get("config", {}))
@@ -142,7 +152,7 @@ def _reporting(run: Any, agent: Any, rank: dict[str, Any], buffers: list[np.ndar
 
 
 def _serve(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout: float) -> None:
-    from kvbridge.wire import KVPoll
+    KVPoll = _wire().KVPoll
 
     if rank.get("room") is None:
         return                                  # only there to answer Hellos
@@ -156,7 +166,7 @@ def _serve(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout:
 
 
 def _receive(agent: Any, rank: dict[str, Any], buffers: list[np.ndarray], timeout: float) -> None:
-    from kvbridge.wire import KVPoll
+    KVPoll = _wire().KVPoll
 
     agent.connect(rank["instance"], timeout_s=timeout)
     receiver = agent.receiver(rank["room"], rank["instance"])

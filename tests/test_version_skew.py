@@ -45,8 +45,9 @@ from kvbridge.zmq_link import BootstrapServer, ZmqLink
 REPO = Path(__file__).resolve().parents[1]
 PREVIOUS = "3dddad1"                  # the oldest release spoken: end of wave 2, protocol 5
 PREVIOUS_VERSION = 5                  # its PROTOCOL_VERSION: this release's MIN_PROTOCOL_VERSION
-RELEASES = {5: PREVIOUS, 6: "0d4eb88"}    # every older protocol this release speaks -> a release that spoke it
-                                      # (0d4eb88: 0.2.0, protocol 6, whose Abort names no request)
+RELEASES = {5: PREVIOUS, 6: "0d4eb88", 7: "5a536b5"}    # every older protocol this release speaks -> a release
+                                      # that spoke it (0d4eb88: 0.2.0, protocol 6, whose Abort names no request;
+                                      # 5a536b5: wave 3 session 9, protocol 7, whose request carries no trace)
 CHILD = Path(kid.__file__).resolve()
 TIMEOUT_S = 20.0
 
@@ -249,10 +250,11 @@ def _until(predicate: Any, what: str, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.002)
 
 
-# protocol 5 (wave 2) over loopback with a secret and over NIXL; protocol 6 (0.2.0) over loopback with a secret
+# protocol 5 (wave 2) over loopback with a secret and over NIXL; protocols 6 (0.2.0) and 7 over loopback with a secret
 @pytest.mark.parametrize("version, backend, secret",
                          [pytest.param(5, *p.values, id=f"5-{p.id}", marks=p.marks) for p in BACKENDS]
-                         + [pytest.param(6, "loopback", b"skew-secret", id="6-loopback-secret")],
+                         + [pytest.param(6, "loopback", b"skew-secret", id="6-loopback-secret"),
+                            pytest.param(7, "loopback", b"skew-secret", id="7-loopback-secret")],
                          indirect=["secret"])
 def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[str], Path], bootstrap: str,
                                                       cleanup: list[Any], version: int, backend: str,
@@ -341,7 +343,8 @@ def test_version_4_hello_is_refused_naming_both_versions(bootstrap: str, cleanup
     assert raw[0] == wire.PROTOCOL_VERSION
     refusal = wire.Codec(address=probe.address).decode(answers[0])
     assert isinstance(refusal, wire.Welcome) and not refusal.accepted
-    assert refusal.reason == "protocol version differs: prefill speaks 5 to 7, decode 4", refusal.reason
+    want = f"protocol version differs: prefill speaks 5 to {wire.PROTOCOL_VERSION}, decode 4"
+    assert refusal.reason == want, refusal.reason
     assert prefill.peer_versions() == {}
 
 
@@ -368,7 +371,7 @@ def test_decode_refuses_a_version_4_prefill_naming_both_versions(bootstrap: str,
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        with pytest.raises(KVBridgeError, match="prefill speaks 4, decode 7"):
+        with pytest.raises(KVBridgeError, match=f"prefill speaks 4, decode {wire.PROTOCOL_VERSION}"):
             decode.connect(instance, timeout_s=5)
     finally:
         stop.set()
@@ -455,7 +458,7 @@ def test_a_decode_whose_minimum_is_6_does_not_fall_back_on_a_refusal_in_5() -> N
 def test_min_protocol_version_is_validated_on_every_path() -> None:
     from kvbridge.settings import SettingsError, load_settings
 
-    for bad in (4, 8, 5.5, True, "6"):
+    for bad in (4, wire.PROTOCOL_VERSION + 1, 5.5, True, "6"):
         with pytest.raises(ValueError, match="min_protocol_version"):
             AgentConfig(min_protocol_version=bad)  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="min_protocol_version"):
@@ -518,7 +521,7 @@ def test_the_codec_speaks_only_the_versions_it_knows() -> None:
     welcome = wire.Welcome(version=6, agent="p0", address="p0", accepted=True, reason="", liveness="127.0.0.1:9")
     raw = msgspec.msgpack.decode(codec.encode(welcome, to="d0", version=5))
     assert raw[0] == 5 and raw[-1]["version"] == 5 and "liveness" not in raw[-1]
-    for bad in (4, 8):
+    for bad in (4, wire.PROTOCOL_VERSION + 1):
         with pytest.raises(KVBridgeError, match=f"cannot speak protocol version {bad}"):
             codec.encode(welcome, to="d0", version=bad)
         with pytest.raises(KVBridgeError):
@@ -535,7 +538,8 @@ def test_the_codec_speaks_only_the_versions_it_knows() -> None:
     with pytest.raises(KVBridgeError, match="says version 5 in a frame of version 6"):
         reader.open(msgspec.msgpack.encode(raw))
     # older and newer than what this release speaks: refused naming both
-    with pytest.raises(wire.VersionMismatch, match="unknown protocol version 4 \\(this side speaks 5 to 7\\)"):
+    speaks = f"this side speaks 5 to {wire.PROTOCOL_VERSION}"
+    with pytest.raises(wire.VersionMismatch, match=f"unknown protocol version 4 \\({speaks}\\)"):
         reader.open(_hello_frame(4, "d9", "d9"))
 
 
@@ -567,3 +571,22 @@ def test_an_abort_names_its_request_only_to_a_peer_of_this_release() -> None:
         assert raw[0] == version
         assert ("nonce" in raw[-1]) is (version >= 7), (version, raw[-1])
         assert raw[-1]["room"] == 4 and raw[-1]["quiesced"] is True
+
+
+def test_a_request_carries_its_trace_only_to_a_peer_of_this_release() -> None:
+    """8 added the decode room's trace context to the TransferRequest; a prefill that negotiated 5 to 7 gets the
+    request without it, and a frame of 7 that names one is refused."""
+    codec = wire.Codec(sender="d0", address="d0", incarnation=3)
+    parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    request = wire.TransferRequest(room=4, agent="d0", dst_rank=0, dst_size=1, indices={}, nonce=5, trace=parent)
+    for version in range(wire.MIN_PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 1):
+        raw = msgspec.msgpack.decode(codec.encode(request, to="p0", version=version))
+        assert raw[0] == version
+        assert raw[-1].get("trace") == (parent if version >= 8 else None), (version, raw[-1])
+        assert raw[-1]["room"] == 4 and raw[-1]["nonce"] == 5
+    forged = wire.Codec(sender="d0", address="d0", incarnation=3)
+    frame = msgspec.msgpack.decode(forged.encode(request, to="p0", version=8))
+    frame[0] = 7
+    reader = wire.Codec(sender="p0", address="p0", incarnation=1)
+    with pytest.raises(KVBridgeError, match="names a trace"):
+        reader.decode(msgspec.msgpack.encode(frame))

@@ -92,7 +92,7 @@ def _demo(args: argparse.Namespace) -> int:
                            requests=args.requests, seed=args.seed, window=args.window, timeout_s=args.timeout,
                            dump=args.dump, metrics_port=args.metrics_port or settings.metrics_port,
                            metrics_host=settings.metrics_host,
-                           settings_file=args.config, drain_on=drain)
+                           settings_file=args.config, drain_on=drain, trace=args.trace)
     except PluginError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--metrics-port", type=int, default=0, metavar="N",
                    help="serve the ranks' Prometheus metrics on 127.0.0.1:N while the demo runs "
                         "(needs kvbridge[metrics])")
+    d.add_argument("--trace", default=None, metavar="FILE",
+                   help="write one OpenTelemetry trace per request (every rank's spans, one JSON line each) to FILE "
+                        "and print the first request's (needs kvbridge[tracing])")
     d.set_defaults(func=_demo)
     doc = sub.add_parser("doctor", help="check this host (and a bootstrap server) for what makes transfers slow or "
                                         "fail; exit status 1 on a warning, 2 on an error")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import tracing
 from kvbridge.agent.config import TICK_S
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.lateness import Since
@@ -41,6 +42,7 @@ from kvbridge.protocol.wire import (
     TransferRequest,
 )
 from kvbridge.staging import dest_index, scatter_rows, should_stage
+from kvbridge.tracing import RoomTrace
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -118,6 +120,7 @@ class RecvRoom:
     pending: tuple[dict[str, PackedIndices], int] | None = None      # metadata given while bootstrapping
     metadata_at: float | None = None
     waiting: Since | None = None                                     # its waiting timer (from send_metadata)
+    trace: RoomTrace | None = None                                   # its span (kvbridge.tracing), when traced
     failed_at: float | None = None                                   # when it failed (FENCING from then on)
     nbytes: int = 0
     indices: dict[str, np.ndarray] = field(default_factory=dict)
@@ -167,6 +170,10 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._tombstones.revive(room)
             state = self.rooms[room] = RecvRoom(room=room, instance=instance,
                                                              created=self._ctx.lateness.since(self._ctx.clock()))
+            state.trace = tracing.receive_trace(room=room, instance=instance, attributes={
+                "kvbridge.agent": ctx.name, "kvbridge.role": "decode", "kvbridge.backend": ctx.backend_name,
+                "kvbridge.tp_rank": ctx.layout.tp_rank, "kvbridge.tp_size": ctx.layout.tp_size,
+                "kvbridge.instance": instance})
             if not self._bind_targets(state):
                 self._waiting.add(room)           # a prefill rank is gone: reconnect, the room waits
                 self._reconnect(instance)
@@ -271,9 +278,12 @@ class DecodeSide(RoomTable[RecvRoom]):
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
                                   staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
-                                  nonce=room.nonce)
+                                  nonce=room.nonce, trace=room.trace.traceparent() if room.trace is not None else "")
         room.metadata_at = self._ctx.clock()
         room.waiting = self._ctx.lateness.since(room.metadata_at)
+        if room.trace is not None:
+            room.trace.event("request", {"kvbridge.prefill_ranks": len(peers), "kvbridge.prefix_len": prefix_len,
+                                         "kvbridge.staged_components": len(staging)})
         for peer in peers.values():
             room.floor[peer.agent] = self._peers.seen_up_to(peer.agent, peer.incarnation)
             self._peers.post(peer, request)
@@ -320,6 +330,14 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._fail(room, str(exc))
             return
         seen.add(notice.chunk)
+        if room.trace is not None:
+            room.trace.event("notice", {"kvbridge.prefill_rank": notice.sender, "kvbridge.component": notice.component,
+                                        "kvbridge.chunk": notice.chunk, "kvbridge.items": notice.count,
+                                        "kvbridge.staged": notice.staged})
+            if pending is not None:
+                room.trace.start(("scatter", key, notice.chunk), "scatter", {
+                    "kvbridge.prefill_rank": notice.sender, "kvbridge.component": notice.component,
+                    "kvbridge.chunk": notice.chunk})
         self._step(room, RecvEvent.NOTICE)
         if pending is not None:
             room.scattering.append(Scatter(key=key, notice=notice, event=pending[0], keep=pending[1]))
@@ -383,8 +401,14 @@ class DecodeSide(RoomTable[RecvRoom]):
 
     def _count(self, room: RecvRoom, key: Key, notice: Notice, layers: range) -> None:
         """A notice's bytes sit in their items: cover them, and see whether the room is complete."""
-        if self._ctx.config.checksums and notice.count and not self._verified(room, notice, layers):
-            return
+        if self._ctx.config.checksums and notice.count:
+            verified = self._verified(room, notice, layers)
+            if room.trace is not None:
+                room.trace.event("checksums verified" if verified else "checksums failed", {
+                    "kvbridge.prefill_rank": notice.sender, "kvbridge.component": notice.component,
+                    "kvbridge.chunk": notice.chunk})
+            if not verified:
+                return
         room.received.setdefault(key, set()).add(notice.chunk)
         room.covered[key].add(notice.first, notice.count, layers)
         room.nbytes += notice.nbytes
@@ -493,6 +517,8 @@ class DecodeSide(RoomTable[RecvRoom]):
             done = [item for item, f in zip(room.scattering, finished) if f]
             room.scattering = [item for item, f in zip(room.scattering, finished) if not f]
             for item in done:
+                if room.trace is not None:
+                    room.trace.finish(("scatter", item.key, item.notice.chunk))
                 if item.key in room.rings and room.status is not KVPoll.Failed:
                     self._credit(room, item.notice)
             if room.status not in (KVPoll.Failed, KVPoll.Success):
@@ -551,6 +577,12 @@ class DecodeSide(RoomTable[RecvRoom]):
             return
         if room.state is before:
             return
+        if room.trace is not None:
+            if room.state in (RecvState.SUCCESS, RecvState.FAILED):
+                room.trace.end(room.reason if room.state is RecvState.FAILED else "", {"kvbridge.bytes": room.nbytes})
+                room.trace = None
+            else:
+                room.trace.phase(room.state.value)
         events = self._ctx.events
         if room.state is RecvState.SUCCESS:
             events.emit(room.room, RoomEventKind.FINISHED)

@@ -184,6 +184,13 @@ class Poster:
         self._check_lease(agent)
         handle = ctx.calls.send_component(transfer)
         room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
+        trace = room.traces.get(agent) if room.traces else None
+        if trace is not None:
+            trace.start(("write", notice.component, notice.chunk), "write", {
+                "kvbridge.component": notice.component, "kvbridge.chunk": notice.chunk,
+                "kvbridge.bytes": transfer.plan.total_nbytes, "kvbridge.descriptors": len(transfer.plan),
+                "kvbridge.staged": staging is not None, "kvbridge.layer_first": notice.layer_first,
+                "kvbridge.layer_count": notice.layer_count})
         room.nbytes += transfer.plan.total_nbytes
         room.descriptors += len(transfer.plan)
 
@@ -307,13 +314,18 @@ class Poster:
         for p in list(room.pending):           # a snapshot: posting pops from the head
             if p.state is WriteState.ALLOCATED:
                 p.step(WriteEvent.GATHER)
+                trace = room.traces.get(p.peer) if room.traces else None
+                if trace is not None:
+                    trace.start(("gather", p.notice.component, p.notice.chunk), "gather", {
+                        "kvbridge.component": p.notice.component, "kvbridge.chunk": p.notice.chunk,
+                        "kvbridge.bytes": p.piece.nbytes if p.piece is not None else 0})
                 self._gather(room, p)
                 self._post_ready(room)
 
     def _post_ready(self, room: SendRoom) -> None:
         """Post from the head of the room's queue while its writes are ready (their gathers done)."""
         staging = self._ctx.buffers.staging
-        while room.pending and _ready(room.pending[0]):
+        while room.pending and _ready(room.pending[0], room):
             if room.pending[0].ring is not None and not self._place(room.pending[0]):
                 break                          # every ring slot still holds a piece the peer has not scattered
             if self._held_by_lease(room.pending[0].peer):
@@ -346,7 +358,7 @@ class Poster:
         staging = self._ctx.buffers.staging
         kept: deque[Pending] = deque()
         for p in room.pending:
-            if p.state is WriteState.GATHERING and not _ready(p):
+            if p.state is WriteState.GATHERING and not _ready(p, room):
                 kept.append(p)                 # its gather still reads the source and writes our staging
                 continue
             p.step(WriteEvent.DROP)
@@ -450,7 +462,7 @@ class Poster:
             ctx.send_frame(peer.address, frame, "notice")
 
 
-def _ready(p: Pending) -> bool:
+def _ready(p: Pending, room: SendRoom) -> bool:
     """May the write be posted? A gathering piece or a plain write whose CUDA event fired becomes READY."""
     if p.state is WriteState.READY:
         return True
@@ -460,6 +472,9 @@ def _ready(p: Pending) -> bool:
         done = p.after is None or bool(p.after.query())
     if done:
         p.step(WriteEvent.READY)
+        trace = room.traces.get(p.peer) if room.traces and p.piece is not None else None
+        if trace is not None:
+            trace.finish(("gather", p.notice.component, p.notice.chunk))
     return done
 
 

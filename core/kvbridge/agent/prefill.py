@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import tracing
 from kvbridge.agent.config import EARLY_BYTES, EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.lateness import Since
@@ -26,6 +27,7 @@ from kvbridge.protocol.states import (
     SendEvent,
     SendState,
     WriteEvent,
+    WriteState,
 )
 from kvbridge.protocol.wire import Abort, Credit, Envelope, KVPoll, StatusPush, TransferRequest
 from kvbridge.slicing import served_ranks
@@ -67,7 +69,8 @@ class PrefillSide(RoomTable[SendRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.clock()))
+            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.clock()),
+                                                 opened_ns=tracing.wall_ns())
             for req in self._unqueue(room):
                 self._accept_request(state, req, self._peers.get(req.agent))
             early_abort = self._early_aborts.pop(room, None)
@@ -368,12 +371,25 @@ class PrefillSide(RoomTable[SendRoom]):
             return  # its incarnation left before the room opened (its death unqueued it; this is a late copy)
         room.requests[req.agent] = req
         room.incarnations[req.agent] = peer.incarnation
+        if req.trace:
+            self._trace(room, req)
         layout = self._ctx.layout
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
         if len(room.requests) >= room.expected_requests and room.state is SendState.BOOTSTRAPPING:
             self._step(room, SendEvent.REQUESTS_COMPLETE)
             if room.held:
                 self._post_held(room)
+
+    def _trace(self, room: SendRoom, req: TransferRequest) -> None:
+        """Open this room's span towards ``req``'s decode under the decode room's span (kvbridge.tracing)."""
+        ctx = self._ctx
+        trace = tracing.send_trace(room=room.room, traceparent=req.trace, opened_ns=room.opened_ns, attributes={
+            "kvbridge.agent": ctx.name, "kvbridge.role": "prefill", "kvbridge.backend": ctx.backend_name,
+            "kvbridge.tp_rank": ctx.layout.tp_rank, "kvbridge.tp_size": ctx.layout.tp_size,
+            "kvbridge.decode": req.agent, "kvbridge.decode_rank": req.dst_rank, "kvbridge.decode_tp": req.dst_size})
+        if trace is not None:
+            trace.phase(room.state.value, room.opened_ns)     # bootstrapping: the wait for the decode's request
+            room.traces[req.agent] = trace
 
     # ---------------------------------------------------------------- posting (lock held)
     def _engine_event(self) -> Any:
@@ -496,6 +512,10 @@ class PrefillSide(RoomTable[SendRoom]):
             ctx.buffers.staging.free(*item.staging)
         peer = self._peers.get(item.peer)
         item.step(WriteEvent.COMPLETE if result is not None and result.state is HandleState.DONE else WriteEvent.ERROR)
+        trace = room.traces.get(item.peer) if room.traces else None
+        if trace is not None:
+            trace.finish(("write", item.notice.component, item.notice.chunk), "" if item.state is WriteState.DONE
+                         else f"{self._ctx.backend_name}: {reason}")
         if result is not None and result.state is HandleState.DONE:
             if room.status is not KVPoll.Failed and peer is not None:
                 self._poster.notify(peer, item.frame, room.room)
@@ -529,6 +549,14 @@ class PrefillSide(RoomTable[SendRoom]):
             return
         if room.state is before:
             return
+        for trace in room.traces.values():
+            if room.state in (SendState.SUCCESS, SendState.FAILED):
+                trace.end(room.reason if room.state is SendState.FAILED else "",
+                          {"kvbridge.room_bytes": room.nbytes})
+            else:
+                trace.phase(room.state.value)
+        if room.state in (SendState.SUCCESS, SendState.FAILED):
+            room.traces.clear()
         events = self._ctx.events         # emitted with the transition, under the lock: poll() never sees it first
         if room.state is SendState.WAITING_FOR_INPUT:
             events.emit(room.room, RoomEventKind.READY)

@@ -12,6 +12,7 @@ from kvbridge.agent.lateness import Since
 from kvbridge.backends.base import ComponentTransfer
 from kvbridge.protocol.states import SEND_POLL, WRITE, SendState, WriteEvent, WriteState
 from kvbridge.protocol.wire import KVPoll, Notice, TransferRequest
+from kvbridge.tracing import RoomTrace
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,6 +121,8 @@ class OpenChunk:
 class SendRoom:
     room: int
     created: Since                             # its bootstrap timer
+    opened_ns: int = 0                         # wall clock at sender(): a traced room's span starts there
+    traces: dict[str, RoomTrace] = field(default_factory=dict)    # decode agent -> its span (kvbridge.tracing)
     requests: dict[str, TransferRequest] = field(default_factory=dict)
     # decode agent -> the incarnation whose request it is: a restart under the same name is another decode
     incarnations: dict[str, int] = field(default_factory=dict)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import queue
 import secrets
 import shutil
@@ -16,6 +18,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from kvbridge import tracing
 from kvbridge.demo.presets import get_preset
 from kvbridge.demo.ranks import rank_context
 from kvbridge.demo.worker import Gate, WorkerConfig, reap_segments, run_worker
@@ -105,7 +108,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
              out: TextIO = sys.stdout, err: TextIO | None = None, metrics_port: int = 0,
              metrics_host: str = "127.0.0.1",
              progress: bool | None = None, settings_file: str | None = None,
-             drain_on: threading.Event | None = None) -> Summary:
+             drain_on: threading.Event | None = None, trace: str | None = None) -> Summary:
     """Run the demo; returns its Summary (``exit_code`` says how it went). Refuses (PluginError,
     UnsupportedTopology, ValueError) before starting anything when the backend or a state type is missing,
     the settings (``settings_file``, ``KVBRIDGE_*``: the ranks' agent options) are invalid, or the TP sizes do
@@ -113,7 +116,9 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     process is reaped and its shared-memory segments removed. ``progress``: a bar (default: on a terminal
     only; elsewhere a line per tenth of the run). ``drain_on`` (the CLI sets it on SIGTERM): once set, the run
     stops after the requests some rank already started (:class:`~kvbridge.demo.worker.Gate`), those finish and
-    are verified, every rank drains its agent and exits; the rest count as refused (``EXIT_TERMINATED``)."""
+    are verified, every rank drains its agent and exits; the rest count as refused (``EXIT_TERMINATED``).
+    ``trace``: write every rank's spans to this file, one JSON line each (needs kvbridge[tracing]), and print the
+    trace of the first request."""
     err = err if err is not None else sys.stderr
     settings = load_settings(settings_file, check_backend=False)    # the ranks' agent settings, checked here
     registry = Registry.build()
@@ -123,6 +128,9 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     model = get_preset(preset, registry)
     model.check_tp(prefill_tp, decode_tp)
     metrics_dir = tempfile.mkdtemp(prefix="kvbridge-metrics-") if metrics_port else None
+    if trace is not None:
+        tracing.require()
+    trace_dir = tempfile.mkdtemp(prefix="kvbridge-trace-") if trace is not None else None
     # secure by default: one secret for the bootstrap server, every rank's link and agent — the configured one,
     # else a fresh one that only this run's processes hold (handed to them over the pipe that carries each rank's
     # config, never in argv or the environment), so another local user's forged frames have no effect on the demo
@@ -132,7 +140,7 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
     base = WorkerConfig(role=Role.PREFILL, rank=0, prefill_tp=prefill_tp, decode_tp=decode_tp, preset=preset,
                         backend=backend, bootstrap=server.address, requests=requests, seed=seed,
                         window=window, region_pages=region_pages, timeout_s=timeout_s, dump=dump,
-                        metrics_dir=metrics_dir, settings_file=settings_file, secret=secret)
+                        metrics_dir=metrics_dir, settings_file=settings_file, secret=secret, trace_dir=trace_dir)
     ctx = rank_context(backend)   # forkserver: the heavy imports happen once, not in every rank
     results: mp.Queue = ctx.Queue()
     go = ctx.Event()          # set once every rank is up: no prefill room's bootstrap clock runs before that
@@ -241,8 +249,27 @@ def run_demo(*, backend: str, preset: str, prefill_tp: int, decode_tp: int, requ
             exporter.shutdown()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        if trace_dir is not None and trace is not None:
+            _merge_traces(trace_dir, trace, out)
     _print_summary(summary, out)
     return summary
+
+
+def _merge_traces(trace_dir: str, path: str, out: TextIO) -> None:
+    """Every rank's spans into ``path`` (by start time), and the trace of the first request on ``out``."""
+    lines: list[str] = []
+    for name in sorted(os.listdir(trace_dir)):
+        with open(os.path.join(trace_dir, name), encoding="utf-8") as f:
+            lines.extend(line for line in f if line.strip())
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    spans = tracing.load_spans(lines)
+    spans.sort(key=lambda s: s["start_time"])
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(s) + "\n" for s in spans)
+    by_trace = tracing.traces(spans)
+    print(f"  trace: {len(spans)} spans of {len(by_trace)} requests in {path}", file=out)
+    if by_trace:
+        print(tracing.render(next(iter(by_trace.values()))), file=out)
 
 
 _POLL_S = 0.1             # how often the launcher looks at its ranks when no result arrives

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import metrics
+from kvbridge import metrics, tracing
 from kvbridge.agent import AgentConfig, TransferAgent
 from kvbridge.demo.model import ComponentModel, RequestShape
 from kvbridge.demo.presets import Preset, get_preset
@@ -73,6 +73,7 @@ class WorkerConfig:
     peer_timeout_s: float | None = None   # None: the settings' (kvbridge.settings: KVBRIDGE_*, the file)
     metrics_dir: str | None = None   # record Prometheus metrics there (the launcher serves them)
     settings_file: str | None = None  # TOML settings (None: $KVBRIDGE_CONFIG when set)
+    trace_dir: str | None = None     # write the rank's spans there (kvbridge.tracing; the launcher merges them)
 
     @property
     def tp_size(self) -> int:
@@ -180,7 +181,11 @@ def run_worker(cfg: WorkerConfig, results: Any, go: Any = None, gate: Gate | Non
     configure_logging(os.environ.get("KVBRIDGE_LOG") or "WARNING",
                       fmt=f"%(asctime)s {cfg.role.value}{cfg.rank} %(levelname)s %(message)s")
     pool = agent = None
+    stop_tracing: Callable[[], None] | None = None
     try:
+        if cfg.trace_dir is not None:
+            stop_tracing = tracing.export_to(os.path.join(cfg.trace_dir, f"{cfg.role.value}-{cfg.rank}.jsonl"),
+                                             service=f"{cfg.role.value}-{cfg.rank}")
         preset = get_preset(cfg.preset)
         layout = PoolLayout(components=tuple(m.component(cfg.tp_size, pool_items(cfg, m)) for m in preset.components),
                             tp_size=cfg.tp_size, tp_rank=cfg.rank, page_size=preset.page_size, model=preset.model)
@@ -227,6 +232,8 @@ def run_worker(cfg: WorkerConfig, results: Any, go: Any = None, gate: Gate | Non
             agent.close()
         if pool is not None:
             pool.close()
+        if stop_tracing is not None:
+            stop_tracing()
 
 
 def agent_config(cfg: WorkerConfig) -> AgentConfig:

@@ -10,6 +10,7 @@ import enum
 import hmac
 import math
 import threading
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -19,9 +20,10 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 7: Abort names the request's nonce, Welcome the writer's lease; 6: Welcome names the writer's liveness listener
-# (0.2.0); 5: digests, credits name the request (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
-PROTOCOL_VERSION = 7
+# 8: TransferRequest carries the decode room's trace context; 7: Abort names the request's nonce, Welcome the
+# writer's lease; 6: Welcome names the writer's liveness listener (0.2.0); 5: digests, credits name the request
+# (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
+PROTOCOL_VERSION = 8
 #: the oldest version this release still speaks (the releases before it: 0.2.0's 6 and wave 2's 5): an agent
 #: negotiates the highest version both speak at the handshake and refuses anything older, naming both versions
 #: (docs/integrity.md, "Version skew")
@@ -29,6 +31,7 @@ MIN_PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20        # a frame larger than this is rejected before decoding
 MAX_HANDSHAKE_BYTES = 4 << 20       # a Hello or Welcome larger than this is refused before decoding
 MAX_ROOM = 2**63 - 1
+MAX_TRACEPARENT = 128     # a W3C traceparent is 55 characters
 _MAC_BYTES = TAG_BYTES
 
 
@@ -95,19 +98,19 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", forbid_u
     #                             writer ran out admits it again only through a Welcome of a newer epoch
 
 
-def _welcome_without(name: str, newer: frozenset[str]) -> type[msgspec.Struct]:
-    """The Welcome as an older protocol spells it: every field but ``newer`` (its decoders refuse unknown
+def _without(message: type[msgspec.Struct], name: str, newer: frozenset[str], tag: str) -> type[msgspec.Struct]:
+    """``message`` as an older protocol spells it: every field but ``newer`` (its decoders refuse unknown
     fields), so an older peer can read what we send it."""
     fields: list[tuple[str, object] | tuple[str, object, object]] = []
-    for f in msgspec.structs.fields(Welcome):
+    for f in msgspec.structs.fields(message):
         if f.name not in newer:
             fields.append((f.name, f.type) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default))
-    return msgspec.defstruct(name, fields, kw_only=True, frozen=True, tag="welcome", forbid_unknown_fields=True)
+    return msgspec.defstruct(name, fields, kw_only=True, frozen=True, tag=tag, forbid_unknown_fields=True)
 
 
 #: protocol 6 (0.2.0): no write lease; protocol 5 (wave 2): no liveness listener either
-_WelcomeV6 = _welcome_without("_WelcomeV6", frozenset({"writer_lease_s", "lease_epoch"}))
-_WelcomeV5 = _welcome_without("_WelcomeV5", frozenset({"writer_lease_s", "lease_epoch", "liveness"}))
+_WelcomeV6 = _without(Welcome, "_WelcomeV6", frozenset({"writer_lease_s", "lease_epoch"}), "welcome")
+_WelcomeV5 = _without(Welcome, "_WelcomeV5", frozenset({"writer_lease_s", "lease_epoch", "liveness"}), "welcome")
 
 
 _SPEAKS = "this prefill speaks protocol "
@@ -128,9 +131,9 @@ def noted_version(reason: str) -> int:
 
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Versions 5 and 6 differ from 7 in the Abort, which has no ``nonce`` before 7, and in the Welcome, which has no
-    ``writer_lease_s`` before 7 and no ``liveness`` before 6 (their decoders refuse unknown fields); every other
-    message is the same at 5, 6 and 7."""
+    Versions 5 to 7 differ from 8 in the TransferRequest, which has no ``trace`` before 8; 5 and 6 differ from 7
+    in the Abort, which has no ``nonce`` before 7, and in the Welcome, which has no ``writer_lease_s`` before 7 and
+    no ``liveness`` before 6 (their decoders refuse unknown fields); every other message is the same at 5 to 8."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
@@ -140,6 +143,8 @@ def spoken_as(message: Message, version: int) -> msgspec.Struct:
     if version < 7 and isinstance(message, Welcome):
         fields = {f: getattr(message, f) for f in _WelcomeV6.__struct_fields__}
         return _WelcomeV6(**{**fields, "version": version})
+    if version < 8 and isinstance(message, TransferRequest):
+        return _TransferRequestV7(**{f: getattr(message, f) for f in _TransferRequestV7.__struct_fields__})
     if version < 7 and isinstance(message, Abort):
         return _AbortV6(**{f: getattr(message, f) for f in _AbortV6.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
@@ -166,6 +171,8 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
     #: drawn at random per request: the request's credits carry it, so a credit of an earlier request that
     #: reused the room number frees no slot of this one
     nonce: int = 0
+    #: the W3C ``traceparent`` of the decode room's span (protocol 8; "" when not traced): kvbridge.tracing
+    trace: Annotated[str, msgspec.Meta(max_length=MAX_TRACEPARENT)] = ""
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
@@ -223,6 +230,9 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unkno
     reason: str
     quiesced: bool = False
     nonce: int = 0
+
+
+_TransferRequestV7 = _without(TransferRequest, "_TransferRequestV7", frozenset({"trace"}), "request")
 
 
 class _AbortV6(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
@@ -535,6 +545,8 @@ class Codec:
             if envelope.version < 7 and isinstance(envelope.body, Welcome) and (envelope.body.writer_lease_s
                                                                                 or envelope.body.lease_epoch):
                 raise ProtocolError(f"Welcome of protocol {envelope.version} names a writer lease (a field of 7)")
+            if envelope.version < 8 and isinstance(envelope.body, TransferRequest) and envelope.body.trace:
+                raise ProtocolError(f"TransferRequest of protocol {envelope.version} names a trace (a field of 8)")
             if isinstance(envelope.body, (Hello, Welcome)) and envelope.body.version != envelope.version:
                 raise ProtocolError(f"{type(envelope.body).__name__} says version {envelope.body.version} in a "
                                     f"frame of version {envelope.version}")
