@@ -58,8 +58,10 @@ def server() -> Iterator[object]:
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """The environment without KVBRIDGE_* settings; the backend is loopback unless given (the backends' own checks,
+    e.g. NIXL's transport probe, have tests of their own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
-    env.update(extra)
+    env.update({"KVBRIDGE_BACKEND": "loopback", **extra})
     return env
 
 
@@ -185,3 +187,29 @@ def test_an_etcd_service_is_checked_answering_and_unreachable(tmp_path: Path) ->
     with testing.EtcdServer(tmp_path / "etcd") as etcd:
         up = _by(run_checks(bootstrap=etcd.url, env=_env()), "discovery")[0]
     assert up.severity is Severity.OK and "answers a lookup in" in up.text
+
+
+def test_a_backends_own_checks_are_reported_and_a_broken_one_is_a_warning() -> None:
+    """``BackendSpec.diagnose``: the findings of each usable backend's checks (of the configured one only, when one
+    is configured); a check that raises is a warning naming the error, and the other backends' checks still run."""
+    from kvbridge.doctor import _diagnoses
+    from kvbridge.plugin import BackendSpec, hookimpl
+    from kvbridge.registry import Registry
+
+    def fine() -> Iterator[Finding]:
+        yield Finding(severity=Severity.WARNING, check="alpha", text="no RDMA device here: TCP only")
+
+    def broken() -> Iterator[Finding]:
+        raise OSError("cannot open /sys/class/infiniband")
+
+    class _Backends:
+        @hookimpl
+        def kvbridge_transfer_backends(self) -> list[BackendSpec]:
+            return [BackendSpec(name="alpha", factory="kvbridge.backends.loopback:LoopbackBackend", diagnose=fine),
+                    BackendSpec(name="beta", factory="kvbridge.backends.loopback:LoopbackBackend", diagnose=broken)]
+
+    registry = Registry.build(plugins=[_Backends()], entry_points=False)
+    findings = list(_diagnoses("", registry))
+    assert [(f.check, f.severity) for f in findings] == [("alpha", Severity.WARNING), ("beta", Severity.WARNING)]
+    assert "TCP only" in findings[0].text and "OSError: cannot open /sys/class/infiniband" in findings[1].text
+    assert [f.check for f in _diagnoses("alpha", registry)] == ["alpha"]

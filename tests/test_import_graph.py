@@ -143,8 +143,8 @@ def test_the_cycle_finder_reports_a_cycle() -> None:
 # Layers (DESIGN.md §12), lowest first; a module may import its own layer and the ones below, never above.
 LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("kvbridge._markers", "kvbridge.errors", "kvbridge.sealing", "kvbridge.geometry", "kvbridge.pages",
-              "kvbridge.logs", "kvbridge.tracing", "kvbridge.shmnames", "kvbridge.addresses", "kvbridge.pattern",
-              "kvbridge.specs"),
+              "kvbridge.logs", "kvbridge.tracing", "kvbridge.findings", "kvbridge.shmnames", "kvbridge.addresses",
+              "kvbridge.pattern", "kvbridge.specs"),
     "plan": ("kvbridge.slicing", "kvbridge.planner", "kvbridge.staging", "kvbridge.spans", "kvbridge.digests",
              "kvbridge.handshake", "kvbridge.state"),
     # the wire (control messages, the buffer records they carry), the state machines, and the two contracts a

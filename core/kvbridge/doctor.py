@@ -5,8 +5,9 @@ Checks: the settings (validated as every rank validates them), the configured ba
 ``/dev/shm`` free space against the staging areas of the ranks this host runs, the locked-memory limit RDMA
 registration needs, CUDA devices and their peer access, given a ZMQ bootstrap server that it answers and how
 far its clock is from ours against the authenticated time window (``clock_window_s``), given another discovery
-service (``etcd://...``) that its plugin is installed and it answers a lookup, and given the ranks' port range that
-enough of its ports are free here::
+service (``etcd://...``) that its plugin is installed and it answers a lookup, given the ranks' port range that
+enough of its ports are free here, and each usable backend's own checks (``BackendSpec.diagnose``: NIXL's says
+which UCX transports carry its writes here)::
 
     $ kvbridge doctor --bootstrap tcp://10.0.0.5:17500 --ranks 8
     ok       settings   valid (backend nixl, staging 32 MiB per rank, clock window 60 s)
@@ -16,37 +17,18 @@ enough of its ports are free here::
 
 from __future__ import annotations
 
-import enum
 import os
 import resource
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvbridge.findings import Finding, Severity
+
+if TYPE_CHECKING:
+    from kvbridge.registry import Registry
 
 __all__ = ["Finding", "Severity", "exit_status", "run_checks"]
-
-
-class Severity(enum.Enum):
-    """How bad a finding is; the command's exit status is the worst one's ``exit_code``."""
-
-    OK = "ok"
-    INFO = "info"            # worth knowing, nothing to fix (counts as ok)
-    WARNING = "warning"
-    ERROR = "error"
-
-    @property
-    def exit_code(self) -> int:
-        return {"warning": 1, "error": 2}.get(self.value, 0)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Finding:
-    severity: Severity
-    check: str
-    text: str
-
-    def line(self) -> str:
-        return f"{self.severity.value:<8} {self.check:<10} {self.text}"
 
 
 def exit_status(findings: Sequence[Finding]) -> int:
@@ -78,7 +60,7 @@ def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = 
                                 text=f"valid (backend {s.backend or 'auto'}, staging {_mib(s.staging_bytes)} per rank, "
                                      f"clock window {s.clock_window_s:g} s)"))
         checks += [lambda: _backend(s.backend), lambda: _shm(s.staging_bytes, ranks, shm_path),
-                   lambda: _memlock(s.staging_bytes, s.backend)]
+                   lambda: _memlock(s.staging_bytes, s.backend), lambda: _diagnoses(s.backend)]
     checks.append(_cuda)
     if bootstrap:
         window = settings.clock_window_s if settings is not None else 60.0
@@ -116,6 +98,23 @@ def _backend(wanted: str) -> Iterator[Finding]:
     yield Finding(severity=Severity.ERROR, check="backend",
                   text=f"the configured backend {wanted!r} cannot run here: {why}{hint}; usable: "
                        f"{', '.join(usable) or 'none'} (kvbridge plugins lists them)")
+
+
+def _diagnoses(wanted: str, registry: Registry | None = None) -> Iterator[Finding]:
+    """Each usable backend's own checks (``BackendSpec.diagnose``): the configured one, else every usable one."""
+    from kvbridge.registry import Registry
+    from kvbridge.specs import resolve
+
+    registry = registry if registry is not None else Registry.build()
+    for name in registry.backend_names(available_only=True):
+        spec = registry.backend_spec(name)
+        if spec.diagnose is None or (wanted and name != wanted):
+            continue
+        try:
+            yield from resolve(spec.diagnose)()
+        except Exception as exc:  # noqa: BLE001 - a plugin's broken check is a finding, not a crash
+            yield Finding(severity=Severity.WARNING, check=name, text=f"its checks could not run: "
+                                                                      f"{type(exc).__name__}: {exc}")
 
 
 def _shm(staging_bytes: int, ranks: int, path: str) -> Iterator[Finding]:

@@ -89,6 +89,7 @@ from kvbridge.errors import (
     TransferError,
     UnsupportedTopology,
 )
+from kvbridge.findings import Finding, Severity
 from kvbridge.geometry import (
     BufferGeometry,
     Component,
@@ -120,6 +121,8 @@ __all__ = [
     "ENTRY_POINT_GROUP", "PROJECT", "hookimpl", "hookspec",
     # discovery records
     "Availability", "BackendSpec", "Capability", "DiscoverySpec", "StateTypeSpec", "probe_import",
+    # a backend's own host checks (``BackendSpec.diagnose``, run by ``kvbridge doctor``)
+    "Finding", "Severity",
     # errors
     "GeometryError", "IncompatiblePeer", "KVBridgeError", "PluginError", "PluginUnavailableError", "ProtocolError",
     "RegionError", "TransferError", "UnsupportedTopology",

@@ -22,10 +22,15 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.errors import PluginError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from kvbridge.demo.model import ComponentModel
+    from kvbridge.findings import Finding
 
 #: Runs a backend's own benchmark (``kvbridge bench --backend NAME``); returns the exit status.
 BenchEntry = Callable[[], "int | None"]
+#: A backend's own host checks (``kvbridge doctor``): what on this host makes it slow or fail, with what to do.
+DiagnoseEntry = Callable[[], "Iterable[Finding]"]
 #: Builds the demo's model of one component of a state type: ``(component name, **dimensions) -> model``.
 DemoModelFactory = Callable[..., "ComponentModel"]
 
@@ -133,6 +138,10 @@ class BackendSpec:
     microseconds: the agent's cost model stages a slice when its average descriptor is smaller than this
     times the staging throughput. None: 6 us, measured for UCX-like engines (NIXL).
 
+    ``diagnose`` (optional) is the backend's own host checks, run by ``kvbridge doctor`` when the backend is usable:
+    a :data:`DiagnoseEntry` or its ``"module:attr"`` (imported only then), yielding
+    :class:`kvbridge.findings.Finding` records (e.g. which transports the engine would pick here).
+
     ``writer_gone_bound_s`` (optional, with ``Capability.WRITER_GONE``) is the backend's stated bound: at most
     this long after a writer's process ended, ``writer_gone(endpoint)`` answers True for its endpoint (the
     kit's fence tier holds it to that). None: :data:`DEFAULT_WRITER_GONE_BOUND_S`.
@@ -146,6 +155,7 @@ class BackendSpec:
     bench: str | BenchEntry | None = None
     descriptor_cost_us: float | None = None
     writer_gone_bound_s: float | None = None
+    diagnose: str | DiagnoseEntry | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_name(self.name)

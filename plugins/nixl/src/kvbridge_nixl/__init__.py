@@ -45,6 +45,7 @@ SPEC = BackendSpec(
                             Capability.NOTIFICATIONS, Capability.ASYNC}),
     probe=probe,
     description="NIXL over UCX: one-sided WRITE from prepped descriptor lists, notices ride on the data",
+    diagnose="kvbridge_nixl.routes:diagnose",     # kvbridge doctor: the UCX transports picked on this host
 )
 
 
