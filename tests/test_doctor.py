@@ -213,3 +213,32 @@ def test_a_backends_own_checks_are_reported_and_a_broken_one_is_a_warning() -> N
     assert [(f.check, f.severity) for f in findings] == [("alpha", Severity.WARNING), ("beta", Severity.WARNING)]
     assert "TCP only" in findings[0].text and "OSError: cannot open /sys/class/infiniband" in findings[1].text
     assert [f.check for f in _diagnoses("alpha", registry)] == ["alpha"]
+
+
+def test_a_prefill_instance_is_checked_rank_by_rank() -> None:
+    """``--instance``: each rank the bootstrap server lists is tried from here; a rank whose port refuses is an
+    error naming the rank and its address, a rank not published yet is an error naming it, an unknown instance is
+    an error; a listening rank is ok."""
+    from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap
+
+    server = BootstrapServer().start()
+    listening, closed = socket.socket(), socket.socket()
+    client = ZmqBootstrap(server.address, republish_s=0.0)     # closing it withdraws what it published
+    try:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))            # bound, never listening: connections are refused
+        client.publish("doc-inst", 3, 0, f"tcp://127.0.0.1:{listening.getsockname()[1]}")
+        client.publish("doc-inst", 3, 1, f"tcp://127.0.0.1:{closed.getsockname()[1]}")
+        findings = _by(run_checks(bootstrap=server.address, instance="doc-inst", env=_env()), "instance")
+        by_text = {f.text.split(" of ")[0] if f.text.startswith("rank") else "published": f for f in findings}
+        assert by_text["rank 0"].severity is Severity.OK, findings
+        assert by_text["rank 1"].severity is Severity.ERROR and "not reachable" in by_text["rank 1"].text
+        assert by_text["published"].severity is Severity.ERROR and "missing [2]" in by_text["published"].text
+        unknown = _by(run_checks(bootstrap=server.address, instance="nobody", env=_env()), "instance")
+        assert unknown[0].severity is Severity.ERROR and "knows no prefill instance 'nobody'" in unknown[0].text
+    finally:
+        client.close()
+        listening.close()
+        closed.close()
+        server.close()

@@ -105,7 +105,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from kvbridge.doctor import exit_status, run_checks
 
-    findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks, port_range=args.port_range)
+    findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks, port_range=args.port_range,
+                          instance=args.instance)
     for finding in findings:
         print(finding.line())
     return exit_status(findings)
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "clock is from ours) or a plugin's service (etcd://HOST:PORT/...: installed, answering)")
     doc.add_argument("--port-range", default=None, metavar="LOW-HIGH",
                      help="the ranks' control-link port range: how many of its ports are free here")
+    doc.add_argument("--instance", default=None, metavar="NAME",
+                     help="with --bootstrap: the prefill instance whose ranks this host's decodes use (each rank's "
+                          "control port reachable from here)")
     doc.add_argument("--ranks", type=int, default=1, help="ranks this host runs (each with its staging area)")
     doc.set_defaults(func=_doctor)
     _add_commands(sub, {"plugins", "demo", "doctor"})

@@ -41,7 +41,7 @@ def _mib(nbytes: float) -> str:
 
 def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = "/dev/shm",
                env: Mapping[str, str] | None = None, port_range: str | None = None,
-               bind_host: str = "0.0.0.0") -> list[Finding]:
+               bind_host: str = "0.0.0.0", instance: str | None = None) -> list[Finding]:
     """Every check, in order; a check that cannot run says why (an error of its own never stops the others)."""
     from kvbridge.settings import Settings, SettingsError, load_settings
 
@@ -67,6 +67,8 @@ def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = 
         secret = settings.secret.encode() if settings is not None and settings.secret else None
         if _is_zmq(bootstrap):
             checks.append(lambda: _bootstrap(bootstrap, secret, window))
+            if instance:
+                checks.append(lambda: _instance(bootstrap, instance, secret))
         else:
             checks.append(lambda: _discovery(bootstrap, secret))
     if port_range:
@@ -206,6 +208,49 @@ def _bootstrap(url: str, secret: bytes | None, window_s: float) -> Iterator[Find
                            "and this host is refused; synchronise the clocks (NTP/chrony)")
     else:
         yield Finding(severity=Severity.OK, check="clock", text=f"{where}, well inside clock_window_s={window:g}")
+
+
+def _instance(url: str, instance: str, secret: bytes | None) -> Iterator[Finding]:
+    """The prefill instance's ranks as the bootstrap server lists them, each one's control port reachable from here."""
+    import socket
+
+    from kvbridge.addresses import endpoint_host_port
+    from kvbridge.zmq_link import ZmqBootstrap
+
+    client = ZmqBootstrap(url, secret=secret, timeout_s=2.0, republish_s=0.0)
+    try:
+        info = client.lookup(instance)
+    except Exception as exc:  # noqa: BLE001 - reported
+        yield Finding(severity=Severity.ERROR, check="instance", text=f"looking up {instance!r} failed: {exc}")
+        return
+    finally:
+        client.close()
+    if info is None:
+        yield Finding(severity=Severity.ERROR, check="instance",
+                      text=f"{url} knows no prefill instance {instance!r}: is it started, with this bootstrap "
+                           "address (and secret)?")
+        return
+    missing = sorted(set(range(info.tp_size)) - set(info.addresses))
+    if missing:
+        yield Finding(severity=Severity.ERROR, check="instance",
+                      text=f"{instance!r} has {len(info.addresses)} of its {info.tp_size} ranks published (missing "
+                           f"{missing}): its decodes wait for the rest (bootstrap_timeout_s)")
+    for rank, address in sorted(info.addresses.items()):
+        where = endpoint_host_port(address)
+        if where is None:
+            yield Finding(severity=Severity.INFO, check="instance", text=f"rank {rank} at {address}: not TCP, "
+                                                                           "not checked from here")
+            continue
+        try:
+            with socket.create_connection(where, timeout=2.0):
+                pass
+        except OSError as exc:
+            yield Finding(severity=Severity.ERROR, check="instance",
+                          text=f"rank {rank} of {instance!r} at {address} is not reachable from here ({exc}): check "
+                               "the firewall between the hosts and the address the rank binds (ZmqLink's host)")
+        else:
+            yield Finding(severity=Severity.OK, check="instance", text=f"rank {rank} of {instance!r} at {address} "
+                                                                       "accepts connections")
 
 
 def _is_zmq(url: str) -> bool:
