@@ -151,4 +151,4 @@ rm -rf "$logs"
 .venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation -e . -e plugins/nixl \
   -e adapters/vllm
 .venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . -e plugins/mamba -e plugins/swa \
-  -e plugins/nsa -e plugins/row -e plugins/nixl -e plugins/mooncake -e adapters/sglang
+  -e plugins/nsa -e plugins/row -e plugins/fp8 -e plugins/nixl -e plugins/mooncake -e adapters/sglang

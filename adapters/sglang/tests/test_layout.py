@@ -57,3 +57,4 @@ def test_supported_names() -> None:
     assert set(SUPPORTED) | set(REFUSED) == {"mamba", "qsa_pending", "qsa_compressed", "swa", "dsa", "dsa_tail",
                                              "minimax_index_k", "minimax_dense_kv", "swa_ring", "c128_state",
                                              "request_row", "block_scale", "block_scale_swa"}
+    assert {"block_scale", "block_scale_swa"} <= set(SUPPORTED)

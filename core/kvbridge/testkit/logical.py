@@ -113,6 +113,16 @@ def _mamba(logical: Component, index: int, builds: Builds) -> BufferMeaning:
                          f"got item {buf.item_shape}")
 
 
+def _block_scales(logical: Component, index: int, builds: Builds) -> BufferMeaning:
+    """FP8 block scales (kvbridge-fp8): ``token`` pages ``[tokens, heads, blocks]``, ``interleaved`` ones
+    ``[heads, 32, tokens // 32, blocks]``; the heads' axis follows from the layout option, not the ShardAxis."""
+    layout = logical.options.get("layout")
+    if layout not in ("token", "interleaved"):
+        raise NoLogicalModel(f"component {logical.name!r}: block scales need options['layout'] ('token' or "
+                             f"'interleaved'), got {layout!r}")
+    return BufferMeaning(units="KV heads (their scales)", axis=1 if layout == "token" else 0)
+
+
 def _replicated(logical: Component, index: int, builds: Builds) -> BufferMeaning:
     return BufferMeaning(units=f"{logical.state_type} item (replicated)")
 
@@ -120,6 +130,7 @@ def _replicated(logical: Component, index: int, builds: Builds) -> BufferMeaning
 #: the kinds the kit knows by meaning: state type -> rule for buffer ``index`` of the logical component
 BUILTIN_KINDS: dict[str, Callable[[Component, int, Builds], BufferMeaning]] = {
     "kv": _kv_pages, "swa": _kv_pages, "mamba": _mamba, "nsa": _replicated, "row": _replicated,
+    "block_scale": _block_scales, "block_scale_swa": _block_scales,
 }
 
 

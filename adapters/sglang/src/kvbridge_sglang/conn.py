@@ -174,10 +174,15 @@ def component_indices(layout: PoolLayout, pool: RankPool, *, kv: np.ndarray | No
             continue
         part = pool.part(comp.name)
         assert part is not None and part.state_index is not None
+        if part.state_type == "block_scale":          # the pages' own ids: in chunks with them (prefill: send())
+            if kv is not None:
+                out[comp.name] = kv
+            continue
         if state_indices is None or part.state_index >= len(state_indices):
             raise GeometryError(f"SGLang passed no state indices for component {comp.name!r} with the last chunk")
         items = _flat(state_indices[part.state_index], comp.name)
-        out[comp.name] = (items, max(0, total_pages - len(items))) if part.state_type == "swa" else items
+        windowed = part.state_type in ("swa", "block_scale_swa")
+        out[comp.name] = (items, max(0, total_pages - len(items))) if windowed else items
     return out
 
 

@@ -43,6 +43,8 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "swa": ("swa", "swa"),
     "dsa": ("nsa", "dsa"),
     "request_row": ("row", "request_row"),
+    "block_scale": ("block_scale", "block_scale"),
+    "block_scale_swa": ("block_scale_swa", "block_scale_swa"),
 }
 
 #: SGLang StateType value -> why kvbridge-sglang refuses it (raised when the manager starts)
@@ -59,9 +61,6 @@ REFUSED: dict[str, str] = {
     "minimax_dense_kv": "MiniMax dense-layer KV described only by byte lengths; no head count to reshard by",
     "c128_state": "DeepSeek-V4 request-scoped compression state; indices come from the pool's own "
                   "request_state_transfer_indices, with no geometry in KVArgs",
-    "block_scale": "MXFP8 per-block KV scales: the scale layout per page and its TP split are not in KVArgs",
-    "block_scale_swa": "MXFP8 per-block scales of the SWA pool: the scale layout per page and its TP split "
-                       "are not in KVArgs",
 }
 
 
@@ -277,6 +276,9 @@ def state_parts(args: Any, *, tp_size: int, device: DeviceKind, device_id: int,
             parts.append(_mamba(args, i, name, ptrs, lens, items, layers, tp_size, device, device_id))
         elif kind == "swa":
             parts.append(_swa(args, i, name, ptrs, lens, items, layers, tp_size, device, device_id, swa_window))
+        elif kind in ("block_scale", "block_scale_swa"):
+            parts.append(_block_scales(args, i, name, kind, ptrs, lens, items, layers, tp_size, device, device_id,
+                                       swa_window))
         elif kind == "nsa":
             if all(layer is None for layer in layers):
                 layers = [start + j for j in range(len(ptrs))]
@@ -346,6 +348,40 @@ def _swa(args: Any, i: int, name: str, ptrs: list[int], lens: list[int], items: 
         entries.append(_rows(label, ptrs[j], lens[j], items[j], shape, shard, device, device_id, layer))
     return Part(name, "swa", IndexKind.PAGE, tuple(entries),
                 {"window": int(window) if window else 2**31 - 1, "page_size": page}, i)
+
+
+#: SGLang's MXFP8 pool: one UE8M0 scale per 32 elements; interleaved (FA4 atom layout) for 128-token pages
+MXFP8_BLOCK, MXFP8_INTERLEAVED_PAGE = 32, 128
+
+
+def _block_scales(args: Any, i: int, name: str, kind: str, ptrs: list[int], lens: list[int], items: list[int],
+                  layers: list[int | None], tp_size: int, device: DeviceKind, device_id: int,
+                  window: int | None) -> Part:
+    """MXFP8 block scales (``MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos``): K scales of every layer, then V,
+    one item per page: ``[page, heads, dim // 32]`` bytes, or ``[heads, 32, page // 32, dim // 32]`` for
+    128-token pages (SGLang's interleaved layout); resliced by KV head (kvbridge-fp8)."""
+    if len(ptrs) % 2:
+        raise GeometryError(f"KVArgs: block-scale state component {i} has {len(ptrs)} entries; it needs K and V")
+    page = int(args.page_size)
+    heads = int(args.kv_head_num)
+    total = int(_list(args, "total_kv_head_num", heads * tp_size))
+    interleaved = page == MXFP8_INTERLEAVED_PAGE
+    shard = ShardAxis(axis=0 if interleaved else 1, total=total)
+    n = len(ptrs) // 2
+    entries = []
+    for j in range(len(ptrs)):
+        tensor = "k" if j < n else "v"
+        layer = layers[j]
+        label = f"{name}.{tensor}.{layer if layer is not None else j % n}"
+        per_head = _split(label, int(items[j]), page * heads, f"tokens x {heads} heads")
+        shape: tuple[int, ...] = ((heads, MXFP8_BLOCK, page // MXFP8_BLOCK, per_head) if interleaved
+                                  else (page, heads, per_head))
+        entries.append(_rows(label, ptrs[j], lens[j], items[j], shape, shard, device, device_id, layer))
+    options: dict[str, int | str | float] = {"page_size": page, "scale_block": MXFP8_BLOCK,
+                                             "layout": "interleaved" if interleaved else "token"}
+    if kind == "block_scale_swa":
+        options["window"] = int(window) if window else 2**31 - 1
+    return Part(name, kind, IndexKind.PAGE, tuple(entries), options, i)
 
 
 def rank_pool(args: Any, *, tp_size: int, tp_rank: int, is_mla: bool, device: DeviceKind = DeviceKind.CPU,
