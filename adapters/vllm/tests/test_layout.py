@@ -33,14 +33,14 @@ LAYERS, HEADS, BLOCK, DIM, BLOCKS = 2, 4, 4, 8, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def allocate(kind: str, heads: int) -> dict[str, torch.Tensor]:
+def allocate(kind: str, heads: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Per-layer caches as vLLM hands them to register_kv_caches (views into one allocation)."""
     if kind == "cpu":
-        whole = torch.zeros(LAYERS, BLOCKS, heads, BLOCK, 2 * DIM)
+        whole = torch.zeros(LAYERS, BLOCKS, heads, BLOCK, 2 * DIM, dtype=dtype)
     elif kind == "nhd":
-        whole = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, heads, DIM)
+        whole = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, heads, DIM, dtype=dtype)
     else:   # memory [2, B, H, N, D], exposed as the logical [2, B, N, H, D]
-        whole = torch.zeros(LAYERS, 2, BLOCKS, heads, BLOCK, DIM).permute(0, 1, 2, 4, 3, 5)
+        whole = torch.zeros(LAYERS, 2, BLOCKS, heads, BLOCK, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
     return {name: whole[i] for i, name in enumerate(NAMES)}
 
 
@@ -197,6 +197,72 @@ def test_failed_load_reports_blocks() -> None:
         assert w.load_errors() == set()
     finally:
         w.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "uint8"])
+@pytest.mark.parametrize(("kind", "pt", "dt"), [("nhd", 2, 1), ("hnd", 1, 2), ("cpu", 2, 1)])
+def test_fp8_kv_caches_reshard_byte_exact(kind: str, pt: int, dt: int, dtype: str) -> None:
+    """FP8 KV caches (``--kv-cache-dtype fp8``: float8 tensors, or uint8 as some attention backends keep them;
+    vLLM's per-tensor k/v scales come from the checkpoint on both sides and do not travel): every byte of every
+    (block, head) lands on the decode rank holding that head. Random bytes, NaN and infinity patterns included."""
+    hub = LocalHub()
+    counter = itertools.count()
+    settings = Settings.defaults(backend="loopback", shm_remap=False)
+    kind_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(11)
+    truth = torch.randint(0, 256, (LAYERS, 2, BLOCKS, HEADS, BLOCK, DIM), dtype=torch.uint8, generator=gen)
+    blocks = [3, 9, 0, 14]
+    workers: list[WorkerSide] = []
+    try:
+        prefill, decode, dst = [], [], []
+        for r in range(pt):
+            lo, hi = owned_range(HEADS, pt, r)
+            caches = allocate(kind, hi - lo, kind_dtype)
+            for layer, name in enumerate(NAMES):
+                raw = caches[name].view(torch.uint8)
+                for b in blocks:
+                    for h in range(lo, hi):
+                        write(kind, raw, b, h - lo, truth[layer, 0, b, h], truth[layer, 1, b, h])
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=pt, tp_rank=r, block_size=BLOCK)
+            assert pool.layout.components[0].buffers[0].dtype.value == dtype
+            prefill.append(WorkerSide(settings=settings, pool=pool, produce=True, consume=False, instance="p",
+                                      link_factory=lambda: hub.link(f"a{next(counter)}")))
+        workers += prefill
+        for r in range(dt):
+            lo, hi = owned_range(HEADS, dt, r)
+            caches = allocate(kind, hi - lo, kind_dtype)
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=dt, tp_rank=r, block_size=BLOCK)
+            decode.append(WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
+                                     link_factory=lambda: hub.link(f"a{next(counter)}")))
+            dst.append(caches)
+        workers += decode
+        landing = [5, 1, 12, 7]
+        for w in prefill:
+            w.save("req", SaveSpec(room=9, block_ids=tuple(blocks)))
+        for w in decode:
+            w.load("req", LoadSpec(room=9, instance="p", block_ids=tuple(landing), prefix_len=0))
+        sent: set[int] = set()
+        recv: set[int] = set()
+
+        def done() -> bool:
+            sent.update(r for r, w in enumerate(prefill) if w.finished(["req"])[0])
+            recv.update(r for r, w in enumerate(decode) if w.finished([])[1])
+            return len(sent) == pt and len(recv) == dt
+
+        _wait(done, "every rank to finish")
+        assert all(w.load_errors() == set() for w in decode)
+        for r in range(dt):
+            lo, hi = owned_range(HEADS, dt, r)
+            for layer, name in enumerate(NAMES):
+                raw = dst[r][name].view(torch.uint8)
+                for b, d in zip(blocks, landing):
+                    for h in range(lo, hi):
+                        k, v = read(kind, raw, d, h - lo)
+                        assert torch.equal(k, truth[layer, 0, b, h]) and torch.equal(v, truth[layer, 1, b, h])
+    finally:
+        for w in workers:
+            w.close()
 
 
 def _pair(kind: str, pt: int, dt: int, dump_dir: str = "") -> tuple[list[WorkerSide], list[WorkerSide],
