@@ -39,8 +39,14 @@ def allocate(kind: str, heads: int, dtype: torch.dtype = torch.float32) -> dict[
         whole = torch.zeros(LAYERS, BLOCKS, heads, BLOCK, 2 * DIM, dtype=dtype)
     elif kind == "nhd":
         whole = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, heads, DIM, dtype=dtype)
-    else:   # memory [2, B, H, N, D], exposed as the logical [2, B, N, H, D]
+    elif kind == "hnd":   # memory [2, B, H, N, D], exposed as the logical [2, B, N, H, D]
         whole = torch.zeros(LAYERS, 2, BLOCKS, heads, BLOCK, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
+    elif kind == "flashinfer":
+        whole = torch.zeros(LAYERS, BLOCKS, 2, BLOCK, heads, DIM, dtype=dtype)
+    elif kind == "flashinfer_hnd":   # memory [B, 2, H, N, D], exposed as the logical [B, 2, N, H, D]
+        whole = torch.zeros(LAYERS, BLOCKS, 2, heads, BLOCK, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
+    else:   # mla: [B, N, latent], the same on every rank (the latent here: DIM values per token)
+        whole = torch.zeros(LAYERS, BLOCKS, BLOCK, DIM, dtype=dtype)
     return {name: whole[i] for i, name in enumerate(NAMES)}
 
 
@@ -50,16 +56,30 @@ def write(kind: str, cache: torch.Tensor, block: int, head: int, k: torch.Tensor
         rows = cache.view(cache.shape[0], cache.shape[1], 2 * BLOCK, DIM)
         rows[block, head, :BLOCK] = k
         rows[block, head, BLOCK:] = v
+    elif kind in ("flashinfer", "flashinfer_hnd"):
+        cache[block, 0, :, head] = k
+        cache[block, 1, :, head] = v
+    elif kind == "mla":
+        cache[block] = k            # one latent per token (head 0's K stands for it); no V
     else:
         cache[0, block, :, head] = k
         cache[1, block, :, head] = v
 
 
-def read(kind: str, cache: torch.Tensor, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+def read(kind: str, cache: torch.Tensor, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     if kind == "cpu":
         rows = cache.view(cache.shape[0], cache.shape[1], 2 * BLOCK, DIM)
         return rows[block, head, :BLOCK], rows[block, head, BLOCK:]
+    if kind in ("flashinfer", "flashinfer_hnd"):
+        return cache[block, 0, :, head], cache[block, 1, :, head]
+    if kind == "mla":
+        return cache[block], None
     return cache[0, block, :, head], cache[1, block, :, head]
+
+
+def held(kind: str, tp: int, rank: int) -> tuple[int, int]:
+    """The heads ``rank`` of ``tp`` holds (MLA: the one latent, on every rank)."""
+    return (0, 1) if kind == "mla" else owned_range(HEADS, tp, rank)
 
 
 def logical(seed: int, positions: int) -> torch.Tensor:
@@ -85,6 +105,22 @@ def test_geometry(kind: str) -> None:
         assert tensor.is_contiguous() and tensor.numel() * tensor.element_size() == geom.nbytes
 
 
+@pytest.mark.parametrize(("kind", "item", "axis"), [("flashinfer", (2, BLOCK, 2, DIM), 2),
+                                                    ("flashinfer_hnd", (2, 2, BLOCK, DIM), 1),
+                                                    ("mla", (BLOCK, DIM), None)])
+def test_block_major_geometry(kind: str, item: tuple[int, ...], axis: int | None) -> None:
+    """FlashInfer keeps a block's K and V together (one buffer per layer, heads sharded inside the item); MLA's
+    latent is replicated (no shard axis)."""
+    pool = pool_layout(allocate(kind, 2), kind=kind, total_kv_heads=HEADS, tp_size=2, tp_rank=1, block_size=BLOCK)
+    comp = pool.layout.components[0]
+    assert len(comp.buffers) == LAYERS and comp.buffers[0].item_shape == item
+    assert (comp.buffers[0].shard.axis if comp.buffers[0].shard else None) == axis
+    for geom, tensor in zip(comp.buffers, pool.buffers["kv"]):
+        assert tensor.is_contiguous() and tensor.numel() * tensor.element_size() == geom.nbytes
+    with pytest.raises(GeometryError, match="must be"):
+        pool_layout(allocate("nhd", 2), kind=kind, total_kv_heads=HEADS, tp_size=2, tp_rank=1, block_size=BLOCK)
+
+
 def test_refusals() -> None:
     with pytest.raises(GeometryError, match="block size"):
         pool_layout(allocate("cpu", 2), kind="cpu", total_kv_heads=HEADS, tp_size=2, tp_rank=0, block_size=8)
@@ -97,15 +133,39 @@ def test_refusals() -> None:
     assert layer_order(["m.layers.10.a", "m.layers.2.a"]) == ["m.layers.2.a", "m.layers.10.a"]
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(("kind", "pt", "dt"), [(k, p, d) for k in ("cpu", "nhd", "hnd")
-                                                 for p, d in ((1, 1), (2, 1), (1, 2), (4, 2))])
-def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
+def _cuda_pair() -> bool:
+    """Two CUDA devices and a usable NIXL: the GPU variants of the transfer tests run (prefill on cuda:0, decode
+    on cuda:1, over NIXL), as vLLM's GPU workers would."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return False
+    try:
+        import kvbridge_nixl
+    except ImportError:
+        return False
+    return bool(kvbridge_nixl.probe().available)
+
+
+GPU = pytest.mark.skipif(not _cuda_pair(), reason="needs two CUDA devices and NIXL")
+TRANSFER_CASES = ([pytest.param(k, p, d, "cpu", id=f"{k}-{p}-{d}") for k in ("cpu", "nhd", "hnd")
+                   for p, d in ((1, 1), (2, 1), (1, 2), (4, 2))]
+                  + [pytest.param(k, p, d, "cpu", id=f"{k}-{p}-{d}") for k in ("flashinfer", "flashinfer_hnd", "mla")
+                     for p, d in ((2, 1), (1, 2))]
+                  + [pytest.param(k, p, d, "cuda", id=f"{k}-{p}-{d}-2gpu", marks=GPU)
+                     for k in ("nhd", "hnd", "flashinfer", "flashinfer_hnd", "mla")
+                     for p, d in ((1, 1), (2, 1), (1, 2))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "pt", "dt", "device"), TRANSFER_CASES)
+def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int, device: str) -> None:
     """Prefill TP ``pt`` -> decode TP ``dt``: a 5-block request whose first block is in decode's prefix cache;
-    every decode block after the prefix holds the logical KV of its heads, the prefix block is untouched."""
+    every decode block after the prefix holds the logical KV of its heads (MLA: the latent, on every rank), the
+    prefix block is untouched. ``cuda``: prefill ranks on cuda:0, decode ranks on cuda:1, over NIXL."""
     hub = LocalHub()
     counter = itertools.count()
-    settings = Settings.defaults(backend="loopback", shm_remap=False)
+    gpu = device == "cuda"
+    settings = Settings.defaults(backend="nixl" if gpu else "loopback", shm_remap=False)
+    src_dev, dst_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
     positions, prefix_blocks = 5, 1
     kv = logical(seed=3, positions=positions)
     rng = np.random.default_rng(0)
@@ -113,13 +173,14 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
     try:
         prefill, src_blocks = [], []
         for r in range(pt):
-            lo, hi = owned_range(HEADS, pt, r)
-            caches = allocate(kind, hi - lo)
+            lo, hi = held(kind, pt, r)
+            caches = _on(allocate(kind, hi - lo), src_dev)
             blocks = rng.permutation(BLOCKS)[:positions]
             for layer, name in enumerate(NAMES):
                 for pos, b in enumerate(blocks):
                     for h in range(lo, hi):
-                        write(kind, caches[name], int(b), h - lo, kv[layer, 0, pos, h], kv[layer, 1, pos, h])
+                        write(kind, caches[name], int(b), h - lo, kv[layer, 0, pos, h].to(src_dev),
+                              kv[layer, 1, pos, h].to(src_dev))
             pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=pt, tp_rank=r, block_size=BLOCK)
             w = WorkerSide(settings=settings, pool=pool, produce=True, consume=False, instance="p",
                            link_factory=lambda: hub.link(f"a{next(counter)}"))
@@ -128,8 +189,8 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
             src_blocks.append(blocks)
         decode, dst_caches, dst_blocks = [], [], []
         for r in range(dt):
-            lo, hi = owned_range(HEADS, dt, r)
-            caches = allocate(kind, hi - lo)
+            lo, hi = held(kind, dt, r)
+            caches = _on(allocate(kind, hi - lo), dst_dev)
             pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=dt, tp_rank=r, block_size=BLOCK)
             w = WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
                            link_factory=lambda: hub.link(f"a{next(counter)}"))
@@ -137,6 +198,8 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
             decode.append(w)
             dst_caches.append(caches)
             dst_blocks.append(rng.permutation(BLOCKS)[:positions])
+        if gpu:
+            torch.cuda.synchronize()
         for r, w in enumerate(prefill):
             w.save("req", SaveSpec(room=7, block_ids=tuple(int(b) for b in src_blocks[r])))
         for r, w in enumerate(decode):
@@ -144,7 +207,7 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
                                    prefix_len=prefix_blocks * BLOCK))
         sent: set[int] = set()
         recv: set[int] = set()
-        for _ in range(2000):
+        for _ in range(8000):
             for r, w in enumerate(prefill):
                 if w.finished(["req"])[0]:
                     sent.add(r)
@@ -157,20 +220,35 @@ def test_transfer_reshards_by_heads(kind: str, pt: int, dt: int) -> None:
         assert len(sent) == pt and len(recv) == dt, (sent, recv)
         for w in decode:
             assert w.load_errors() == set()
+        if gpu:
+            torch.cuda.synchronize()
         for r in range(dt):
-            lo, hi = owned_range(HEADS, dt, r)
+            lo, hi = held(kind, dt, r)
             for layer, name in enumerate(NAMES):
+                cache = dst_caches[r][name].cpu()
                 for pos, b in enumerate(dst_blocks[r]):
                     for h in range(lo, hi):
-                        k, v = read(kind, dst_caches[r][name], int(b), h - lo)
+                        k, v = read(kind, cache, int(b), h - lo)
                         if pos < prefix_blocks:
-                            assert not k.any() and not v.any(), "a prefix block was written"
+                            assert not k.any() and (v is None or not v.any()), "a prefix block was written"
                         else:
                             torch.testing.assert_close(k, kv[layer, 0, pos, h], rtol=0, atol=0)
-                            torch.testing.assert_close(v, kv[layer, 1, pos, h], rtol=0, atol=0)
+                            if v is not None:
+                                torch.testing.assert_close(v, kv[layer, 1, pos, h], rtol=0, atol=0)
     finally:
         for w in workers:
             w.close()
+
+
+def _on(caches: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """The same per-layer views of one allocation, moved to ``device`` as a whole (layouts keep their strides)."""
+    if device == "cpu":
+        return caches
+    first = next(iter(caches.values()))
+    base = first._base if first._base is not None else first
+    moved = base.to(device)
+    offset = {n: (t.storage_offset() - base.storage_offset()) for n, t in caches.items()}
+    return {n: moved.as_strided(t.shape, t.stride(), moved.storage_offset() + offset[n]) for n, t in caches.items()}
 
 
 @pytest.mark.timeout(60)

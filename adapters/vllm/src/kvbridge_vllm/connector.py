@@ -249,7 +249,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         first = next(iter(kv_caches.values()))
-        kind = "cpu" if first.device.type == "cpu" else (self.settings.kv_layout or "nhd")
+        kind = "cpu" if first.device.type == "cpu" else (self.settings.kv_layout
+                                                          or ("mla" if first.dim() == 3 else "nhd"))
         if self.settings.kv_layout and self.settings.kv_layout != kind and first.device.type == "cpu":
             raise KVBridgeError(f"kv_layout={self.settings.kv_layout!r} set, but vLLM's KV cache is on the CPU")
         parallel = self._vllm_config.parallel_config

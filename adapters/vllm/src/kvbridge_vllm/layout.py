@@ -16,6 +16,16 @@ depends on the attention backend:
     the same logical shape with a head-major physical order (``[2, num_blocks, heads, block_size,
     head_size]`` in memory; vLLM exposes it as a permuted view): items ``(heads, block_size, head_size)``
     sharded on axis 0.
+``flashinfer``
+    ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` (FlashInfer's NHD): a block's K and V are
+    adjacent. One buffer per layer; an item is ``(2, block_size, heads, head_size)`` sharded on axis 2.
+``flashinfer_hnd``
+    the same logical shape, head-major in memory (``[num_blocks, 2, heads, block_size, head_size]``): items
+    ``(2, heads, block_size, head_size)`` sharded on axis 1.
+``mla``
+    ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (MLA backends): one latent per token, the same on
+    every TP rank. One buffer per layer, replicated (no shard axis): each decode rank gets it from one
+    prefill rank.
 
 Wire order is the layer order vLLM gives (its layer names sorted by layer index), K before V per layer for
 the GPU layouts. Both sides must agree: the handshake refuses a peer whose layout differs.
@@ -34,7 +44,7 @@ from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolL
 __all__ = ["KV_COMPONENT", "LAYOUTS", "KVPool", "layer_order", "pool_layout"]
 
 KV_COMPONENT = "kv"
-LAYOUTS = ("cpu", "nhd", "hnd")
+LAYOUTS = ("cpu", "nhd", "hnd", "flashinfer", "flashinfer_hnd", "mla")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +81,37 @@ def _hnd_physical(tensor: Any, name: str) -> Any:
                         f"(strides {tuple(tensor.stride())})")
 
 
+def _block_major(kind: str, t: Any, name: str, index: int, shape: tuple[int, ...], block_size: int, dtype: DType,
+                 total: int) -> tuple[BufferGeometry, Any]:
+    """One buffer per layer for the layouts whose block is the outer axis (FlashInfer, MLA)."""
+    if kind == "mla":
+        if len(shape) != 3:
+            raise GeometryError(f"layer {name!r}: MLA KV cache must be [blocks, block_size, latent], got {shape}")
+        if shape[1] != block_size:
+            raise GeometryError(f"layer {name!r}: block size {shape[1]} in the tensor, {block_size} configured")
+        if not t.is_contiguous():
+            raise GeometryError(f"layer {name!r}: MLA KV cache is not contiguous")
+        return BufferGeometry(name=f"c.{index}", num_items=shape[0], item_shape=shape[1:], dtype=dtype), t
+    if len(shape) != 5 or shape[1] != 2:
+        raise GeometryError(f"layer {name!r}: FlashInfer KV cache must be [blocks, 2, block_size, heads, head_size], "
+                            f"got {shape}")
+    num_blocks, _, size, heads, dim = shape
+    if size != block_size:
+        raise GeometryError(f"layer {name!r}: block size {size} in the tensor, {block_size} configured")
+    if kind == "flashinfer":
+        if not t.is_contiguous():
+            raise GeometryError(f"layer {name!r}: FlashInfer NHD KV cache is not contiguous")
+        phys, item, axis = t, (2, size, heads, dim), 2
+    else:
+        phys = t.permute(0, 1, 3, 2, 4)
+        if not phys.is_contiguous():
+            raise GeometryError(f"layer {name!r}: FlashInfer HND cache of shape {shape} is not head-major in memory "
+                                f"(strides {tuple(t.stride())})")
+        item, axis = (2, heads, size, dim), 1
+    return BufferGeometry(name=f"kv.{index}", num_items=num_blocks, item_shape=item, dtype=dtype,
+                          shard=ShardAxis(axis=axis, total=total)), phys
+
+
 def pool_layout(kv_caches: Mapping[str, Any], *, kind: str, total_kv_heads: int, tp_size: int, tp_rank: int,
                 block_size: int, model: str = "") -> KVPool:
     """The ``PoolLayout`` and registrable buffers of one vLLM worker's KV caches.
@@ -92,6 +133,12 @@ def pool_layout(kv_caches: Mapping[str, Any], *, kind: str, total_kv_heads: int,
         t = kv_caches[name]
         shape = _shape(t)
         dtype = DType.parse(t.dtype)
+        if kind in ("flashinfer", "flashinfer_hnd", "mla"):
+            geom, tensor = _block_major(kind, t, name, index, shape, block_size, dtype, shard_total)
+            geoms.append(geom)
+            tensors.append(tensor)
+            blocks.add(shape[0])
+            continue
         if kind == "cpu":
             if len(shape) != 4 or shape[3] % 2:
                 raise GeometryError(f"layer {name!r}: CPU KV cache must be [blocks, heads, block_size, "

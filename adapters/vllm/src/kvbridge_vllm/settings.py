@@ -39,7 +39,9 @@ class ConnectorOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     instance: str = ""                   # this prefill instance's name (default: vllm-<engine_id>)
     host: str = "127.0.0.1"              # address the ranks' control links bind
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=10 * 365 * 86400.0)] = 30.0   # decode: handshake
-    kv_layout: Literal["", "cpu", "nhd", "hnd"] = ""   # default: cpu on CPU, nhd on GPU
+    # default: cpu on CPU; on a GPU mla for [blocks, block_size, latent] caches, else nhd (FlashAttention);
+    # flashinfer / flashinfer_hnd for FlashInfer's [blocks, 2, block_size, heads, head_size]
+    kv_layout: Literal["", "cpu", "nhd", "hnd", "flashinfer", "flashinfer_hnd", "mla"] = ""
     shm_remap: bool | None = None        # move the decode's KV cache into /dev/shm (default: on for loopback)
     test_hooks: bool = False             # TESTS ONLY: obey kv_transfer_params "kvbridge_flip_layer" (decode
     #                                      corrupts that layer of the arrived blocks) and "kvbridge_delay_send_s"
