@@ -1,14 +1,17 @@
-"""Which UCX transports NIXL picks on this host (``kvbridge doctor``): host memory to host memory between two
-local agents, and GPU to GPU for every pair of local GPUs.
+"""Which UCX transports NIXL picks on this host, and how fast it writes (``kvbridge doctor``): host memory to host
+memory between two local agents, and GPU to GPU for every ordered pair of local GPUs.
 
-A child process (UCX reads ``UCX_LOG_LEVEL`` once, when it loads) starts two NIXL agents per route, registers
-1 MiB on each side, writes it once and checks the bytes; UCX logs each endpoint's lanes (``rma_bw`` carries
-bulk writes; ``rma_am`` means writes are emulated by active messages, i.e. copied through a socket or a
-bounce buffer). A route without a zero-copy ``rma_bw`` lane, or one whose GPU lanes go through host memory
-(``cuda_copy`` only), is a warning with what to check::
+A child process (UCX reads its settings once, when it loads) starts a NIXL agent per route and another process
+with the receiving agent (prefill and decode ranks are separate processes; inside one, UCX picks other
+transports), registers PROBE_BYTES on each side, writes them once to warm up, then ``PROBE_WRITES`` more times
+timed, and checks the bytes. UCX prints the protocol it selected for each kind of write (``UCX_PROTO_INFO``):
+"remote memory write by ucp_put* from host memory to host ... zero-copy cma/memory", or "software emulation
+tcp/lo" (copied through a socket). The verdict names that protocol when UCX printed one for the route's memory
+types, and the throughput; a GPU pair below ``GPU_SLOW_GBPS`` (a copy through host memory or a socket, not NVLink
+or PCIe peer to peer) or a host route through a socket is a warning::
 
-    warning  nixl       host memory -> host memory: writes go as active messages over tcp/lo (no zero-copy ...
-    ok       nixl       cuda:0 -> cuda:1: rma_bw over cuda_ipc/cuda (GPU to GPU, no host copy)
+    warning  nixl       host memory -> host memory: 1.9 GB/s; UCX writes it by software emulation over tcp/lo ...
+    ok       nixl       cuda:0 -> cuda:1: 212.4 GB/s (64 MiB writes)
 """
 
 from __future__ import annotations
@@ -24,46 +27,74 @@ from typing import Any
 
 from kvbridge.findings import Finding, Severity
 
-PROBE_BYTES = 1 << 20
-PROBE_TIMEOUT_S = 90.0
-_LANES = re.compile(r"(\w+)\(([^)]*)\)")
-_CONFIG = re.compile(r"UCX\s+INFO\s+(\S+) (?:intra-node|inter-node|self) cfg#\d+ (.*)$")
-#: transports that write without a copy through a socket or a bounce buffer
-ZERO_COPY = ("cuda_ipc", "cma", "knem", "xpmem", "posix", "sysv", "rc", "dc", "ud", "gdr_copy")
+PROBE_BYTES = 64 << 20
+PROBE_WRITES = 5
+PROBE_TIMEOUT_S = 120.0
+GPU_SLOW_GBPS = 20.0          # below: GPU memory is not going peer to peer (NVLink, PCIe P2P)
+HOST_SLOW_GBPS = 2.0          # below: a socket, not shared memory or CMA
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
+_HEADER = re.compile(r"^\|\s*(\S+) (intra-node|inter-node|self) cfg#\d+\s*\|$")
+_WRITE = re.compile(r"^\|\s*remote memory write by ucp_put\* from (.+?) to (.+?)\s*\|$")
+_ROW = re.compile(r"^\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|$")
 
 
-def lanes_of(log: str, agent: str) -> dict[str, list[str]]:
-    """The lanes UCX logged for ``agent``'s endpoint to its peer (the last config line naming it):
-    ``{"rma_bw": ["cuda_ipc/cuda"], "am": ["tcp/lo", "cma/memory"], ...}``."""
-    found: dict[str, list[str]] = {}
-    for line in log.splitlines():
-        match = _CONFIG.search(line)
-        if match is None or match.group(1) != agent or " self cfg#" in line:
+def put_protocols(log: str, agent: str) -> dict[tuple[str, str], list[tuple[str, str, str]]]:
+    """The write protocols UCX printed for ``agent``'s endpoint to its peer (``UCX_PROTO_INFO=y``): (source
+    memory, destination memory) -> rows of (size range, description, transports), e.g.
+    ``{("host memory", "host"): [("0..inf", "zero-copy", "cma/memory")]}``. Tables of its loop-back endpoint
+    (``self``) and variants such as ``ucp_put*(multi)`` are left out."""
+    found: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+    owner: str | None = None
+    key: tuple[str, str] | None = None
+    for raw in log.splitlines():
+        line = _PREFIX.sub("", raw).strip()
+        header = _HEADER.match(line)
+        if header is not None:
+            owner = header.group(1) if header.group(2) != "self" else None
+            key = None
             continue
-        found = {lane: transports.split() for lane, transports in _LANES.findall(match.group(2))}
+        write = _WRITE.match(line)
+        if write is not None:
+            key = (write.group(1), write.group(2)) if owner == agent else None
+            if key is not None:
+                found[key] = []
+            continue
+        row = _ROW.match(line)
+        if key is not None and row is not None and row.group(1) != "Range":
+            found[key].append((row.group(1), row.group(2), row.group(3)))
     return found
 
 
-def judge(route: str, lanes: dict[str, list[str]]) -> Finding:
-    """A finding for one route from its lanes."""
-    bulk = lanes.get("rma_bw") or lanes.get("rma") or []
-    names = {t.split("/")[0] for t in bulk}
-    if not lanes:
-        return Finding(severity=Severity.WARNING, check="nixl", text=f"{route}: UCX logged no lanes for it (an "
-                                                                     "unknown UCX version?): could not tell")
-    if not bulk:
-        via = " ".join(lanes.get("rma_am") or lanes.get("am") or ["?"])
+def _kind(memory: str) -> str:
+    return "host" if memory == "cpu" or memory.startswith("host") else "cuda"
+
+
+def judge(route: str, src: str, dst: str, gbps: float, protocols: dict[tuple[str, str], list[tuple[str, str, str]]]
+          ) -> Finding:
+    """A finding for one route from its measured throughput and the protocols UCX printed for it."""
+    wanted = (_kind(src), _kind(dst))
+    rows = next((r for (s, d), r in protocols.items() if (_kind(s), _kind(d)) == wanted and r), [])
+    how = ""
+    if rows:
+        size, description, transports = rows[-1]            # the largest writes
+        how = f"; UCX writes it ({size} B) by {description} over {transports}"
+    speed = f"{route}: {gbps:.1f} GB/s ({PROBE_BYTES >> 20} MiB writes){how}"
+    socket = any("tcp" in t or "emulation" in d for _, d, t in rows)
+    if wanted == ("host", "host"):
+        if socket:
+            return Finding(severity=Severity.WARNING, check="nixl", text=(
+                f"{speed}: copied through a socket, not shared memory; check UCX_TLS and that CMA is allowed "
+                "(kernel.yama.ptrace_scope, the container's seccomp profile)"))
+        if gbps < HOST_SLOW_GBPS:
+            return Finding(severity=Severity.WARNING, check="nixl", text=(
+                f"{speed}: below {HOST_SLOW_GBPS:g} GB/s (a busy host, or little memory bandwidth): measure again "
+                "when the host is idle"))
+        return Finding(severity=Severity.OK, check="nixl", text=speed)
+    if gbps < GPU_SLOW_GBPS or socket:
         return Finding(severity=Severity.WARNING, check="nixl", text=(
-            f"{route}: writes go as active messages over {via} (no zero-copy transport): expect a fraction of the "
-            "link; check UCX_TLS, that CMA is allowed (kernel.yama.ptrace_scope, the container's seccomp profile) "
-            "and, between GPUs, cuda_ipc (peer access, the same container)"))
-    if route.startswith("cuda") and not names & {"cuda_ipc", "gdr_copy", "rc", "dc"}:
-        return Finding(severity=Severity.WARNING, check="nixl", text=(
-            f"{route}: rma_bw over {' '.join(bulk)}: GPU memory goes through host memory (no cuda_ipc): check GPU "
-            "peer access and that both processes see both GPUs (CUDA_VISIBLE_DEVICES)"))
-    copies = "" if names & set(ZERO_COPY) else " (copied through a socket: slow)"
-    return Finding(severity=Severity.OK if not copies else Severity.WARNING, check="nixl",
-                   text=f"{route}: rma_bw over {' '.join(bulk)}{copies}")
+            f"{speed}: GPU memory is not going peer to peer (cuda_ipc over NVLink or PCIe); check GPU peer access, "
+            "that both processes see both GPUs (CUDA_VISIBLE_DEVICES) and UCX_TLS"))
+    return Finding(severity=Severity.OK, check="nixl", text=speed)
 
 
 def routes() -> list[tuple[str, str]]:
@@ -85,7 +116,7 @@ def _gpus() -> int:
 def diagnose() -> Iterator[Finding]:
     """``BackendSpec.diagnose`` of the NIXL backend: one finding per route (see the module)."""
     wanted = routes()
-    env = {**os.environ, "UCX_LOG_LEVEL": "info", "NIXL_LOG_LEVEL": "WARN"}
+    env = {**os.environ, "UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y", "NIXL_LOG_LEVEL": "WARN"}
     try:
         run = subprocess.run([sys.executable, "-m", "kvbridge_nixl.routes", json.dumps(wanted)], env=env,
                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
@@ -103,10 +134,10 @@ def diagnose() -> Iterator[Finding]:
     for result in results:
         route = f"{_label(result['src'])} -> {_label(result['dst'])}"
         if result.get("error"):
-            yield Finding(severity=Severity.WARNING, check="nixl", text=f"{route}: a 1 MiB write failed: "
+            yield Finding(severity=Severity.WARNING, check="nixl", text=f"{route}: a probe write failed: "
                                                                         f"{result['error']}")
             continue
-        finding = judge(route, lanes_of(log, result["agent"]))
+        finding = judge(route, result["src"], result["dst"], result["gbps"], put_protocols(log, result["agent"]))
         suffix = f" (UCX {version.group(1)})" if version and finding.severity is Severity.OK else ""
         yield Finding(severity=finding.severity, check="nixl", text=finding.text + suffix)
 
@@ -121,47 +152,87 @@ def _buffer(device: str) -> tuple[Any, int, int, str]:
     if device == "cpu":
         import numpy as np
 
-        array = np.arange(PROBE_BYTES, dtype=np.uint8)
+        array = (np.arange(PROBE_BYTES, dtype=np.uint64) % 251).astype(np.uint8)
         return array, int(array.ctypes.data), 0, "DRAM"
     import torch
 
     index = int(device.split(":")[1])
-    tensor = torch.arange(PROBE_BYTES, dtype=torch.int32, device=device).to(torch.uint8)
+    tensor = (torch.arange(PROBE_BYTES, dtype=torch.int64, device=device) % 251).to(torch.uint8)
     return tensor, int(tensor.data_ptr()), index, "VRAM"
 
 
+def _receiver(name: str, dst: str, conn: Any) -> None:
+    """The probe's other process (as a decode rank is): register PROBE_BYTES on ``dst``, hand over its metadata,
+    and once told, say whether every byte landed."""
+    from kvbridge_nixl import api
+
+    nixl = api.load()
+    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    target, addr, dev, kind = _buffer(dst)
+    if dst == "cpu":
+        target[:] = 0
+    else:
+        target.zero_()
+    agent.register_memory([(addr, PROBE_BYTES, dev, "")], kind)
+    conn.send((agent.get_agent_metadata(), addr, dev, kind))
+    conn.recv()                                        # the writes are done
+    source, _, _, _ = _buffer(dst)
+    landed = bytes(target.cpu().numpy()) if dst != "cpu" else bytes(target)
+    sent = bytes(source.cpu().numpy()) if dst != "cpu" else bytes(source)
+    conn.send(landed == sent)
+    conn.recv()
+
+
 def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
+    """Write PROBE_BYTES from ``src`` in this process to ``dst`` in another one (prefill and decode ranks are
+    separate processes: UCX picks other transports inside one), once to warm up, then PROBE_WRITES times timed."""
+    import multiprocessing
+
     from kvbridge_nixl import api
 
     nixl = api.load()
     name = f"kvbridge-route-{index}"
     out: dict[str, Any] = {"src": src, "dst": dst, "agent": name}
-    sender = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    receiver = nixl.nixl_agent(f"{name}-dst", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    source, s_addr, s_dev, s_kind = _buffer(src)
-    target, d_addr, d_dev, d_kind = _buffer(dst)
-    if dst == "cpu":
-        target[:] = 0
-    else:
-        target.zero_()
-    sender.register_memory([(s_addr, PROBE_BYTES, s_dev, "")], s_kind)
-    receiver.register_memory([(d_addr, PROBE_BYTES, d_dev, "")], d_kind)
-    sender.add_remote_agent(receiver.get_agent_metadata())
-    xfer = sender.initialize_xfer("WRITE", sender.get_xfer_descs([(s_addr, PROBE_BYTES, s_dev)], s_kind),
-                                  receiver.get_xfer_descs([(d_addr, PROBE_BYTES, d_dev)], d_kind), f"{name}-dst", b"r")
-    state = sender.transfer(xfer)
-    deadline = time.monotonic() + 20
-    while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-        receiver.get_new_notifs()
-        state = sender.check_xfer_state(xfer)
-    if state != "DONE":
-        out["error"] = f"NIXL state {state}"
-    else:
-        landed = bytes(target.cpu().numpy()) if dst != "cpu" else bytes(target)
-        sent = bytes(source.cpu().numpy()) if src != "cpu" else bytes(source)
-        if landed != sent:
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    child = ctx.Process(target=_receiver, args=(f"{name}-dst", dst, theirs), daemon=True)
+    child.start()
+    try:
+        if not mine.poll(60):
+            out["error"] = "the receiving process did not start in 60 s"
+            return out
+        metadata, d_addr, d_dev, d_kind = mine.recv()
+        sender = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        source, s_addr, s_dev, s_kind = _buffer(src)
+        sender.register_memory([(s_addr, PROBE_BYTES, s_dev, "")], s_kind)
+        peer = sender.add_remote_agent(metadata)
+        xfer = sender.initialize_xfer("WRITE", sender.get_xfer_descs([(s_addr, PROBE_BYTES, s_dev)], s_kind),
+                                      sender.get_xfer_descs([(d_addr, PROBE_BYTES, d_dev)], d_kind), peer, b"r")
+        seconds = 0.0
+        for attempt in range(1 + PROBE_WRITES):      # the first write warms up (connection, registration caches)
+            started = time.perf_counter()
+            state = sender.transfer(xfer)
+            deadline = time.monotonic() + 20
+            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                state = sender.check_xfer_state(xfer)
+            if attempt:
+                seconds += time.perf_counter() - started
+            if state != "DONE":
+                out["error"] = f"NIXL state {state}"
+                break
+        sender.release_xfer_handle(xfer)
+        mine.send("check")
+        if not mine.poll(60):
+            out["error"] = "the receiving process did not answer"
+        elif not mine.recv():
             out["error"] = "the bytes that landed differ from the source"
-    sender.release_xfer_handle(xfer)
+        elif "error" not in out:
+            out["gbps"] = PROBE_WRITES * PROBE_BYTES / seconds / 1e9 if seconds else 0.0
+        mine.send("bye")
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
     return out
 
 
