@@ -135,6 +135,31 @@ def test_every_run_shape_digests_the_same_bytes_as_the_reference(segs: Segments)
     np.testing.assert_array_equal(digest_items(view, items, runs), digest_items(view, items, general))
 
 
+@pytest.mark.parametrize("segs", [
+    Segments(np.array([512, 2048], np.int64), np.array([0, 1024], np.int64), np.array([256, 1024], np.int64)),
+    Segments(np.arange(16, dtype=np.int64) * 256 + 64, np.arange(16, dtype=np.int64) * 128,
+             np.full(16, 100, np.int64)),                              # regular runs, lengths not words
+    Segments(np.array([1024], np.int64), np.array([0], np.int64), np.array([2052], np.int64)),
+    Segments(np.array([8, 3000], np.int64), np.array([0, 40], np.int64), np.array([5, 33], np.int64))])
+def test_a_tensor_is_digested_where_it_lives_exactly_as_numpy_digests_it(segs: Segments) -> None:
+    """The torch path (GPU checksums; here a CPU tensor, the same int64 code) gives the numpy path's digests for
+    every run shape, high bits set in every word included (a logical, not arithmetic, shift of the high half)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    view = rng.integers(0, 256, (16, 4096), dtype=np.uint8)
+    view[:, 7::8] |= 0x80                                   # every 64-bit word negative as int64
+    runs = run_bytes(segs, "src")
+    items = rng.permutation(16)[:11]
+    want = digest_items(view, items, runs)
+    for shape in (runs, dataclasses.replace(runs, regular=False)):
+        got = digest_items(torch.from_numpy(view.copy()), items, shape)
+        np.testing.assert_array_equal(got, want)
+    flipped = torch.from_numpy(view.copy())
+    flipped[int(items[4]), int(runs.index[-1])] ^= 0x01
+    changed = digest_items(flipped, items, runs) != want
+    assert changed.tolist() == [i == 4 for i in range(len(items))]
+
+
 def test_the_digest_sees_every_byte_and_every_swap() -> None:
     rng = np.random.default_rng(0)
     view = rng.integers(0, 256, (8, 4096), dtype=np.uint8)

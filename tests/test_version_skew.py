@@ -117,12 +117,28 @@ def _extract(commit: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _plugins_newer_than(tree: Path) -> list[str]:
+    """Entry points of this venv's kvbridge plugins whose package the release at ``tree`` does not have (e.g.
+    kvbridge-fp8 for a release before it): the old release must not load this tree's code through them."""
+    from importlib.metadata import entry_points
+
+    names = []
+    for ep in entry_points(group="kvbridge"):
+        package = ep.value.split(":")[0].split(".")[0]
+        if package.startswith("kvbridge_") and not any((tree / "plugins").glob(f"*/src/{package}")):
+            names.append(ep.name)
+    return sorted(names)
+
+
 class OldRelease:
     """Ranks of the previous release in one process of their own; their ``SKEW`` lines arrive on a queue."""
 
     def __init__(self, tree: Path, job: dict[str, Any], version: int = PREVIOUS_VERSION) -> None:
         paths = [tree / "core", *sorted((tree / "plugins").glob("*/src"))]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths), PYTHONUNBUFFERED="1")
+        newer = _plugins_newer_than(tree)       # installed from this tree, absent from that release: not loaded
+        if newer:
+            env["KVBRIDGE_DISABLE_PLUGINS"] = ",".join(filter(None, [env.get("KVBRIDGE_DISABLE_PLUGINS", ""), *newer]))
         self.tree, self.version = tree, version
         self.log = (tree / f"old-{uuid.uuid4().hex[:8]}.log").open("w+b")
         self.proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(job)], stdin=subprocess.PIPE,

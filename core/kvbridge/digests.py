@@ -13,7 +13,9 @@ words, and the same bit flipped in any two words always change it: such a change
 only if its valuation reached 64, and it stays below. (A sum over 64-bit words cannot promise this: two flipped
 top bits add ``2^63 * (odd + odd)``, which vanishes.) It guards against corruption, not against an adversary (the
 control channel's HMAC does that). Host memory, vectorized with numpy: computed on 64-bit words as
-``X @ lo_weights + (X >> 32) @ hi_correction``, which is the same sum, in bounded temporary memory.
+``X @ lo_weights + (X >> 32) @ hi_correction``, which is the same sum, in bounded temporary memory. Device memory
+(torch tensors, CUDA or not): the same sum by torch's int64 arithmetic (which wraps mod 2^64) where the pages
+live, one gather and two multiply-sums per batch; only the digests cross to the host.
 
     runs = run_bytes(segments, "src")                  # the runs inside one item (cache it)
     d = digest_items(buffer_view, items, runs)         # uint64 per item
@@ -21,7 +23,9 @@ control channel's HMAC does that). Host memory, vectorized with numpy: computed 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,8 +99,19 @@ def _slices(view: np.ndarray, batch: np.ndarray, runs: Runs) -> np.ndarray:
     return view[batch[:, None], runs.index[None, :]]
 
 
-def digest_items(view: np.ndarray, items: np.ndarray, runs: Runs) -> np.ndarray:
-    """uint64 digest of the runs of ``view[item]`` for every item (``view``: ``[num_items, item_nbytes]``)."""
+def readable(view: Any) -> bool:
+    """Can :func:`digest_items` read ``view``: a numpy array, or a torch tensor on any device."""
+    if isinstance(view, np.ndarray):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(view, torch.Tensor)
+
+
+def digest_items(view: Any, items: np.ndarray, runs: Runs) -> np.ndarray:
+    """uint64 digest of the runs of ``view[item]`` for every item (``view``: ``[num_items, item_nbytes]`` uint8,
+    a numpy array or a torch tensor on any device: the same digests either way)."""
+    if not isinstance(view, np.ndarray):
+        return _digest_tensor(view, items, runs)
     n, size = len(items), runs.nbytes
     out = np.zeros(n, np.uint64)
     if n == 0 or size == 0:
@@ -119,3 +134,56 @@ def digest_items(view: np.ndarray, items: np.ndarray, runs: Runs) -> np.ndarray:
             total[r: r + len(part)] += part @ hi
         out[a: a + per] = total
     return out
+
+
+_DEVICE_WEIGHTS: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def _tensor_weights(words: int, device: Any) -> tuple[Any, Any]:
+    import torch
+
+    key = (words, str(device))
+    found = _DEVICE_WEIGHTS.get(key)
+    if found is None:
+        lo, hi = _weights(words)
+        found = _DEVICE_WEIGHTS[key] = (torch.from_numpy(lo.view(np.int64)).to(device),
+                                        torch.from_numpy(hi.view(np.int64)).to(device))
+    return found
+
+
+def _digest_tensor(view: Any, items: np.ndarray, runs: Runs) -> np.ndarray:
+    """:func:`digest_items` where a torch ``view`` lives: int64 products and sums wrap mod 2^64 as uint64 ones do;
+    the high halves are shifted logically (``>> 32`` then masked: torch's shift of a signed word is arithmetic).
+    Runs on the caller's current stream, after the work queued on it; returns once the digests are on the host."""
+    import torch
+
+    n, size = len(items), runs.nbytes
+    if n == 0 or size == 0:
+        return np.zeros(n, np.uint64)
+    device = view.device
+    words = -(-size // 8)
+    lo, hi = _tensor_weights(words, device)
+    index = torch.as_tensor(np.ascontiguousarray(items, dtype=np.int64)).to(device, non_blocking=True)
+    item = int(view.shape[1])
+    per = max(1, BATCH_BYTES // max(1, item))
+    out = torch.empty(n, dtype=torch.int64, device=device)
+    columns = None if runs.regular else torch.as_tensor(runs.index).to(device)
+    for a in range(0, n, per):
+        rows = view.index_select(0, index[a: a + per])
+        b = rows.shape[0]
+        if columns is not None:
+            data = rows[:, columns]
+        elif runs.count == 1 or runs.stride == runs.length:
+            data = rows[:, runs.start: runs.start + size]
+        else:
+            row, col = divmod(runs.start, runs.stride)
+            if item % runs.stride == 0 and col + runs.length <= runs.stride and row + runs.count <= item // runs.stride:
+                grid = rows.reshape(b, item // runs.stride, runs.stride)
+                data = grid[:, row: row + runs.count, col: col + runs.length].reshape(b, -1)
+            else:
+                data = rows[:, torch.as_tensor(runs.index).to(device)]
+        if size % 8:
+            data = torch.nn.functional.pad(data, (0, words * 8 - size))
+        x = data.contiguous().view(torch.int64)
+        out[a: a + per] = (x * lo).sum(1) + (((x >> 32) & 0xFFFFFFFF) * hi).sum(1)
+    return out.cpu().numpy().view(np.uint64)

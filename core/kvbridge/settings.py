@@ -111,7 +111,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         "a staged write is cut into pieces of at most this much (gather, write and scatter overlap)",
         gt=0, le=_MAX_BYTES)] = 256 << 20
     checksums: Annotated[bool, _doc(
-        "decode: ask for per-destination digests of every write and verify them on arrival (host memory)")] = False
+        "decode: ask for per-destination digests of every write and verify them on arrival, where the pages live "
+        "(host or GPU)")] = False
     prove_writer_death: Annotated[bool, _doc(
         "decode: hold a TCP connection to each prefill rank; its kernel closes it when the process ends, which "
         "makes a killed writer's rooms safe to reuse without declare_gone")] = True

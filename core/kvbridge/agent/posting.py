@@ -26,7 +26,7 @@ from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.backends.base import ComponentTransfer
-from kvbridge.digests import digest_items
+from kvbridge.digests import digest_items, readable
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.protocol.records import RemoteBuffers
@@ -265,11 +265,12 @@ class Poster:
 
     def _digests(self, peer: Peer, comp_index: int, src_items: np.ndarray, layers: range) -> bytes:
         """Digests of what this write moves to ``peer``: each buffer of ``layers`` that has a slice, each source
-        item in the order of the destination items the notice names (``kvbridge.digests``). Host memory only:
-        device buffers send none (the decode then fails the room saying so)."""
+        item in the order of the destination items the notice names (``kvbridge.digests``), where the pages live:
+        on a GPU on the engine's current stream, after the work it queued (the source pages), which this call
+        waits for. Raw regions without a view send none (the decode then fails the room saying so)."""
         ctx = self._ctx
         views = ctx.buffers.views.get(ctx.layout.components[comp_index].name) or []
-        if not views or not isinstance(views[0], np.ndarray):
+        if not views or not readable(views[0]):
             return b""
         parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))
                  for b in self._plans.sliced_buffers(peer, comp_index, layers)]

@@ -24,6 +24,7 @@ from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
 from kvbridge.backends.base import RegisteredBuffers, TransferBackend
+from kvbridge.digests import readable
 from kvbridge.errors import IncompatiblePeer, InsecureSetup, KVBridgeError, ProtocolError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link, SharedSecretLink
@@ -111,10 +112,11 @@ class TransferAgent:
             self.buffers.register(buffers)
             self.buffers.setup_staging(staging, config.staging_bytes)
             unreadable = [c.name for c in layout.components
-                          if not all(isinstance(v, np.ndarray) for v in self.buffers.views.get(c.name) or [None])]
+                          if not all(readable(v) for v in self.buffers.views.get(c.name) or [None])]
             if config.checksums and role is Role.DECODE and unreadable:
-                raise KVBridgeError(f"AgentConfig.checksums verifies host memory only: this decode rank's buffers "
-                                    f"of {unreadable} are device memory (tensors or raw regions)")
+                raise KVBridgeError(f"AgentConfig.checksums verifies memory it can read (numpy arrays, torch tensors "
+                                    f"on any device): this decode rank's buffers of {unreadable} are raw regions or "
+                                    "other objects")
         except BaseException:
             calls.close()
             raise

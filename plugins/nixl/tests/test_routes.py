@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.findings import Severity
+from kvbridge.plugin import Severity
 
 routes = pytest.importorskip("kvbridge_nixl.routes")
 pytest.importorskip("nixl", reason="needs the nixl wheel")

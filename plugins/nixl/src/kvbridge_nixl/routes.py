@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.findings import Finding, Severity
+from kvbridge.plugin import Finding, Severity
 
 PROBE_BYTES = 64 << 20
 PROBE_WRITES = 5
