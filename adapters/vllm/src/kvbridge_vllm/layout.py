@@ -81,26 +81,32 @@ def _hnd_physical(tensor: Any, name: str) -> Any:
                         f"(strides {tuple(tensor.stride())})")
 
 
+def _check_block_size(name: str, size: int, block_size: int) -> None:
+    if size != block_size:
+        raise GeometryError(f"layer {name!r}: block size {size} in the tensor, {block_size} configured")
+
+
+def _check_contiguous(name: str, tensor: Any, what: str) -> None:
+    if not tensor.is_contiguous():
+        raise GeometryError(f"layer {name!r}: {what} is not contiguous")
+
+
 def _block_major(kind: str, t: Any, name: str, index: int, shape: tuple[int, ...], block_size: int, dtype: DType,
                  total: int) -> tuple[BufferGeometry, Any]:
     """One buffer per layer for the layouts whose block is the outer axis (FlashInfer, MLA)."""
     if kind == "mla":
         if len(shape) != 3:
             raise GeometryError(f"layer {name!r}: MLA KV cache must be [blocks, block_size, latent], got {shape}")
-        if shape[1] != block_size:
-            raise GeometryError(f"layer {name!r}: block size {shape[1]} in the tensor, {block_size} configured")
-        if not t.is_contiguous():
-            raise GeometryError(f"layer {name!r}: MLA KV cache is not contiguous")
+        _check_block_size(name, shape[1], block_size)
+        _check_contiguous(name, t, "MLA KV cache")
         return BufferGeometry(name=f"c.{index}", num_items=shape[0], item_shape=shape[1:], dtype=dtype), t
     if len(shape) != 5 or shape[1] != 2:
         raise GeometryError(f"layer {name!r}: FlashInfer KV cache must be [blocks, 2, block_size, heads, head_size], "
                             f"got {shape}")
     num_blocks, _, size, heads, dim = shape
-    if size != block_size:
-        raise GeometryError(f"layer {name!r}: block size {size} in the tensor, {block_size} configured")
+    _check_block_size(name, size, block_size)
     if kind == "flashinfer":
-        if not t.is_contiguous():
-            raise GeometryError(f"layer {name!r}: FlashInfer NHD KV cache is not contiguous")
+        _check_contiguous(name, t, "FlashInfer NHD KV cache")
         phys, item, axis = t, (2, size, heads, dim), 2
     else:
         phys = t.permute(0, 1, 3, 2, 4)
@@ -144,10 +150,8 @@ def pool_layout(kv_caches: Mapping[str, Any], *, kind: str, total_kv_heads: int,
                 raise GeometryError(f"layer {name!r}: CPU KV cache must be [blocks, heads, block_size, "
                                     f"2*head_size], got {shape}")
             num_blocks, heads, size, two_d = shape
-            if size != block_size:
-                raise GeometryError(f"layer {name!r}: block size {size} in the tensor, {block_size} configured")
-            if not t.is_contiguous():
-                raise GeometryError(f"layer {name!r}: CPU KV cache is not contiguous")
+            _check_block_size(name, size, block_size)
+            _check_contiguous(name, t, "CPU KV cache")
             item = (heads, 2 * size, two_d // 2)
             geoms.append(BufferGeometry(name=f"kv.{index}", num_items=num_blocks, item_shape=item, dtype=dtype,
                                         shard=ShardAxis(axis=0, total=shard_total)))
@@ -157,11 +161,9 @@ def pool_layout(kv_caches: Mapping[str, Any], *, kind: str, total_kv_heads: int,
                 raise GeometryError(f"layer {name!r}: {kind.upper()} KV cache must be [2, blocks, block_size, "
                                     f"heads, head_size], got {shape}")
             _, num_blocks, size, heads, dim = shape
-            if size != block_size:
-                raise GeometryError(f"layer {name!r}: block size {size} in the tensor, {block_size} configured")
+            _check_block_size(name, size, block_size)
             if kind == "nhd":
-                if not t.is_contiguous():
-                    raise GeometryError(f"layer {name!r}: NHD KV cache is not contiguous")
+                _check_contiguous(name, t, "NHD KV cache")
                 phys, item, axis = t, (size, heads, dim), 1
             else:
                 phys, item, axis = _hnd_physical(t, name), (heads, size, dim), 0
