@@ -242,3 +242,35 @@ def test_a_prefill_instance_is_checked_rank_by_rank() -> None:
         listening.close()
         closed.close()
         server.close()
+
+
+def test_each_ranks_clock_is_judged_against_the_bootstrap_servers_window() -> None:
+    """With a secret, ``--instance`` says how far each rank's clock was from the server's at its last publication:
+    a rank 20 s off is a warning (a quarter of the 60 s window), one 90 s off is an error saying its publications
+    are refused (it is not listed: the finding is the only place that says why), an exact one is ok."""
+    from kvbridge.discovery import DiscoveryError
+    from kvbridge.zmq_link import BootstrapServer, ZmqBootstrap
+
+    server = BootstrapServer(secret=SECRET.encode(), clock_window_s=60.0).start()
+    clients = [ZmqBootstrap(server.address, secret=SECRET.encode(), republish_s=0.0,
+                            clock=lambda offset=offset: time.time() + offset) for offset in (0.0, 20.0, 90.0)]
+    try:
+        for rank, client in enumerate(clients):
+            try:
+                client.publish("clocked", 3, rank, f"tcp://127.0.0.1:{_free_port()}")
+            except DiscoveryError as exc:
+                assert rank == 2 and "clock skew" in str(exc), exc
+        findings = {f.text.split(" of ")[0]: f for f in _by(run_checks(
+            bootstrap=server.address, instance="clocked", env=_env(KVBRIDGE_SECRET=SECRET)), "clock")
+            if f.text.startswith("rank")}
+        assert findings["rank 0"].severity is Severity.OK and "0.0 s from" in findings["rank 0"].text, findings
+        assert findings["rank 1"].severity is Severity.WARNING and "+20.0 s" in findings["rank 1"].text, findings
+        assert findings["rank 2"].severity is Severity.ERROR and "+90.0 s" in findings["rank 2"].text, findings
+        assert "refused as stale" in findings["rank 2"].text and "not listed" in findings["rank 2"].text
+        unsealed = _by(run_checks(bootstrap=server.address, instance="clocked", env=_env()), "clock")
+        assert not any(f.text.startswith("rank ") for f in unsealed)     # without the secret it learns nothing
+        assert any("without a secret nothing" in f.text for f in unsealed), unsealed
+    finally:
+        for client in clients:
+            client.close()
+        server.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = 
             checks.append(lambda: _bootstrap(bootstrap, secret, window))
             if instance:
                 checks.append(lambda: _instance(bootstrap, instance, secret))
+                checks.append(lambda: _rank_clocks(bootstrap, instance, secret, window))
         else:
             checks.append(lambda: _discovery(bootstrap, secret))
     if port_range:
@@ -251,6 +253,44 @@ def _instance(url: str, instance: str, secret: bytes | None) -> Iterator[Finding
         else:
             yield Finding(severity=Severity.OK, check="instance", text=f"rank {rank} of {instance!r} at {address} "
                                                                        "accepts connections")
+
+
+def _rank_clocks(url: str, instance: str, secret: bytes | None, window_s: float) -> Iterator[Finding]:
+    """Each rank's wall clock against the bootstrap server's, as its last publication showed it: with a secret
+    the server refuses a publication further than the clock window from its clock, and that rank is missing."""
+    from kvbridge.zmq_link import ZmqBootstrap
+
+    if secret is None:
+        yield Finding(severity=Severity.INFO, check="clock", text=f"ranks of {instance!r}: without a secret nothing "
+                                                                   "between the ranks and the server is time-bounded")
+        return
+    client = ZmqBootstrap(url, secret=secret, timeout_s=2.0, republish_s=0.0)
+    try:
+        clocks = client.rank_clocks(instance)
+        now = client.clock_probe()
+    finally:
+        client.close()
+    if not clocks:
+        yield Finding(severity=Severity.INFO, check="clock",
+                      text=f"{url} names no clock for the ranks of {instance!r} (none published with a time, or an "
+                           "older release of the server)")
+        return
+    server_now = time.time() + (now.offset_s or 0.0)
+    for rank, clock in sorted(clocks.items()):
+        ago = max(0.0, server_now - clock.at)
+        where = (f"rank {rank} of {instance!r}: its clock was {clock.offset_s:+.1f} s from the bootstrap server's "
+                 f"at its last publication ({ago:.0f} s ago)")
+        if clock.refused:
+            yield Finding(severity=Severity.ERROR, check="clock",
+                          text=f"{where}, which the server refused as stale (outside its clock window; or an old "
+                               "publication replayed): the rank is not listed and its decodes wait for it; "
+                               "synchronise its clock (NTP/chrony) or raise KVBRIDGE_CLOCK_WINDOW_S on the server")
+        elif abs(clock.offset_s) >= window_s / 4:
+            yield Finding(severity=Severity.WARNING, check="clock",
+                          text=f"{where}, over a quarter of clock_window_s={window_s:g}: a little more drift and its "
+                               "publications are refused; synchronise its clock (NTP/chrony)")
+        else:
+            yield Finding(severity=Severity.OK, check="clock", text=f"{where}, well inside clock_window_s={window_s:g}")
 
 
 def _is_zmq(url: str) -> bool:

@@ -35,7 +35,7 @@ import math
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 _MAX_FRAME = MAX_MESSAGE_BYTES + 64          # a frame above this is refused by ZMQ before it is read
 _MAX_REQUEST = 1 << 20
 _NONCES = 1 << 16
+_CLOCKS = 1024                               # instances whose rank clocks the server remembers (oldest forgotten)
 _WATCH_LOG = 4096                             # changes the server remembers for watchers
 _MAX_WATCH_WAIT_S = 5.0                       # longest a watch request is parked on the server
 _TELL_LINGER_MS = 500                         # how long a fire-and-forget withdrawal may try to leave
@@ -134,6 +135,16 @@ class ClockProbe:
     error: str = ""
 
 
+class RankClock(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill rank's wall clock as its last publication showed it (with a secret): ``offset_s`` = the
+    publication's time minus the server's clock when it arrived (within the network delay), ``at`` = that server
+    time; ``refused``: the publication was refused as stale (the rank is not listed because of it)."""
+
+    offset_s: float
+    at: float
+    refused: bool = False
+
+
 class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     info: InstanceInfo | None
     error: str = ""
@@ -145,6 +156,7 @@ class _Answer(msgspec.Struct, frozen=True, tag="answer", kw_only=True):
     skew_s: float = 0.0    # refused as stale: the request's time minus the server's clock (0: not refused so)
     window_s: float = 0.0  # ... and the server's window (its clock_window_s)
     server_time: float = 0.0  # the server's wall clock as it answered (`kvbridge doctor` measures the offset)
+    clocks: dict[int, RankClock] = {}   # a lookup's instance: each rank's clock at its last publication
 
 
 PUBLISH_ATTEMPTS = 3        # a publication the server did not answer in time is asked this many times in all
@@ -242,6 +254,8 @@ class BootstrapServer:
             raise
         self._secret = secret
         self._ranks: dict[str, dict[int, _Entry]] = {}
+        # instance -> rank -> that rank's clock at its last publication, accepted or refused as stale
+        self._clocks: OrderedDict[str, dict[int, RankClock]] = OrderedDict()
         self._fresh = FreshnessGuard(window_s=self._window, capacity=_NONCES)
         self._epoch = secrets.randbits(62) | 1
         self._revision = 0
@@ -304,10 +318,12 @@ class BootstrapServer:
                     return
                 answer = parked
             else:
-                answer = _Answer(info=self._info(request.instance))
+                answer = _Answer(info=self._info(request.instance), clocks=self._clocks_of(request.instance))
         except Stale as exc:
             self.rejected += 1
             self.rejected_skew += 1
+            if isinstance(request, _Publish):
+                self._note_clock(request, refused=True)
             answer = _Answer(info=None, error=(f"clock skew: the request's time is {exc.offset_s:+.1f} s off the "
                                                f"bootstrap server's clock, outside its {CLOCK_WINDOW_SETTING}="
                                                f"{exc.window_s:g} ({CLOCK_WINDOW_ENV})"),
@@ -343,6 +359,26 @@ class BootstrapServer:
                             "per address%s", peer, exc.offset_s, CLOCK_WINDOW_SETTING, self._window,
                             CLOCK_WINDOW_ENV, self._skew_log.suppressed_note(peer))
             raise
+
+    # ---------------------------------------------------------------- rank clocks
+    def _note_clock(self, request: _Publish, *, refused: bool) -> None:
+        """Remember how far a publishing rank's clock is from ours (only stamped requests carry a time). A
+        refused one may also be an old publication replayed: the doctor says both."""
+        if not request.time:
+            return
+        try:
+            check_rank(request.instance, request.tp_size, request.rank)
+        except DiscoveryError:
+            return
+        now = self._clock()
+        ranks = self._clocks.pop(request.instance, {})
+        self._clocks[request.instance] = ranks
+        ranks[request.rank] = RankClock(offset_s=request.time - now, at=now, refused=refused)
+        while len(self._clocks) > _CLOCKS:
+            self._clocks.popitem(last=False)
+
+    def _clocks_of(self, instance: str) -> dict[int, RankClock]:
+        return dict(self._clocks.get(instance, {})) if instance else {}
 
     # ---------------------------------------------------------------- the table
     def _info(self, instance: str) -> InstanceInfo | None:
@@ -385,6 +421,7 @@ class BootstrapServer:
             if stale:
                 log.info("bootstrap: rank %d of %r restarted at %s; ranks %s wait until they publish again",
                          request.rank, request.instance, request.address, stale)
+        self._note_clock(request, refused=False)
         expires = time.monotonic() + request.lease_s if request.lease_s > 0 else math.inf
         ranks[request.rank] = _Entry(tp_size=request.tp_size, address=request.address, expires=expires,
                                      life=request.life, stamp=request.time)
@@ -604,6 +641,11 @@ class ZmqBootstrap:
         if answer.error and not answer.skew_s:       # a skew is logged once a minute by _ask
             log.warning("bootstrap lookup of %r failed: %s", instance, answer.error)
         return answer.info
+
+    def rank_clocks(self, instance: str) -> dict[int, RankClock]:
+        """Each rank of ``instance``: its wall clock against the server's at its last publication (only
+        publications stamped with a time, i.e. with a secret; an older server names none)."""
+        return dict(self._ask(_Lookup(instance=instance)).clocks)
 
     def clock_probe(self) -> ClockProbe:
         """Ask the server its wall clock (a lookup of no instance): its offset from ours, within half the round
