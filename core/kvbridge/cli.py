@@ -103,10 +103,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from kvbridge.doctor import exit_status, run_checks
+    from kvbridge.doctor import exit_status, run_checks, serve_probe
 
+    if args.serve_probe:
+        try:
+            served = serve_probe(address=args.serve_probe, seconds=args.serve_s)
+        except Exception as exc:  # noqa: BLE001 - a bad address or no backend that can: said, not a traceback
+            print(f"kvbridge doctor: cannot serve probes: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"answered {served} probe(s)")
+        return 0
     findings = run_checks(bootstrap=args.bootstrap, ranks=args.ranks, port_range=args.port_range,
-                          instance=args.instance)
+                          instance=args.instance, probe_peers=args.probe_peer)
     for finding in findings:
         print(finding.line())
     return exit_status(findings)
@@ -190,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --bootstrap: the prefill instance whose ranks this host's decodes use (each rank's "
                           "control port reachable from here)")
     doc.add_argument("--ranks", type=int, default=1, help="ranks this host runs (each with its staging area)")
+    doc.add_argument("--probe-peer", action="append", default=[], metavar="URL",
+                     help="another host's probe server (tcp://HOST:PORT, started there with --serve-probe): which "
+                          "transport the backend picks towards it and how fast it writes (repeatable)")
+    doc.add_argument("--serve-probe", default=None, metavar="URL",
+                     help="answer other hosts' --probe-peer at this address (tcp://HOST:PORT) instead of checking; "
+                          "each probe writes into scratch memory of its own, nothing else of this host")
+    doc.add_argument("--serve-s", type=float, default=300.0, metavar="SECONDS",
+                     help="with --serve-probe: how long to answer (default 300)")
     doc.set_defaults(func=_doctor)
     _add_commands(sub, {"plugins", "demo", "doctor"})
     return parser

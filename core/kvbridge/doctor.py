@@ -42,7 +42,8 @@ def _mib(nbytes: float) -> str:
 
 def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = "/dev/shm",
                env: Mapping[str, str] | None = None, port_range: str | None = None,
-               bind_host: str = "0.0.0.0", instance: str | None = None) -> list[Finding]:
+               bind_host: str = "0.0.0.0", instance: str | None = None,
+               probe_peers: Sequence[str] = ()) -> list[Finding]:
     """Every check, in order; a check that cannot run says why (an error of its own never stops the others)."""
     from kvbridge.settings import Settings, SettingsError, load_settings
 
@@ -61,7 +62,7 @@ def run_checks(*, bootstrap: str | None = None, ranks: int = 1, shm_path: str = 
                                 text=f"valid (backend {s.backend or 'auto'}, staging {_mib(s.staging_bytes)} per rank, "
                                      f"clock window {s.clock_window_s:g} s)"))
         checks += [lambda: _backend(s.backend), lambda: _shm(s.staging_bytes, ranks, shm_path),
-                   lambda: _memlock(s.staging_bytes, s.backend), lambda: _diagnoses(s.backend)]
+                   lambda: _memlock(s.staging_bytes, s.backend), lambda: _diagnoses(s.backend, peers=probe_peers)]
     checks.append(_cuda)
     if bootstrap:
         window = settings.clock_window_s if settings is not None else 60.0
@@ -104,8 +105,9 @@ def _backend(wanted: str) -> Iterator[Finding]:
                        f"{', '.join(usable) or 'none'} (kvbridge plugins lists them)")
 
 
-def _diagnoses(wanted: str, registry: Registry | None = None) -> Iterator[Finding]:
-    """Each usable backend's own checks (``BackendSpec.diagnose``): the configured one, else every usable one."""
+def _diagnoses(wanted: str, registry: Registry | None = None, peers: Sequence[str] = ()) -> Iterator[Finding]:
+    """Each usable backend's own checks (``BackendSpec.diagnose``): the configured one, else every usable one;
+    given ``peers`` (other hosts' probe servers), the routes to them too."""
     from kvbridge.registry import Registry
     from kvbridge.specs import resolve
 
@@ -115,10 +117,30 @@ def _diagnoses(wanted: str, registry: Registry | None = None) -> Iterator[Findin
         if spec.diagnose is None or (wanted and name != wanted):
             continue
         try:
-            yield from resolve(spec.diagnose)()
+            yield from (resolve(spec.diagnose)(peers=list(peers)) if peers else resolve(spec.diagnose)())
         except Exception as exc:  # noqa: BLE001 - a plugin's broken check is a finding, not a crash
             yield Finding(severity=Severity.WARNING, check=name, text=f"its checks could not run: "
                                                                       f"{type(exc).__name__}: {exc}")
+
+
+def serve_probe(*, address: str, seconds: float, env: Mapping[str, str] | None = None,
+                say: Callable[[str], None] = print) -> int:
+    """Answer other hosts' ``--probe-peer`` at ``address`` for ``seconds`` with the configured backend (else the
+    first usable one that can): ``BackendSpec.serve_probe``. Returns how many probes it answered."""
+    from kvbridge.registry import Registry
+    from kvbridge.settings import load_settings
+    from kvbridge.specs import resolve
+
+    wanted = load_settings(env=dict(os.environ if env is None else env)).backend
+    registry = Registry.build()
+    usable = [n for n in registry.backend_names(available_only=True) if not wanted or n == wanted]
+    serving = [n for n in usable if registry.backend_spec(n).serve_probe is not None]
+    if not serving:
+        raise ValueError(f"no usable backend here answers route probes (usable: {', '.join(usable) or 'none'}; "
+                         f"configured: {wanted or 'auto'})")
+    entry = registry.backend_spec(serving[0]).serve_probe
+    assert entry is not None
+    return int(resolve(entry)(address, seconds, say))
 
 
 def _shm(staging_bytes: int, ranks: int, path: str) -> Iterator[Finding]:

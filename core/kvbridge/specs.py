@@ -29,8 +29,11 @@ if TYPE_CHECKING:
 
 #: Runs a backend's own benchmark (``kvbridge bench --backend NAME``); returns the exit status.
 BenchEntry = Callable[[], "int | None"]
-#: A backend's own host checks (``kvbridge doctor``): what on this host makes it slow or fail, with what to do.
-DiagnoseEntry = Callable[[], "Iterable[Finding]"]
+#: A backend's own host checks (``kvbridge doctor``): what on this host makes it slow or fail, with what to do;
+#: called with ``peers=[address, ...]`` when the operator names other hosts' probe servers (``--probe-peer``).
+DiagnoseEntry = Callable[..., "Iterable[Finding]"]
+#: Answers other hosts' probes (``kvbridge doctor --serve-probe ADDRESS``): ``(address, seconds, say) -> answered``.
+ServeProbeEntry = Callable[[str, float, Callable[[str], None]], int]
 #: Builds the demo's model of one component of a state type: ``(component name, **dimensions) -> model``.
 DemoModelFactory = Callable[..., "ComponentModel"]
 
@@ -140,7 +143,12 @@ class BackendSpec:
 
     ``diagnose`` (optional) is the backend's own host checks, run by ``kvbridge doctor`` when the backend is usable:
     a :data:`DiagnoseEntry` or its ``"module:attr"`` (imported only then), yielding
-    :class:`kvbridge.findings.Finding` records (e.g. which transports the engine would pick here).
+    :class:`kvbridge.findings.Finding` records (e.g. which transports the engine would pick here). Given
+    ``peers``, it also probes the route to each: a ``serve_probe`` of the same backend on another host, which
+    answers probes at an address for a bounded time (:data:`ServeProbeEntry`)::
+
+        BackendSpec(name="mybackend", factory="my_pkg.engine:MyBackend", diagnose="my_pkg.checks:diagnose",
+                    serve_probe="my_pkg.checks:serve")
 
     ``writer_gone_bound_s`` (optional, with ``Capability.WRITER_GONE``) is the backend's stated bound: at most
     this long after a writer's process ended, ``writer_gone(endpoint)`` answers True for its endpoint (the
@@ -156,6 +164,7 @@ class BackendSpec:
     descriptor_cost_us: float | None = None
     writer_gone_bound_s: float | None = None
     diagnose: str | DiagnoseEntry | None = field(default=None, compare=False)
+    serve_probe: str | ServeProbeEntry | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_name(self.name)

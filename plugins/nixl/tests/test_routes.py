@@ -5,6 +5,8 @@ agents, 64 MiB writes checked byte for byte)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvbridge.plugin import Severity
@@ -56,3 +58,71 @@ def test_the_probe_runs_on_this_host_and_measures_the_host_memory_route() -> Non
     host = [f for f in findings if f.text.startswith("host memory -> host memory")]
     assert len(host) == 1 and len(findings) == len(routes.routes()), findings
     assert "failed" not in host[0].text and " GB/s " in host[0].text, host[0]
+
+
+def _lines_until(stream: Any, text: str, most: int = 200) -> list[str]:
+    lines: list[str] = []
+    while len(lines) < most and (not lines or text not in lines[-1]):
+        line = stream.readline()
+        if not line:
+            break
+        lines.append(line)
+    return lines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_a_prober_that_vanished() -> None:
+    """``kvbridge doctor --serve-probe``'s NIXL end, tried as another host would and as a careless one would: garbage
+    and a device it lacks get a refusal naming what it offers; a prober that asks and then vanishes holds it for
+    its step timeout only; a real probe from another process then writes 64 MiB into it byte-exact, timed."""
+    import json
+    import subprocess
+    import sys
+
+    import msgspec
+    import zmq
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-c", "import sys; from kvbridge_nixl.routes import serve; "
+                               f"serve({address!r}, 240, step_timeout_s=3)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None and "serving NIXL route probes" in _lines_until(server.stdout, "serving")[-1]
+        ctx = zmq.Context.instance()
+        for request in (b"\xc1not msgpack", msgspec.msgpack.encode({"op": "open", "device": "cuda:7"})):
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(request)
+            assert sock.poll(30_000), "the probe server did not answer"
+            answer = msgspec.msgpack.decode(sock.recv())
+            assert "this host offers ['cpu'" in answer["error"], answer
+            sock.close(0)
+        vanishing = ctx.socket(zmq.REQ)        # asks for a probe, takes the metadata, never says "check"
+        vanishing.setsockopt(zmq.LINGER, 0)
+        vanishing.connect(address)
+        vanishing.send(msgspec.msgpack.encode({"op": "open", "device": "cpu"}))
+        assert vanishing.poll(60_000) and vanishing.recv()
+        vanishing.close(0)
+        sock = ctx.socket(zmq.REQ)              # meanwhile another prober is told to come back
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(msgspec.msgpack.encode({"op": "open", "device": "cpu"}))
+        assert sock.poll(30_000) and "busy with another probe" in msgspec.msgpack.decode(sock.recv())["error"]
+        sock.close(0)
+        said = _lines_until(server.stdout, "dropped a probe")   # the server's lines among its children's logs
+        assert "dropped a probe into cpu: the prober did not answer in time" in said[-1], said
+        probe = subprocess.run([sys.executable, "-m", "kvbridge_nixl.routes", json.dumps([["cpu", f"cpu@{address}"]])],
+                               capture_output=True, text=True, timeout=180)
+        result = json.loads(next(line for line in probe.stdout.splitlines() if line.startswith("{")))
+        assert "error" not in result and result["gbps"] > 0, probe.stdout[-2000:] + probe.stderr[-2000:]
+    finally:
+        server.kill()
+        server.wait(timeout=30)

@@ -46,6 +46,7 @@ SPEC = BackendSpec(
     probe=probe,
     description="NIXL over UCX: one-sided WRITE from prepped descriptor lists, notices ride on the data",
     diagnose="kvbridge_nixl.routes:diagnose",     # kvbridge doctor: the UCX transports picked on this host
+    serve_probe="kvbridge_nixl.routes:serve",     # ... and, from another host's doctor, to this one
 )
 
 

@@ -22,14 +22,17 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import msgspec
 
 from kvbridge.plugin import Finding, Severity
 
 PROBE_BYTES = 64 << 20
 PROBE_WRITES = 5
 PROBE_TIMEOUT_S = 120.0
+_MAX_PROBE_MESSAGE = 1 << 20  # a probe server's messages: NIXL agent metadata and a few words
 GPU_SLOW_GBPS = 20.0          # below: GPU memory is not going peer to peer (NVLink, PCIe P2P)
 HOST_SLOW_GBPS = 2.0          # below: a socket, not shared memory or CMA
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")
@@ -69,9 +72,10 @@ def _kind(memory: str) -> str:
     return "host" if memory == "cpu" or memory.startswith("host") else "cuda"
 
 
-def judge(route: str, src: str, dst: str, gbps: float, protocols: dict[tuple[str, str], list[tuple[str, str, str]]]
-          ) -> Finding:
-    """A finding for one route from its measured throughput and the protocols UCX printed for it."""
+def judge(route: str, src: str, dst: str, gbps: float, protocols: dict[tuple[str, str], list[tuple[str, str, str]]],
+          *, remote: bool = False) -> Finding:
+    """A finding for one route from its measured throughput and the protocols UCX printed for it (``remote``: the
+    destination is another host's probe server, where RDMA is what a transfer wants and TCP its slow fallback)."""
     wanted = (_kind(src), _kind(dst))
     rows = next((r for (s, d), r in protocols.items() if (_kind(s), _kind(d)) == wanted and r), [])
     how = ""
@@ -80,6 +84,13 @@ def judge(route: str, src: str, dst: str, gbps: float, protocols: dict[tuple[str
         how = f"; UCX writes it ({size} B) by {description} over {transports}"
     speed = f"{route}: {gbps:.1f} GB/s ({PROBE_BYTES >> 20} MiB writes){how}"
     socket = any("tcp" in t or "emulation" in d for _, d, t in rows)
+    if remote:
+        if socket or not rows:
+            return Finding(severity=Severity.WARNING, check="nixl", text=(
+                f"{speed}: no RDMA between the hosts (UCX copies through TCP sockets"
+                f"{'' if rows else ', or printed no protocol'}); check the RDMA devices (ibv_devinfo), that NIXL's UCX "
+                "sees them (UCX_NET_DEVICES, UCX_TLS) and, in containers, /dev/infiniband and the memlock limit"))
+        return Finding(severity=Severity.OK, check="nixl", text=speed)
     if wanted == ("host", "host"):
         if socket:
             return Finding(severity=Severity.WARNING, check="nixl", text=(
@@ -113,9 +124,13 @@ def _gpus() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def diagnose() -> Iterator[Finding]:
-    """``BackendSpec.diagnose`` of the NIXL backend: one finding per route (see the module)."""
+def diagnose(peers: Sequence[str] = ()) -> Iterator[Finding]:
+    """``BackendSpec.diagnose`` of the NIXL backend: one finding per route (see the module); ``peers``: probe
+    servers on other hosts (``kvbridge doctor --serve-probe`` there), each probed from host memory (and from
+    cuda:0 when this host has a GPU) into the same kind of memory there."""
     wanted = routes()
+    for peer in peers:
+        wanted += [(device, f"{device}@{peer}") for device in ("cpu", "cuda:0")[:1 + (_gpus() > 0)]]
     env = {**os.environ, "UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y", "NIXL_LOG_LEVEL": "WARN"}
     try:
         run = subprocess.run([sys.executable, "-m", "kvbridge_nixl.routes", json.dumps(wanted)], env=env,
@@ -132,12 +147,14 @@ def diagnose() -> Iterator[Finding]:
     log = run.stdout + run.stderr                # UCX logs to stdout unless UCX_LOG_FILE says otherwise
     version = re.search(r"UCX\s+INFO\s+Version (\S+)", log)
     for result in results:
-        route = f"{_label(result['src'])} -> {_label(result['dst'])}"
+        dst, _, peer = result["dst"].partition("@")
+        route = f"{_label(result['src'])} -> {_label(dst)}" + (f" at {peer}" if peer else "")
         if result.get("error"):
             yield Finding(severity=Severity.WARNING, check="nixl", text=f"{route}: a probe write failed: "
                                                                         f"{result['error']}")
             continue
-        finding = judge(route, result["src"], result["dst"], result["gbps"], put_protocols(log, result["agent"]))
+        finding = judge(route, result["src"], dst, result["gbps"], put_protocols(log, result["agent"]),
+                        remote=bool(peer))
         suffix = f" (UCX {version.group(1)})" if version and finding.severity is Severity.OK else ""
         yield Finding(severity=finding.severity, check="nixl", text=finding.text + suffix)
 
@@ -183,9 +200,36 @@ def _receiver(name: str, dst: str, conn: Any) -> None:
     conn.recv()
 
 
+class _Remote:
+    """The probe's other side on another host: a probe server (:func:`serve`) asked over ZMQ, with the calls of
+    the local child's pipe (``poll``, ``recv``, ``send``)."""
+
+    def __init__(self, address: str, device: str) -> None:
+        import zmq
+
+        self._sock: Any = zmq.Context.instance().socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_PROBE_MESSAGE)
+        self._sock.connect(address)
+        self.send({"op": "open", "device": device})
+
+    def poll(self, timeout_s: float) -> bool:
+        return bool(self._sock.poll(int(timeout_s * 1000)))
+
+    def recv(self) -> Any:
+        return msgspec.msgpack.decode(self._sock.recv())
+
+    def send(self, message: Any) -> None:
+        self._sock.send(msgspec.msgpack.encode(message))
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
 def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
     """Write PROBE_BYTES from ``src`` in this process to ``dst`` in another one (prefill and decode ranks are
-    separate processes: UCX picks other transports inside one), once to warm up, then PROBE_WRITES times timed."""
+    separate processes: UCX picks other transports inside one), once to warm up, then PROBE_WRITES times timed.
+    ``dst`` = ``device@tcp://host:port``: that device of the probe server at that address (another host)."""
     import multiprocessing
 
     from kvbridge_nixl import api
@@ -193,15 +237,26 @@ def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
     nixl = api.load()
     name = f"kvbridge-route-{index}"
     out: dict[str, Any] = {"src": src, "dst": dst, "agent": name}
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(f"{name}-dst", dst, theirs), daemon=True)
-    child.start()
+    device, _, server = dst.partition("@")
+    mine: Any
+    child: Any = None
+    if server:
+        mine = _Remote(server, device)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        child = ctx.Process(target=_receiver, args=(f"{name}-dst", dst, theirs), daemon=True)
+        child.start()
     try:
         if not mine.poll(60):
-            out["error"] = "the receiving process did not start in 60 s"
+            out["error"] = (f"the probe server at {server} did not answer in 60 s" if server
+                            else "the receiving process did not start in 60 s")
             return out
-        metadata, d_addr, d_dev, d_kind = mine.recv()
+        opened = mine.recv()
+        if isinstance(opened, dict):
+            out["error"] = f"the probe server refused: {opened.get('error')}"
+            return out
+        metadata, d_addr, d_dev, d_kind = opened
         sender = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
         source, s_addr, s_dev, s_kind = _buffer(src)
         sender.register_memory([(s_addr, PROBE_BYTES, s_dev, "")], s_kind)
@@ -230,10 +285,120 @@ def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
             out["gbps"] = PROBE_WRITES * PROBE_BYTES / seconds / 1e9 if seconds else 0.0
         mine.send("bye")
     finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        if child is None:
+            mine.close()
+        else:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
     return out
+
+
+# ------------------------------------------------------------------ the probe server (another host's end)
+def serve(address: str, seconds: float = 300.0, say: Callable[[str], None] = print, *,
+          step_timeout_s: float = 60.0) -> int:
+    """Answer other hosts' route probes at ``address`` (``tcp://HOST:PORT``) for ``seconds``, one at a time: each
+    gets a fresh process with a NIXL agent and PROBE_BYTES of its own on the device it asks for (host memory or a
+    local GPU), nothing else of this host. A prober that stops answering holds it ``step_timeout_s`` at most; one
+    that asks while another probe runs is told so. ``BackendSpec.serve_probe`` of the NIXL backend. Returns how
+    many probes it answered."""
+    import zmq
+
+    sock: Any = zmq.Context.instance().socket(zmq.ROUTER)   # no request/reply lockstep: a vanished prober costs nothing
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, _MAX_PROBE_MESSAGE)
+    sock.bind(address)
+    devices = ["cpu", *(f"cuda:{i}" for i in range(_gpus()))]
+    say(f"serving NIXL route probes at {sock.getsockopt_string(zmq.LAST_ENDPOINT)} for {seconds:g} s "
+        f"(devices: {', '.join(devices)})")
+    deadline = time.monotonic() + seconds
+    session: _Session | None = None
+    served = 0
+    try:
+        while time.monotonic() < deadline:
+            if sock.poll(50):
+                parts = sock.recv_multipart()
+                if len(parts) != 3 or parts[1]:
+                    continue
+                ident, body = parts[0], parts[2]
+                if session is not None and ident == session.ident:
+                    if session.forward(body):
+                        served += 1
+                        say(f"answered probe {served} into {session.device}")
+                        session.close()
+                        session = None
+                    continue
+                try:
+                    request = msgspec.msgpack.decode(body)
+                    device = request.get("device") if isinstance(request, dict) and request.get("op") == "open" \
+                        else None
+                except (msgspec.DecodeError, AttributeError):
+                    device = None
+                if session is not None:
+                    sock.send_multipart([ident, b"", msgspec.msgpack.encode({"error": "busy with another probe: "
+                                                                                      "ask again in a minute"})])
+                elif device not in devices:
+                    sock.send_multipart([ident, b"", msgspec.msgpack.encode(
+                        {"error": f"asked for {device!r}; this host offers {devices}"})])
+                else:
+                    session = _Session(ident, str(device), served, step_timeout_s)
+            if session is not None and not session.step(sock):
+                say(f"dropped a probe into {session.device}: {session.why}")
+                session.close(wait_s=0.0)
+                session = None
+    finally:
+        if session is not None:
+            session.close()
+        sock.close(0)
+    return served
+
+
+class _Session:
+    """One probe on the server: the receiving child (its metadata, then whether the bytes landed) and the prober
+    that asked for it (then asks "check" and "bye"), each wait bounded."""
+
+    START_S = 120.0            # a fresh NIXL process on a loaded host
+
+    def __init__(self, ident: bytes, device: str, index: int, step_s: float) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.ident, self.device, self.why, self._step_s = ident, device, "", step_s
+        self._pipe, theirs = ctx.Pipe()
+        self._child = ctx.Process(target=_receiver, args=(f"kvbridge-route-peer-{index}", device, theirs),
+                                  daemon=True)
+        self._child.start()
+        self._prober_turn = False
+        self._until = time.monotonic() + self.START_S
+
+    def step(self, sock: Any) -> bool:
+        """Pass on what the child said; False when the side whose turn it is is late (the session is over)."""
+        if not self._prober_turn and self._pipe.poll(0):
+            sock.send_multipart([self.ident, b"", msgspec.msgpack.encode(self._pipe.recv())])
+            self._prober_turn, self._until = True, time.monotonic() + self._step_s
+        if time.monotonic() > self._until:
+            self.why = f"the {'prober' if self._prober_turn else 'receiving process'} did not answer in time"
+            return False
+        return True
+
+    def forward(self, body: bytes) -> bool:
+        """The prober spoke: "check" or "bye" go to the child (anything else, or out of turn, is dropped); True
+        once it said "bye" (the probe is over)."""
+        try:
+            message = msgspec.msgpack.decode(body)
+        except msgspec.DecodeError:
+            return False
+        if not self._prober_turn or message not in ("check", "bye"):
+            return False
+        self._pipe.send(message)
+        self._prober_turn, self._until = False, time.monotonic() + self._step_s
+        return message == "bye"
+
+    def close(self, *, wait_s: float = 10.0) -> None:
+        self._child.join(wait_s)
+        if self._child.is_alive():
+            self._child.kill()
+            self._child.join(10)
 
 
 def main(argv: list[str]) -> int:
