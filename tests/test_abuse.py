@@ -83,7 +83,7 @@ class LockSpy(Codec):
 
     def _record(self, frame: bytes) -> None:
         if b"\xa5hello" in frame[:4096]:
-            self.hello_decodes.append(self._agent_lock._is_owned())
+            self.hello_decodes.append(self._agent_lock.held_here())
 
     def open(self, frame: bytes) -> Envelope:
         self._record(frame)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from kvbridge.agent.actions import AgentLock
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
 from kvbridge.agent.lateness import OwnLateness
@@ -30,7 +30,9 @@ log = logging.getLogger("kvbridge.agent")
 class AgentContext:
     """One rank's shared dependencies; the role objects and the peer table hold a reference to it.
 
-    ``lock`` guards every room and peer record; whoever mutates them holds it.
+    ``lock`` guards every room and peer record; whoever mutates them holds it. Handlers under it read the event's
+    instant from ``lock.now`` (not the clock) and queue their frames (:meth:`post`), which go out when the lock is
+    released (:mod:`kvbridge.agent.actions`).
     """
 
     name: str
@@ -45,27 +47,38 @@ class AgentContext:
     link: Link
     codec: Codec
     buffers: LocalBuffers
-    lock: threading.RLock
     incarnation: int                      # random per agent start; frames for another one are dropped
     clock: Callable[[], float] = time.monotonic   # every protocol time reading (a simulator injects its own)
     events: RoomEvents = field(default_factory=RoomEvents)   # finished / failed / safe rooms, for events()
     lateness: OwnLateness = field(init=False)   # time this rank was not running: excused by every timer
+    lock: AgentLock = field(init=False)
 
     def __post_init__(self) -> None:
         self.lateness = OwnLateness(self.config.heartbeat_interval_s)
+        self.lock = AgentLock(clock=self.clock, deliver=self._deliver)
+
+    @property
+    def now(self) -> float:
+        """The instant of the event being handled: read once, when the lock was taken (the clock itself for a caller
+        that does not hold it)."""
+        return self.lock.now if self.lock.held_here() else self.clock()
 
     @property
     def rank(self) -> Rank:
         return Rank(self.layout.tp_rank, self.layout.tp_size)
 
     def post(self, address: str, message: Message, *, incarnation: int = 0, version: int | None = None) -> None:
-        """Encode and queue one control frame for the agent at ``address`` (its ``incarnation`` when known; in
-        protocol ``version``, default: the one negotiated with it); the link never blocks, and a dead peer is
-        logged, never raised (liveness handles it)."""
+        """Encode one control frame for the agent at ``address`` (its ``incarnation`` when known; in protocol
+        ``version``, default: the one negotiated with it) and queue it: it leaves when the lock is released. A dead
+        peer is logged, never raised (liveness handles it)."""
         self.send_frame(address, self.codec.encode(message, to=address, to_incarnation=incarnation, version=version),
                         type(message).__name__)
 
     def send_frame(self, address: str, frame: bytes, what: str = "frame") -> None:
+        """Queue an encoded frame (see :meth:`post`)."""
+        self.lock.send(address, frame, what)
+
+    def _deliver(self, address: str, frame: bytes, what: str) -> None:
         try:
             self.link.send(address, frame)
         except Exception as exc:  # noqa: BLE001 - a dead peer must not kill the caller

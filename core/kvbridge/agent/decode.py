@@ -169,7 +169,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                 raise KVBridgeError(f"room {room} already has a receiver on {ctx.name}")
             self._tombstones.revive(room)
             state = self.rooms[room] = RecvRoom(room=room, instance=instance,
-                                                             created=self._ctx.lateness.since(self._ctx.clock()))
+                                                             created=self._ctx.lateness.since(self._ctx.now))
             state.trace = tracing.receive_trace(room=room, instance=instance, attributes={
                 "kvbridge.agent": ctx.name, "kvbridge.role": "decode", "kvbridge.backend": ctx.backend_name,
                 "kvbridge.tp_rank": ctx.layout.tp_rank, "kvbridge.tp_size": ctx.layout.tp_size,
@@ -279,7 +279,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
                                   staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
                                   nonce=room.nonce, trace=room.trace.traceparent() if room.trace is not None else "")
-        room.metadata_at = self._ctx.clock()
+        room.metadata_at = self._ctx.now
         room.waiting = self._ctx.lateness.since(room.metadata_at)
         if room.trace is not None:
             room.trace.event("request", {"kvbridge.prefill_ranks": len(peers), "kvbridge.prefix_len": prefix_len,
@@ -596,7 +596,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         if room.status in (KVPoll.Failed, KVPoll.Success):
             return                                   # the table keeps these (and the first reason)
         room.reason = reason
-        room.failed_at = self._ctx.clock()
+        room.failed_at = self._ctx.now
         self._waiting.discard(room.room)
         if room.metadata_at is None:                 # nothing was ever asked of the senders
             self._step(room, RecvEvent.FAIL_FENCED)

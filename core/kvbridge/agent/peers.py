@@ -257,7 +257,7 @@ class PeerTable:
         if env.version != peer.version and not isinstance(body, (Hello, Welcome)):
             raise Dropped(f"{type(body).__name__} of protocol {env.version} from {env.sender!r}, which negotiated "
                           f"{peer.version}")
-        peer.last_seen, peer.unobserved_s = self._ctx.clock(), 0.0
+        peer.last_seen, peer.unobserved_s = self._ctx.now, 0.0
         if isinstance(body, Goodbye):
             return peer
         if peer.state is PeerState.SILENT:
@@ -358,7 +358,7 @@ class PeerTable:
         self._ctx.post(address, welcome, incarnation=incarnation, version=version)
         if any(p.address == address for p in self.peers.values()):
             return
-        self._refused[address] = self._ctx.clock()
+        self._refused[address] = self._ctx.now
         self._refused.move_to_end(address)
         while len(self._refused) > _REFUSED_KEPT:
             self._forget_address(self._refused.popitem(last=False)[0])
@@ -456,7 +456,7 @@ class PeerTable:
                     self._retire(known, f"restarted as incarnation {env.incarnation:#x}" if not renewed else
                                  f"granted a new write lease (epoch {welcome.lease_epoch}) after its last ran out")
                 fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
-                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock(),
+                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.now,
                              version=env.version, writer_lease_s=welcome.writer_lease_s,
                              lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
@@ -508,7 +508,7 @@ class PeerTable:
             raise ProtocolError(f"Hello from {hello.agent} names address {hello.address}, its frame {env.address}")
         old = self.peers.get(hello.agent)
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
-        now = self._ctx.clock()
+        now = self._ctx.now
         same = (old is not None and old.incarnation == env.incarnation and old.info == info
                 and old.layout == hello.layout and old.version == env.version)
         if not same and not self._hellos.take():
@@ -616,7 +616,7 @@ class PeerTable:
 
     def on_goodbye(self, peer: Peer | None) -> None:
         if peer is not None and peer.goodbye_at is None:
-            peer.goodbye_at = self._ctx.clock()
+            peer.goodbye_at = self._ctx.now
             self.beat_targets.pop(peer.agent, None)
             if peer.state is PeerState.SILENT:       # judged dead by silence, then its goodbye arrived
                 peer.step(PeerEvent.GOODBYE)
@@ -627,7 +627,7 @@ class PeerTable:
         if peer is None:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
             return
-        now = self._ctx.clock()
+        now = self._ctx.now
         peer.beat_sent_at, peer.beat_received_at = beat.sent_at, now
         if beat.echo > 0 and peer.writer_lease_s and self._ctx.role is Role.PREFILL:
             # the decode got our heartbeat of ``echo`` (our clock) before it sent this one: it counts our lease
@@ -684,7 +684,7 @@ class PeerTable:
     def _died(self, peer: Peer, why: str, event: PeerEvent) -> None:
         planned = peer.state is PeerState.LEAVING       # it said goodbye first (a drain, a clean shutdown)
         peer.step(event)
-        peer.died_at = self._ctx.clock()
+        peer.died_at = self._ctx.now
         self.beat_targets.pop(peer.agent, None)
         self._link_down(peer)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"

@@ -196,7 +196,7 @@ class Poster:
 
     def _check_lease(self, agent: str) -> None:
         """Raise when our write lease to ``agent`` ran out and a read of our inbox since brought no echo."""
-        now = self._ctx.clock()
+        now = self._ctx.clock()      # the instant of the post itself, not of the event: a lease is a safety bound
         if self._peers.lease(agent, now) is Lease.EXPIRED:
             raise KVBridgeError(f"write lease to decode {agent} ran out {-self._peers.lease_left(agent, now):.1f} s "
                                 "ago (no echo of our heartbeats since: it may have handed the destination pages "

@@ -69,7 +69,7 @@ class PrefillSide(RoomTable[SendRoom]):
             if room in self.rooms:
                 raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
             self._tombstones.revive(room)
-            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.clock()),
+            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.now),
                                                  opened_ns=tracing.wall_ns())
             for req in self._unqueue(room):
                 self._accept_request(state, req, self._peers.get(req.agent))
@@ -210,7 +210,7 @@ class PrefillSide(RoomTable[SendRoom]):
             self._peers.post(peer, StatusPush(room=req.room, agent=ctx.name, status=KVPoll.Failed,
                                               reason=f"prefill {ctx.name} is draining ({self.draining})"))
             return
-        created, queued = self._early.get(req.room, (self._ctx.lateness.since(self._ctx.clock()), []))
+        created, queued = self._early.get(req.room, (self._ctx.lateness.since(self._ctx.now), []))
         if any(q.agent == req.agent for q in queued):
             return
         size = _request_bytes(req)

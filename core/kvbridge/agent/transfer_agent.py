@@ -89,7 +89,7 @@ class TransferAgent:
         self.buffers = LocalBuffers(layout=layout, calls=calls)
         self.context = AgentContext(name=self.name, role=role, layout=layout, config=config, registry=registry,
                                     state_types=registry.compose(layout), backend=engine, backend_name=backend,
-                                    calls=calls, link=link, buffers=self.buffers, lock=threading.RLock(),
+                                    calls=calls, link=link, buffers=self.buffers,
                                     codec=Codec(config.secret, sender=self.name, address=link.address,
                                                 incarnation=self.incarnation),
                                     incarnation=self.incarnation, clock=clock)

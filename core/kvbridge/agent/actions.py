@@ -1,0 +1,75 @@
+"""The agent lock, and the actions the protocol handlers queue while they hold it.
+
+A handler (a frame received, an engine call, a timer) runs under the lock and decides; it does not do the I/O.
+Frames it sends go to the lock's outbox; when the outermost holder releases the lock, the frames go out in the
+order they were queued, outside the lock (a slow socket never stalls the engine's calls or the other peers), and
+in that order across threads (the next holder's frames wait until these left). The instant of the event is read
+once, when the outermost holder takes the lock: handlers read :attr:`AgentLock.now` and never the clock::
+
+    lock = AgentLock(clock=time.monotonic, deliver=lambda address, frame, what: link.send(address, frame))
+    with lock:
+        lock.send("tcp://10.0.0.2:17600", frame, "Welcome")     # queued
+        started = lock.now
+    # sent here, after the lock was released
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+Deliver = Callable[[str, bytes, str], None]
+
+
+class AgentLock:
+    """A re-entrant lock that runs the handlers' sends after its outermost release (see the module)."""
+
+    def __init__(self, *, clock: Callable[[], float], deliver: Deliver) -> None:
+        self._lock = threading.RLock()
+        self._sending = threading.RLock()       # taken before the agent lock is released: keeps the order
+        self._clock = clock
+        self._deliver = deliver
+        self._depth = 0                         # written only by the holder
+        self._owner: int | None = None
+        self._outbox: list[tuple[str, bytes, str]] = []
+        self.now = 0.0                          # the instant of the event being handled
+
+    def __enter__(self) -> AgentLock:
+        self._lock.acquire()
+        if not self._depth:
+            self._owner = threading.get_ident()
+            self.now = self._clock()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            self._lock.release()
+            return
+        self._owner = None
+        if not self._outbox:
+            self._lock.release()
+            return
+        batch, self._outbox = self._outbox, []
+        with self._sending:
+            self._lock.release()
+            for address, frame, what in batch:
+                self._deliver(address, frame, what)
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return self._owner == threading.get_ident()
+
+    def send(self, address: str, frame: bytes, what: str) -> None:
+        """Send ``frame`` to ``address`` once the lock is released (now, when the caller does not hold it)."""
+        if self.held_here():
+            self._outbox.append((address, frame, what))
+            return
+        with self._sending:
+            self._deliver(address, frame, what)
+
+    @property
+    def queued(self) -> int:
+        """Frames waiting for the lock's release (call with the lock held)."""
+        return len(self._outbox)
