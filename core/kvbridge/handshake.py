@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from kvbridge.errors import IncompatiblePeer, UnsupportedTopology
-from kvbridge.geometry import PoolLayout
+from kvbridge.geometry import Component, IndexKind, PoolLayout
 from kvbridge.slicing import check_pairable, check_ratio
 
 
@@ -13,19 +15,25 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
     Checked: model, page size, component list and order, state types, index kinds, options, buffer
     count, and per buffer the dtype, sharding (total KV heads, shard groups) and un-sharded dims
     (head_dim, page layout order); and that the TP sizes divide each other.
+
+    A decode rank of another pipeline split holds only some of the prefill's layers: when its paged
+    components have a strict subset of the prefill's buffers (see :func:`is_partial`), each of its components
+    and buffers must be one of the prefill's, in the prefill's order, and it may leave out the rest.
     """
     if prefill.model and decode.model and prefill.model != decode.model:
         raise IncompatiblePeer(f"model differs: prefill serves {prefill.model!r}, decode {decode.model!r}")
     if prefill.page_size != decode.page_size:
         raise IncompatiblePeer(f"page size differs: prefill {prefill.page_size}, decode {decode.page_size}")
     p_names, d_names = prefill.component_names, decode.component_names
-    if p_names != d_names:
+    partial = is_partial(prefill, decode)
+    if p_names != d_names and not (partial and [n for n in p_names if n in d_names] == list(d_names)):
         raise IncompatiblePeer(f"component list or order differs: prefill {list(p_names)}, decode {list(d_names)}")
     try:
         check_ratio(prefill.tp_size, decode.tp_size)
     except UnsupportedTopology as exc:
         raise IncompatiblePeer(str(exc)) from None
-    for pc, dc in zip(prefill.components, decode.components):
+    for dc in decode.components:
+        pc = prefill.component(dc.name)
         where = f"component {pc.name!r}"
         if pc.state_type != dc.state_type:
             raise IncompatiblePeer(f"{where}: state type {pc.state_type!r} on prefill, {dc.state_type!r} on decode")
@@ -34,12 +42,42 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
                                    f"{dc.index_kind.value} on decode")
         if pc.options != dc.options:
             raise IncompatiblePeer(f"{where}: options {pc.options} on prefill, {dc.options} on decode")
-        if len(pc.buffers) != len(dc.buffers):
+        p_bufs = restricted(pc, dc).buffers if partial else pc.buffers
+        if len(p_bufs) != len(dc.buffers):
+            if partial:
+                raise IncompatiblePeer(f"{where}: the decode's buffers {[b.name for b in dc.buffers][:8]} are not "
+                                       "the prefill's, in its order")
             raise IncompatiblePeer(f"{where}: {len(pc.buffers)} buffers on prefill, {len(dc.buffers)} on decode")
-        for pb, db in zip(pc.buffers, dc.buffers):
+        for pb, db in zip(p_bufs, dc.buffers):
             if pb.name != db.name:
                 raise IncompatiblePeer(f"{where}: buffer order differs ({pb.name!r} on prefill, {db.name!r} on decode)")
             try:
                 check_pairable(pb, db)
             except IncompatiblePeer as exc:
                 raise IncompatiblePeer(f"{where}: {exc}") from None
+
+
+def is_partial(prefill: PoolLayout, decode: PoolLayout) -> bool:
+    """Does ``decode`` hold only some of ``prefill``'s layers (another pipeline split)? True when one of its paged
+    components (KV and the like) has fewer buffers than the prefill's of that name. A decode whose paged
+    components are whole must hold every component and buffer (a missing state component is refused)."""
+    for dc in decode.components:
+        if dc.index_kind is IndexKind.PAGE:
+            try:
+                pc = prefill.component(dc.name)
+            except KeyError:
+                continue
+            if len(dc.buffers) < len(pc.buffers):
+                return True
+    return False
+
+
+def restricted(component: Component, to: Component) -> Component:
+    """``component`` with only the buffers ``to`` names, in ``component``'s order (what a partial peer holds)."""
+    names = {b.name for b in to.buffers}
+    if len(names) == len(component.buffers):
+        return component
+    kept = tuple(b for b in component.buffers if b.name in names)
+    if not kept:
+        raise IncompatiblePeer(f"component {component.name!r}: the peer holds none of its buffers")
+    return msgspec.structs.replace(component, buffers=kept)

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.digests import Runs, run_bytes
-from kvbridge.geometry import PoolLayout, Rank
+from kvbridge.errors import GeometryError
+from kvbridge.geometry import Component, PoolLayout, Rank
+from kvbridge.handshake import is_partial, restricted
 from kvbridge.planner import BufferPair, PairGroups
 from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.wire import Role
@@ -69,6 +71,7 @@ class PlanCache:
         self._layers: dict[int, LayerMap] = {}
         self._below: float | None = None
         self._run_bytes: dict[tuple[str, int, int, str], Runs] = {}
+        self._partial: dict[str, bool] = {}
 
     def layers(self, comp_index: int) -> LayerMap:
         """The layers of one of our components (the peer's are the same: buffer names must match)."""
@@ -94,18 +97,62 @@ class PlanCache:
                                               device) if device is not None else 0.0
         return self._below
 
+    def partial(self, peer: Peer) -> bool:
+        """The decode side of this pair holds only some of the prefill's layers (another pipeline split): it is
+        paired by buffer name, plain descriptors only (kvbridge.handshake.is_partial)."""
+        found = self._partial.get(peer.agent)
+        if found is None:
+            ctx = self._ctx
+            src, dst = (ctx.layout, peer.layout) if ctx.role is Role.PREFILL else (peer.layout, ctx.layout)
+            found = self._partial[peer.agent] = is_partial(src, dst)
+        return found
+
+    def peer_component(self, peer: Peer, comp_index: int) -> Component | None:
+        """The peer's component of the same name as our ``comp_index`` (None: a partial peer holds none of it)."""
+        name = self._ctx.layout.components[comp_index].name
+        return next((c for c in peer.layout.components if c.name == name), None)
+
     def slice_for(self, peer: Peer, comp_index: int) -> ComponentSlice:
-        """What the prefill side of this pair writes for one component."""
+        """What the prefill side of this pair writes for one component, per buffer of ours (a buffer a partial
+        peer does not hold: no segments)."""
         key = (peer.agent, comp_index)
         cached = self._slices.get(key)
         if cached is None:
             ctx = self._ctx
+            ours = ctx.layout.components[comp_index]
+            theirs = self.peer_component(peer, comp_index)
             src, dst = (ctx.layout, peer.layout) if ctx.role is Role.PREFILL else (peer.layout, ctx.layout)
-            cached = ctx.registry.slice_state(ctx.state_types[comp_index], src.components[comp_index],
-                                              dst.components[comp_index], Rank(src.tp_rank, src.tp_size),
-                                              Rank(dst.tp_rank, dst.tp_size))
+            if theirs is None:
+                cached = ComponentSlice(tuple(Segments.empty() for _ in ours.buffers))
+            else:
+                src_c, dst_c = (ours, theirs) if ctx.role is Role.PREFILL else (theirs, ours)
+                if self.partial(peer):
+                    src_c = restricted(src_c, dst_c)
+                cached = ctx.registry.slice_state(ctx.state_types[comp_index], src_c, dst_c,
+                                                  Rank(src.tp_rank, src.tp_size), Rank(dst.tp_rank, dst.tp_size))
+                if len(cached.buffers) != len(ours.buffers):      # a partial peer, seen from the prefill
+                    by_name = dict(zip((b.name for b in src_c.buffers), cached.buffers))
+                    cached = ComponentSlice(tuple(by_name.get(b.name, Segments.empty()) for b in ours.buffers))
             self._slices[key] = cached
         return cached
+
+    def peer_layers(self, peer: Peer, comp_index: int, layers: range) -> range | None:
+        """``layers`` (ours) as the peer counts its layers: the same range, or for a partial peer the range of
+        the ones it holds (None: it holds none of them)."""
+        if not self.partial(peer):
+            return layers
+        ours = self.layers(comp_index)
+        theirs_c = self.peer_component(peer, comp_index)
+        if theirs_c is None:
+            return None
+        theirs = layer_map(theirs_c)
+        held = [theirs.ids.index(i) for i in ours.ids[layers.start: layers.stop] if i in theirs.ids]
+        if not held:
+            return None
+        if held != list(range(held[0], held[-1] + 1)):
+            raise GeometryError(f"layers {layers.start}..{layers.stop - 1} of {theirs_c.name!r} are not consecutive "
+                                f"among the layers peer {peer.agent} holds")
+        return range(held[0], held[-1] + 1)
 
     def pairs_for(self, peer: Peer, comp_index: int, segs: ComponentSlice) -> list[BufferPair]:
         """Source/destination buffer pairs of one component towards ``peer`` (prefill side)."""
@@ -113,16 +160,22 @@ class PlanCache:
         pairs = self._pairs.get(key)
         if pairs is None:
             mine = self._ctx.layout.components[comp_index]
-            theirs = peer.layout.components[comp_index]
+            theirs = self.peer_component(peer, comp_index)
             src_regions = self._ctx.buffers.registered[mine.name].regions
             if peer.info is None:
                 raise AssertionError(f"peer {peer.agent} has no registered buffers on this side")
-            dst_regions = peer.info.component(mine.name).regions
-            pairs = [BufferPair(src_base=s.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
-                                dst_base=d.addr, dst_item_nbytes=dg.item_nbytes, dst_num_items=dg.num_items,
-                                segments=seg)
-                     for s, sg, d, dg, seg in zip(src_regions, mine.buffers, dst_regions, theirs.buffers,
-                                                  segs.buffers)]
+            if theirs is None:
+                return []
+            dst = dict(zip((b.name for b in theirs.buffers),
+                           zip(peer.info.component(mine.name).regions, theirs.buffers)))
+            pairs = []
+            for s, sg, seg in zip(src_regions, mine.buffers, segs.buffers):
+                d, dg = dst.get(sg.name, (None, None))
+                pairs.append(BufferPair(src_base=s.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
+                                        dst_base=d.addr if d is not None else 0,
+                                        dst_item_nbytes=dg.item_nbytes if dg is not None else sg.item_nbytes,
+                                        dst_num_items=theirs.num_items, segments=seg if d is not None else
+                                        Segments.empty()))
             self._pairs[key] = pairs
         return pairs
 
@@ -130,6 +183,8 @@ class PlanCache:
                  dst: PoolLayout) -> tuple[Rows, ...] | None:
         """The staging pattern of a (peer, component) slice, or None when plain descriptors are used."""
         key = (peer.agent, comp_index)
+        if key not in self._rows and self.partial(peer):
+            self._rows[key] = None          # paired by name: plain descriptors (staging pairs buffers by index)
         if key not in self._rows:
             rows = [regular_rows(seg, sb.item_nbytes, db.item_nbytes) for seg, sb, db in
                     zip(segs.buffers, src.components[comp_index].buffers, dst.components[comp_index].buffers)]
@@ -194,6 +249,7 @@ class PlanCache:
         return found
 
     def forget(self, agent: str) -> None:
+        self._partial.pop(agent, None)
         for cache in (self._slices, self._pairs, self._rows, self._stage):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]

@@ -12,6 +12,7 @@ the engine's event.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Mapping
@@ -137,12 +138,18 @@ class Poster:
         ctx, peer = self._ctx, write.peer
         comp = ctx.layout.components[write.comp_index]
         group = layers if layers is not None else self._plans.layers(write.comp_index).all
+        theirs = self._plans.peer_layers(peer, write.comp_index, group)    # the peer's numbering of these layers
+        if theirs is None:                  # a decode of another pipeline split holds none of them
+            if not last:
+                return
+            theirs = range(0, 0)            # ... but the last chunk's marker goes to it all the same, without bytes
+            write = dataclasses.replace(write, src=write.src[:0], dst=write.dst[:0])
         if self._post_staged(room, write, group, last, after):
             return
         seq = room.next_seq(peer.agent, comp.name)
         first = write.first
         notice = Notice(room=room.room, sender=ctx.layout.tp_rank, component=comp.name, chunk=seq, last=last,
-                        first=first or 0, count=len(write.src), layer_first=group.start, layer_count=len(group))
+                        first=first or 0, count=len(write.src), layer_first=theirs.start, layer_count=len(theirs))
         s_idx, d_idx = write.src, write.dst
         if first is None:       # all of the request's items in another order: put them in the request's order
             dst_all = room.requests[peer.agent].indices[comp.name].unpack()

@@ -52,6 +52,7 @@ class PrefillSide(RoomTable[SendRoom]):
         self._next_timeouts = 0.0
         self._tombstones = Tombstones()
         self._poster = Poster(ctx, peers, plans)
+        self._buffer_names = {(c.name, b.name) for c in ctx.layout.components for b in c.buffers}
         self.draining = ""                      # why new rooms are refused (TransferAgent.drain), "" when not
         # rooms that failed while a decode was judged dead by silence, by agent: told when it speaks again
         self._owed: dict[tuple[str, int], OrderedDict[int, tuple[str, int]]] = {}   # room -> (reason, nonce)
@@ -375,10 +376,26 @@ class PrefillSide(RoomTable[SendRoom]):
             self._trace(room, req)
         layout = self._ctx.layout
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
-        if len(room.requests) >= room.expected_requests and room.state is SendState.BOOTSTRAPPING:
+        if self._requests_complete(room, req.dst_size) and room.state is SendState.BOOTSTRAPPING:
             self._step(room, SendEvent.REQUESTS_COMPLETE)
             if room.held:
                 self._post_held(room)
+
+    def _requests_complete(self, room: SendRoom, dst_size: int) -> bool:
+        """Every decode rank we serve asked for every buffer we hold: one request each, or, from decodes of another
+        pipeline split (each holding some of our layers), several whose buffers together are all of ours."""
+        layout = self._ctx.layout
+        served = served_ranks(layout.tp_size, dst_size, layout.tp_rank)
+        if len(room.requests) < len(served):
+            return False
+        held: dict[int, set[tuple[str, str]]] = {}
+        for agent in room.requests:
+            peer = self._peers.get(agent)
+            if peer is not None:
+                held.setdefault(peer.layout.tp_rank, set()).update(
+                    (c.name, b.name) for c in peer.layout.components for b in c.buffers)
+        ours = self._buffer_names
+        return all(held.get(rank, set()) >= ours for rank in served)
 
     def _trace(self, room: SendRoom, req: TransferRequest) -> None:
         """Open this room's span towards ``req``'s decode under the decode room's span (kvbridge.tracing)."""

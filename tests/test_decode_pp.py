@@ -1,0 +1,200 @@
+"""Decode pipeline parallelism whose layer split differs from the prefill's (issue 24 item 2): each decode PP stage
+runs one agent per prefill stage it reads from, over the layers both hold, and receives exactly its layers,
+byte-exact against the reference pattern of every (model layer, K/V, position); the prefill rank's room completes
+only once the decode stages together asked for all of its layers. Over the in-process hub, each topology with
+chunked sends and one with layer-wise sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvbridge.agent import AgentConfig, Receiver, Sender, TransferAgent
+from kvbridge.errors import IncompatiblePeer
+from kvbridge.geometry import PoolLayout
+from kvbridge.links import LocalHub
+from kvbridge.protocol.wire import KVPoll, Role
+from kvbridge.state.kv import kv_component
+from kvbridge.testkit import reference as ref
+
+H, D, P, NUM_PAGES = 4, 8, 4, 16
+SPEC = ref.KVSpec(ref.TOKEN_MAJOR, total_heads=H, page_size=P, head_bytes=D * 2)
+
+
+def _layout(ids: list[int], tp: int, rank: int) -> PoolLayout:
+    comp = kv_component(layers=ids, page_size=P, kv_heads=H, head_dim=D, tp=tp, dtype="bfloat16",
+                        num_pages=NUM_PAGES)
+    return PoolLayout(components=(comp,), tp_size=tp, tp_rank=rank, page_size=P, model="m")
+
+
+def _split(layers: int, stages: int) -> list[list[int]]:
+    """Layer ids per stage, as even as the count allows (the earlier stages one more)."""
+    sizes = [layers // stages + (s < layers % stages) for s in range(stages)]
+    starts = np.cumsum([0, *sizes])
+    return [list(range(starts[s], starts[s + 1])) for s in range(stages)]
+
+
+@dataclass
+class Cluster:
+    hub: LocalHub = field(default_factory=LocalHub)
+    prefill: list[list[TransferAgent]] = field(default_factory=list)          # [stage][tp rank]
+    # (stage, rank, K or V, layer) -> the rank's array of that layer
+    prefill_arrays: dict[tuple[int, int, int, int], np.ndarray] = field(default_factory=dict)
+    # (stage, rank, the prefill stage it reads, its agent for it)
+    decode: list[tuple[int, int, int, TransferAgent]] = field(default_factory=list)
+    decode_arrays: dict[tuple[int, int, int, int], np.ndarray] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for agents in self.prefill:
+            for agent in agents:
+                agent.close()
+        for *_, agent in self.decode:
+            agent.close()
+
+
+def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums: bool = False) -> Cluster:
+    c = Cluster()
+    p_stages, d_stages = _split(layers, p_pp), _split(layers, d_pp)
+    for s, ids in enumerate(p_stages):
+        ranks = []
+        for r in range(p_tp):
+            layout = _layout(ids, p_tp, r)
+            arrays = []
+            for g in layout.components[0].buffers:
+                t, layer = "kv".index(g.name.split(".")[1]), int(g.name.split(".")[2])
+                arrays.append(c.prefill_arrays.setdefault((s, r, t, layer), np.zeros((NUM_PAGES, g.item_nbytes),
+                                                                                       np.uint8)))
+            agent = TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL,
+                                  link=c.hub.link(f"p{s}.{r}"), instance=f"st{s}", name=f"p{s}.{r}")
+            agent.start(0.001)
+            ranks.append(agent)
+        c.prefill.append(ranks)
+    for d, ids in enumerate(d_stages):
+        for r in range(d_tp):
+            for s, p_ids in enumerate(p_stages):
+                both = [i for i in ids if i in p_ids]
+                if not both:
+                    continue
+                layout = _layout(both, d_tp, r)
+                arrays = []
+                for g in layout.components[0].buffers:
+                    t, layer = "kv".index(g.name.split(".")[1]), int(g.name.split(".")[2])
+                    arrays.append(c.decode_arrays.setdefault((d, r, t, layer), np.zeros((NUM_PAGES, g.item_nbytes),
+                                                                                          np.uint8)))
+                agent = TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.DECODE,
+                                      link=c.hub.link(f"d{d}.{r}.{s}"), name=f"d{d}.{r}<-st{s}",
+                                      config=AgentConfig(checksums=checksums))
+                agent.start(0.001)
+                agent.connect(f"st{s}", timeout_s=10)
+                c.decode.append((d, r, s, agent))
+    return c
+
+
+def _wait(predicate: object, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("layers, p_pp, p_tp, d_pp, d_tp, layerwise, checksums", [
+    (8, 2, 2, 4, 1, False, False),  # PP 2 x TP 2 -> PP 4 x TP 1: each decode stage inside one prefill stage
+    (8, 2, 2, 4, 1, True, False),   # ... the prefill sending layer group by layer group
+    (8, 1, 4, 2, 1, False, False),  # PP 1 x TP 4 -> PP 2 x TP 1: two decode stages ask the same prefill rank
+    (8, 2, 1, 3, 2, False, True),   # PP 2 x TP 1 -> PP 3 x TP 2: the middle decode stage reads from both prefill
+    #                                 stages; every write carries the digests of exactly what it lands
+    (6, 3, 1, 2, 1, True, True),    # PP 3 x TP 1 -> PP 2 x TP 1: decode stages straddle prefill stages, layer-wise
+], ids=["pp2tp2-pp4tp1", "pp2tp2-pp4tp1-layerwise", "pp1tp4-pp2tp1", "pp2tp1-pp3tp2-checksums",
+        "pp3tp1-pp2tp1-layerwise-checksums"])
+def test_each_decode_stage_receives_exactly_its_layers(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int,
+                                                       layerwise: bool, checksums: bool) -> None:
+    c = _cluster(layers, p_pp, p_tp, d_pp, d_tp, checksums)
+    try:
+        src_pages, dst_pages, positions = np.array([3, 9, 4, 11, 5]), np.array([14, 2, 7, 1, 8]), np.arange(5)
+        for (_s, r, t, layer), array in c.prefill_arrays.items():
+            ref.fill_source(array, SPEC, 11, layer, t, p_tp, r, src_pages, positions)
+        room = 501
+        receivers: list[Receiver] = []
+        for _d, _r, s, agent in c.decode:
+            receiver = agent.receiver(room, f"st{s}")
+            receiver.send_metadata({"kv": dst_pages})
+            receivers.append(receiver)
+        senders: list[Sender] = [agent.sender(room) for agents in c.prefill for agent in agents]
+        _wait(lambda: all(x.poll() >= KVPoll.WaitingForInput for x in senders))
+        for stage in range(p_pp):
+            n = len(_split(layers, p_pp)[stage])
+            for sender in (senders[stage * p_tp + r] for r in range(p_tp)):
+                sender.send(src_pages[:2])
+                if layerwise:
+                    for start in range(n):
+                        sender.send(src_pages[2:], last=start == n - 1, layers=range(start, start + 1))
+                else:
+                    sender.send(src_pages[2:], last=True)
+        _wait(lambda: all(x.poll() == KVPoll.Success for x in receivers))
+        _wait(lambda: all(x.poll() == KVPoll.Success for x in senders))
+        d_stages = _split(layers, d_pp)
+        for (d, r, t, layer), array in c.decode_arrays.items():
+            assert layer in d_stages[d]
+            got = array.reshape(NUM_PAGES, *SPEC.local_page_shape(d_tp))[dst_pages]
+            want = ref.expected_pages(SPEC, 11, layer, t, d_tp, r, positions)
+            assert np.array_equal(got, want), f"decode stage {d} rank {r} layer {layer} {'kv'[t]} differs"
+            others = np.setdiff1d(np.arange(NUM_PAGES), dst_pages)
+            assert not array[others].any(), f"decode stage {d} rank {r} layer {layer}: bytes outside its pages"
+        held = {(d, r, layer) for (d, r, _t, layer) in c.decode_arrays}
+        assert held == {(d, r, i) for d, ids in enumerate(d_stages) for r in range(d_tp) for i in ids}
+        assert all(x.safe_to_reuse for x in senders) and all(x.safe_to_reuse for x in receivers)
+    finally:
+        c.close()
+
+
+def test_a_prefill_room_waits_until_the_decode_stages_asked_for_all_of_its_layers() -> None:
+    """PP 1 -> PP 2: the first stage's request alone leaves the prefill's room bootstrapping (half its layers are
+    not asked for); the second stage's completes it."""
+    c = _cluster(4, 1, 1, 2, 1)
+    try:
+        first, second = c.decode[0][3], c.decode[1][3]
+        a = first.receiver(9, "st0")
+        a.send_metadata({"kv": np.array([1])})
+        sender = c.prefill[0][0].sender(9)
+        import time
+
+        time.sleep(0.3)
+        assert sender.poll() == KVPoll.Bootstrapping
+        b = second.receiver(9, "st0")
+        b.send_metadata({"kv": np.array([2])})
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.send(np.array([5]), last=True)
+        _wait(lambda: a.poll() == KVPoll.Success and b.poll() == KVPoll.Success and sender.poll() == KVPoll.Success)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("decode_layers, words", [
+    ([1, 2], "buffer order differs"),                   # as many layers as the prefill, one of them foreign
+    ([2], "holds none of its buffers"),                 # fewer (another split), none of them the prefill's
+    ([1, 2, 3], "4 buffers on prefill, 6 on decode"),
+], ids=["shifted", "foreign-subset", "more"])
+def test_a_decode_holding_layers_the_prefill_lacks_is_refused_with_the_reason(decode_layers: list[int],
+                                                                             words: str) -> None:
+    hub = LocalHub()
+
+    def arrays(layout: PoolLayout) -> list[np.ndarray]:
+        return [np.zeros((NUM_PAGES, g.item_nbytes), np.uint8) for g in layout.components[0].buffers]
+
+    p_layout, d_layout = _layout([0, 1], 1, 0), _layout(decode_layers, 1, 0)
+    pre = TransferAgent(layout=p_layout, buffers={"kv": arrays(p_layout)}, role=Role.PREFILL, link=hub.link("p"),
+                        instance="st0", name="p")
+    dec = TransferAgent(layout=d_layout, buffers={"kv": arrays(d_layout)}, role=Role.DECODE, link=hub.link("d"),
+                        name="d")
+    try:
+        pre.start(0.001)
+        dec.start(0.001)
+        with pytest.raises(IncompatiblePeer, match=words):
+            dec.connect("st0", timeout_s=10)
+    finally:
+        pre.close()
+        dec.close()
