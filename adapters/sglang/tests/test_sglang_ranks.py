@@ -160,6 +160,32 @@ def test_pp2_tp2_to_pp2_tp1_equal_stages(tmp_path: Path) -> None:
         assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
 
 
+def test_pp2_tp2_to_pp4_tp1_other_split(tmp_path: Path) -> None:
+    """Decode PP with another layer split than the prefill's: 4 decode stages of one layer read 2 prefill stages of
+    two (TP 2 -> 1), each decode stage exactly its layer; Mamba on layers 1 and 2 (one per prefill stage); a
+    prefill rank's room completes once both decode stages of its layers asked."""
+    mamba = dict(MAMBA, layers=[1, 2])
+    sc = scenario(prefill={"tp": 2, "pp": 2}, decode={"tp": 1, "pp": 4}, layers=4, state=[mamba], requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    decs = decode_results(results)
+    assert len(decs) == 4
+    for res in decs:
+        assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 2, "dp": 1, "pp": 2}
+
+
+def test_pp1_tp2_to_pp2_tp1_other_split(tmp_path: Path) -> None:
+    """A prefill without PP feeds a decode PP 2 (TP 2 -> 1): both decode stages read the one prefill stage; the aux
+    rows go to the decode's last stage."""
+    sc = scenario(prefill={"tp": 2}, decode={"tp": 1, "pp": 2}, layers=4, requests=5)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    decs = decode_results(results)
+    assert len(decs) == 2
+    for res in decs:
+        assert len(res["verified"]) == 5 and res["prefill_info"] == {"tp": 2, "dp": 1, "pp": 1}
+
+
 def test_checksums_across_tp_with_mamba_and_a_planted_byte(tmp_path: Path) -> None:
     """KVBRIDGE_CHECKSUMS=1: prefill TP 2 -> decode TP 1 with a Mamba slot, staging off so writes land in
     place; the decode flips one landed byte of its first notice: exactly that request fails naming the

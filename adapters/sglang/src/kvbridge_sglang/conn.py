@@ -355,9 +355,6 @@ class KVBridgeKVManager(BaseKVManager):
         if topo.page_size != self.page_size:
             raise KVBridgeError(f"prefill at {bootstrap_addr} has page size {topo.page_size}, this decode "
                                 f"{self.page_size}")
-        if self.pp_size > 1 and self.pp_size != topo.pp_size:
-            raise KVBridgeError(f"decode PP {self.pp_size} reads from prefill PP {topo.pp_size}: decode PP must be 1 "
-                                "or equal to the prefill's")
 
     def _install(self, bootstrap_addr: str, topo: Topology, epoch: str) -> None:
         """Cache a complete topology of the server's life ``epoch`` (call with the lock held)."""
@@ -488,9 +485,7 @@ class KVBridgeKVManager(BaseKVManager):
         with self._lock:
             for stage in topo.stages_of(dp_rank):
                 layers = [i for i in stage.layers if i in own]
-                if not layers:
-                    continue
-                if self.pp_size > 1 and stage.pp_rank != self.pp_rank:
+                if not layers:              # (a decode PP stage reads every prefill stage holding its layers)
                     continue
                 key = (bootstrap_addr, dp_rank, stage.pp_rank)
                 agent = self.agents.get(key)
