@@ -198,3 +198,72 @@ def test_a_decode_holding_layers_the_prefill_lacks_is_refused_with_the_reason(de
     finally:
         pre.close()
         dec.close()
+
+
+@pytest.mark.parametrize("pt, dt", [(2, 1), (1, 2)])
+def test_hybrid_state_on_some_decode_stages_only(pt: int, dt: int) -> None:
+    """KV on layers 0-3, SWA on layers 1 and 3, Mamba on layers 0 and 1, prefill PP 1 -> decode PP 2 (layers 0-1,
+    2-3): stage 0 gets KV, SWA and Mamba of its layers, stage 1 KV and SWA only (no Mamba component at all); a fresh
+    request and a decode prefix hit whose SWA window reaches into the prefix, every byte of every decode buffer
+    checked against the demo models' reference (the request's items; the rest keeps its background)."""
+    import dataclasses
+
+    from test_hybrid import ITEMS, MAMBA, SWA, background, layout, request
+
+    from kvbridge.demo.presets import KVModel
+
+    kv = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=4, page_size=4)
+    full = (kv, SWA, dataclasses.replace(MAMBA, layers=(0, 1)))
+    stages = [(dataclasses.replace(kv, layers=2), dataclasses.replace(SWA, layers=(1,)),
+               dataclasses.replace(MAMBA, layers=(0, 1))),
+              (dataclasses.replace(kv, layers=2, first_layer=2), dataclasses.replace(SWA, layers=(3,)))]
+    hub = LocalHub()
+    src = [background(11 + r, full, pt, r) for r in range(pt)]
+    pre = [TransferAgent(layout=layout(full, pt, r), buffers=src[r], role=Role.PREFILL, link=hub.link(f"p{r}"),
+                         instance="hy", name=f"p{r}") for r in range(pt)]
+    dst = {(d, r): background(97 + 10 * d + r, models, dt, r) for d, models in enumerate(stages) for r in range(dt)}
+    dec = {(d, r): TransferAgent(layout=layout(models, dt, r), buffers=dst[(d, r)], role=Role.DECODE,
+                                 link=hub.link(f"d{d}.{r}"), name=f"d{d}.{r}")
+           for d, models in enumerate(stages) for r in range(dt)}
+    want = {key: {k: [b.copy() for b in v] for k, v in bufs.items()} for key, bufs in dst.items()}
+    try:
+        for agent in [*pre, *dec.values()]:
+            agent.start(0.002)
+        for agent in dec.values():
+            agent.connect("hy", timeout_s=10)
+        for req in (request(0, 23, 0, 4), request(1, 30, 7, 4)):
+            rng = np.random.default_rng(req.index)
+            src_items = {m.name: 1 + rng.permutation(ITEMS[m.name] - 1)[: m.span(req)[1]] for m in full}
+            for r in range(pt):
+                for m in full:
+                    m.fill(src[r][m.name], pt, r, req, src_items[m.name])
+            receivers: list[Receiver] = []
+            dst_items: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+            for (d, r), agent in dec.items():
+                items = {m.name: 1 + rng.permutation(ITEMS[m.name] - 1)[: m.span(req)[1]] for m in stages[d]}
+                dst_items[(d, r)] = items
+                receiver = agent.receiver(req.room, "hy")
+                receiver.send_metadata({m.name: items[m.name] if m.chunked else (items[m.name], m.span(req)[0])
+                                        for m in stages[d]}, prefix_len=req.prefix_pages * 4)
+                receivers.append(receiver)
+            senders = [a.sender(req.room) for a in pre]
+            _wait(lambda senders=senders: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
+            state = {m.name: (src_items[m.name], m.span(req)[0]) for m in full if not m.chunked}
+            for s in senders:
+                s.send(src_items["kv"][:1])
+                s.send(src_items["kv"][1:], last=True, state=state)
+            ends = [*receivers, *senders]
+            _wait(lambda ends=ends: all(x.poll() == KVPoll.Success for x in ends))
+            for (d, r), items in dst_items.items():
+                for m in stages[d]:
+                    for b, (want_items, buf) in enumerate(zip(m.expected(dt, r, req), dst[(d, r)][m.name],
+                                                              strict=True)):
+                        expect = want[(d, r)][m.name][b]
+                        expect[items[m.name]] = want_items
+                        diff = np.flatnonzero((buf != expect).any(axis=1))
+                        assert diff.size == 0, f"stage {d} rank {r} {m.name} buffer {b}: items {diff.tolist()} differ"
+            for x in [*senders, *receivers]:
+                x.clear()
+    finally:
+        for agent in [*pre, *dec.values()]:
+            agent.close()

@@ -39,6 +39,7 @@ class KVModel:
     page_size: int
     dtype: DType = DType.BFLOAT16
     chunked: bool = True
+    first_layer: int = 0        # the model's id of the first layer (a pipeline stage's share: ids first_layer..)
 
     def spec(self) -> ref.KVSpec:
         return ref.KVSpec(self.layout, total_heads=self.total_heads, page_size=self.page_size,
@@ -65,7 +66,8 @@ class KVModel:
         buffers = tuple(BufferGeometry(name=f"{'kv'[t] if self.tensors == 2 else 'c'}.{layer}",
                                        num_items=num_items, item_shape=shape,
                                        dtype=self.dtype, shard=shard)
-                        for t in range(self.tensors) for layer in range(self.layers))
+                        for t in range(self.tensors)
+                        for layer in range(self.first_layer, self.first_layer + self.layers))
         return Component(name=self.name, state_type="kv", buffers=buffers, index_kind=IndexKind.PAGE)
 
     def region_items(self, region_pages: int) -> int:
@@ -82,7 +84,7 @@ class KVModel:
                 for b in range(self.tensors * self.layers)]
 
     def _coords(self, index: int) -> tuple[int, int]:
-        return index % self.layers, index // self.layers   # (layer, tensor)
+        return self.first_layer + index % self.layers, index // self.layers   # (layer id, tensor)
 
     def fill(self, buffers: Sequence[np.ndarray], tp_size: int, rank: int, request: RequestShape,
              items: np.ndarray) -> None:
