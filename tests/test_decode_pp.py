@@ -7,6 +7,7 @@ chunked sends and one with layer-wise sends."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -200,23 +201,34 @@ def test_a_decode_holding_layers_the_prefill_lacks_is_refused_with_the_reason(de
         dec.close()
 
 
-@pytest.mark.parametrize("pt, dt", [(2, 1), (1, 2)])
-def test_hybrid_state_on_some_decode_stages_only(pt: int, dt: int) -> None:
-    """KV on layers 0-3, SWA on layers 1 and 3, Mamba on layers 0 and 1, prefill PP 1 -> decode PP 2 (layers 0-1,
-    2-3): stage 0 gets KV, SWA and Mamba of its layers, stage 1 KV and SWA only (no Mamba component at all); a fresh
-    request and a decode prefix hit whose SWA window reaches into the prefix, every byte of every decode buffer
-    checked against the demo models' reference (the request's items; the rest keeps its background)."""
+@pytest.mark.parametrize("pool, pt, dt", [("gqa", 2, 1), ("gqa", 1, 2), ("mla", 2, 1)])
+def test_hybrid_state_on_some_decode_stages_only(pool: str, pt: int, dt: int) -> None:
+    """Prefill PP 1 -> decode PP 2 (layers 0-1, 2-3). GQA: KV on layers 0-3, SWA on 1 and 3, Mamba on 0 and 1:
+    stage 0 gets KV, SWA and Mamba of its layers, stage 1 KV and SWA only (no Mamba component at all). MLA: KV on
+    0-3, the NSA indexer on 0 and 1 (stage 1 has none). A fresh request and a decode prefix hit (whose SWA window
+    reaches into the prefix; the indexer travels from position 0), every byte of every decode buffer checked
+    against the demo models' reference (the request's items; the rest keeps its background)."""
     import dataclasses
 
-    from test_hybrid import ITEMS, MAMBA, SWA, background, layout, request
+    from test_hybrid import ITEMS, MAMBA, NSA, SWA, background, layout, request
 
     from kvbridge.demo.presets import KVModel
 
-    kv = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=4, page_size=4)
-    full = (kv, SWA, dataclasses.replace(MAMBA, layers=(0, 1)))
-    stages = [(dataclasses.replace(kv, layers=2), dataclasses.replace(SWA, layers=(1,)),
-               dataclasses.replace(MAMBA, layers=(0, 1))),
-              (dataclasses.replace(kv, layers=2, first_layer=2), dataclasses.replace(SWA, layers=(3,)))]
+    if pool == "gqa":
+        page = 4
+        kv = KVModel(name="kv", layout=ref.TOKEN_MAJOR, total_heads=4, head_dim=8, layers=4, page_size=page)
+        full: tuple[Any, ...] = (kv, SWA, dataclasses.replace(MAMBA, layers=(0, 1)))
+        stages: list[tuple[Any, ...]] = [
+            (dataclasses.replace(kv, layers=2), dataclasses.replace(SWA, layers=(1,)),
+             dataclasses.replace(MAMBA, layers=(0, 1))),
+            (dataclasses.replace(kv, layers=2, first_layer=2), dataclasses.replace(SWA, layers=(3,)))]
+        shapes = (request(0, 23, 0, page), request(1, 30, 7, page))
+    else:
+        page = 64
+        kv = KVModel(name="kv", layout=ref.MLA, total_heads=1, head_dim=8, layers=4, page_size=page)
+        full = (kv, NSA)
+        stages = [(dataclasses.replace(kv, layers=2), NSA), (dataclasses.replace(kv, layers=2, first_layer=2),)]
+        shapes = (request(0, 150, 0, page), request(1, 300, 3, page))
     hub = LocalHub()
     src = [background(11 + r, full, pt, r) for r in range(pt)]
     pre = [TransferAgent(layout=layout(full, pt, r), buffers=src[r], role=Role.PREFILL, link=hub.link(f"p{r}"),
@@ -231,7 +243,7 @@ def test_hybrid_state_on_some_decode_stages_only(pt: int, dt: int) -> None:
             agent.start(0.002)
         for agent in dec.values():
             agent.connect("hy", timeout_s=10)
-        for req in (request(0, 23, 0, 4), request(1, 30, 7, 4)):
+        for req in shapes:
             rng = np.random.default_rng(req.index)
             src_items = {m.name: 1 + rng.permutation(ITEMS[m.name] - 1)[: m.span(req)[1]] for m in full}
             for r in range(pt):
@@ -244,7 +256,7 @@ def test_hybrid_state_on_some_decode_stages_only(pt: int, dt: int) -> None:
                 dst_items[(d, r)] = items
                 receiver = agent.receiver(req.room, "hy")
                 receiver.send_metadata({m.name: items[m.name] if m.chunked else (items[m.name], m.span(req)[0])
-                                        for m in stages[d]}, prefix_len=req.prefix_pages * 4)
+                                        for m in stages[d]}, prefix_len=req.prefix_pages * page)
                 receivers.append(receiver)
             senders = [a.sender(req.room) for a in pre]
             _wait(lambda senders=senders: all(s.poll() >= KVPoll.WaitingForInput for s in senders))
