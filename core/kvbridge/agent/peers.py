@@ -112,8 +112,9 @@ class Peer:
     state: PeerState = PeerState.ALIVE     # changed only through ``PEER`` (kvbridge.protocol.states)
     goodbye_at: float | None = None        # notices on the engine's own channel may still be in flight
     died_at: float | None = None
-    beat_sent_at: float = 0.0              # its last heartbeat's sent_at (its clock), echoed back to it
-    beat_received_at: float = 0.0          # when we got that heartbeat (our clock)
+    # its last heartbeat's sent_at (its clock, echoed back to it) and when we got it (our clock): one tuple, replaced
+    # whole, because the heartbeat thread reads it without the agent lock
+    last_beat: tuple[float, float] = (0.0, 0.0)
     rtt_s: float | None = None             # heartbeat round trip, from the echo of our own sent_at
     version: int = PROTOCOL_VERSION        # the protocol version negotiated at its handshake (every frame's)
     writer_lease_s: float = 0.0            # the prefill of this pair posts no write once this long passed since
@@ -139,8 +140,9 @@ class Peer:
 
     def beat(self, *, agent: str, address: str, seq: int, now: float) -> Heartbeat:
         """Our next heartbeat to this peer, echoing the last one it sent us."""
-        held = now - self.beat_received_at if self.beat_sent_at else 0.0
-        return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=self.beat_sent_at, echo_held=held)
+        sent_at, received_at = self.last_beat
+        held = now - received_at if sent_at else 0.0
+        return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=sent_at, echo_held=held)
 
 
 def silence(peer: Peer, now: float, late: float, timeout: float) -> float:
@@ -628,7 +630,7 @@ class PeerTable:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
             return
         now = self._ctx.now
-        peer.beat_sent_at, peer.beat_received_at = beat.sent_at, now
+        peer.last_beat = (beat.sent_at, now)
         if beat.echo > 0 and peer.writer_lease_s and self._ctx.role is Role.PREFILL:
             # the decode got our heartbeat of ``echo`` (our clock) before it sent this one: it counts our lease
             # from then or later, so ours may run from ``echo``
