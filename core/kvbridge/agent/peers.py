@@ -25,6 +25,7 @@ from kvbridge.agent.handshake import (
     check_remote_buffers,
     refusal,
 )
+from kvbridge.agent.lateness import Since
 from kvbridge.agent.liveness import LivenessWatch
 from kvbridge.agent.plans import PlanCache
 from kvbridge.errors import IncompatiblePeer, ProtocolError
@@ -122,8 +123,8 @@ class Peer:
     lease_until: float = math.inf          # prefill side: posting to this decode is allowed until then (our clock)
     lease_epoch: int = 0                   # the prefill's count of leases granted, as of this record's Welcome
     lease_over: bool = False               # decode side: silent past its lease: this record can write no more
-    unobserved_s: float = 0.0              # of the time since last_seen, how long this rank itself was not running
-    #                                        its liveness check (starved, paused, a long engine step): not silence
+    seen: Since = Since(at=0.0, mark=0.0)  # last_seen as a timer of the rank's own lateness (agent/lateness.py):
+    #                                        time this rank itself was not running is not the peer's silence
 
     @property
     def alive(self) -> bool:
@@ -143,17 +144,6 @@ class Peer:
         sent_at, received_at = self.last_beat
         held = now - received_at if sent_at else 0.0
         return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=sent_at, echo_held=held)
-
-
-def silence(peer: Peer, now: float, late: float, timeout: float) -> float:
-    """Seconds ``peer`` has been silent while this rank was running its liveness check: a check that runs ``late``
-    seconds past its interval counts those seconds (since the peer's last message) as not observed, up to one
-    ``timeout`` per silence, so a dead peer is still judged dead by the first check at least 2 x ``timeout`` after
-    its last message, however rarely this rank checks. Last message at 0 s, this rank stopped from 1 s to 2.5 s
-    and checking at 2.5 s with a 3 s timeout: silent for about 1 s, not 2.5.
-    """
-    peer.unobserved_s = min(timeout, peer.unobserved_s + min(late, max(0.0, now - peer.last_seen)))
-    return now - peer.last_seen - peer.unobserved_s
 
 
 PeerDied = Callable[[Peer, str], None]
@@ -259,7 +249,7 @@ class PeerTable:
         if env.version != peer.version and not isinstance(body, (Hello, Welcome)):
             raise Dropped(f"{type(body).__name__} of protocol {env.version} from {env.sender!r}, which negotiated "
                           f"{peer.version}")
-        peer.last_seen, peer.unobserved_s = self._ctx.now, 0.0
+        peer.last_seen, peer.seen = self._ctx.now, self._ctx.lateness.since(self._ctx.now)
         if isinstance(body, Goodbye):
             return peer
         if peer.state is PeerState.SILENT:
@@ -459,6 +449,7 @@ class PeerTable:
                                  f"granted a new write lease (epoch {welcome.lease_epoch}) after its last ran out")
                 fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
                              layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.now,
+                             seen=self._ctx.lateness.since(self._ctx.now),
                              version=env.version, writer_lease_s=welcome.writer_lease_s,
                              lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
@@ -558,8 +549,9 @@ class PeerTable:
         ctx.calls.add_peer(info)
         # read before the Welcome leaves: the decode counts the lease from its arrival
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
-                          endpoint=hello.endpoint, info=info, last_seen=now, version=env.version,
-                          writer_lease_s=lease, lease_until=now + lease if lease else math.inf, lease_epoch=epoch))
+                          endpoint=hello.endpoint, info=info, last_seen=now, seen=ctx.lateness.since(now),
+                          version=env.version, writer_lease_s=lease,
+                          lease_until=now + lease if lease else math.inf, lease_epoch=epoch))
         ctx.post(env.address, welcome, incarnation=env.incarnation)
 
     def refuse_handshake(self, exc: RefusedHandshake) -> None:
@@ -653,14 +645,14 @@ class PeerTable:
                     self.post(peer, peer.beat(agent=ctx.name, address=ctx.link.address, seq=self._beat_seq, now=now))
         grace = min(GOODBYE_GRACE_S, ctx.config.peer_timeout_s)
         timeout = ctx.config.peer_timeout_s
-        late = ctx.lateness.note(now)      # before the rooms' timers, which read the total
+        ctx.lateness.note(now)             # before the silence check and the rooms' timers, which read the total
         for peer in list(self.peers.values()):     # only a live peer (ALIVE or LEAVING: LIVE_PEER) can die here
             state = peer.state
             if state is PeerState.LEAVING and peer.goodbye_at is not None and now - peer.goodbye_at > grace:
                 self._died(peer, "said goodbye", PeerEvent.GRACE_OVER)
-            elif state is PeerState.ALIVE and silence(peer, now, late, timeout) > timeout:
-                unobserved = f", {peer.unobserved_s:.1f} s of it while this rank was not running" if (
-                    peer.unobserved_s >= 0.05) else ""
+            elif state is PeerState.ALIVE and ctx.lateness.running(peer.seen, now, timeout) > timeout:
+                excused = ctx.lateness.excused(peer.seen, timeout)
+                unobserved = f", {excused:.1f} s of it while this rank was not running" if excused >= 0.05 else ""
                 self._died(peer, f"no message for {now - peer.last_seen:.1f} s{unobserved}", PeerEvent.SILENCE)
             elif (state is PeerState.SILENT and peer.writer_lease_s and ctx.role is Role.DECODE
                   and (bound := ctx.config.write_flight_bound_s) is not None
