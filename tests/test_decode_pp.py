@@ -55,6 +55,17 @@ class Cluster:
             agent.close()
 
 
+def _arrays(layout: PoolLayout, store: dict[tuple[int, int, int, int], np.ndarray], stage: int) -> list[np.ndarray]:
+    """The rank's array of each buffer of ``layout`` (``kv.<k|v>.<layer>``), made once per (stage, rank, K/V, layer):
+    a rank's agents for several prefill stages share its memory."""
+    out = []
+    for g in layout.components[0].buffers:
+        t, layer = "kv".index(g.name.split(".")[1]), int(g.name.split(".")[2])
+        key = (stage, layout.tp_rank, t, layer)
+        out.append(store.setdefault(key, np.zeros((NUM_PAGES, g.item_nbytes), np.uint8)))
+    return out
+
+
 def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums: bool = False) -> Cluster:
     c = Cluster()
     p_stages, d_stages = _split(layers, p_pp), _split(layers, d_pp)
@@ -62,13 +73,8 @@ def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums:
         ranks = []
         for r in range(p_tp):
             layout = _layout(ids, p_tp, r)
-            arrays = []
-            for g in layout.components[0].buffers:
-                t, layer = "kv".index(g.name.split(".")[1]), int(g.name.split(".")[2])
-                arrays.append(c.prefill_arrays.setdefault((s, r, t, layer), np.zeros((NUM_PAGES, g.item_nbytes),
-                                                                                       np.uint8)))
-            agent = TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.PREFILL,
-                                  link=c.hub.link(f"p{s}.{r}"), instance=f"st{s}", name=f"p{s}.{r}")
+            agent = TransferAgent(layout=layout, buffers={"kv": _arrays(layout, c.prefill_arrays, s)},
+                                  role=Role.PREFILL, link=c.hub.link(f"p{s}.{r}"), instance=f"st{s}", name=f"p{s}.{r}")
             agent.start(0.001)
             ranks.append(agent)
         c.prefill.append(ranks)
@@ -79,12 +85,8 @@ def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums:
                 if not both:
                     continue
                 layout = _layout(both, d_tp, r)
-                arrays = []
-                for g in layout.components[0].buffers:
-                    t, layer = "kv".index(g.name.split(".")[1]), int(g.name.split(".")[2])
-                    arrays.append(c.decode_arrays.setdefault((d, r, t, layer), np.zeros((NUM_PAGES, g.item_nbytes),
-                                                                                          np.uint8)))
-                agent = TransferAgent(layout=layout, buffers={"kv": arrays}, role=Role.DECODE,
+                agent = TransferAgent(layout=layout, buffers={"kv": _arrays(layout, c.decode_arrays, d)},
+                                      role=Role.DECODE,
                                       link=c.hub.link(f"d{d}.{r}.{s}"), name=f"d{d}.{r}<-st{s}",
                                       config=AgentConfig(checksums=checksums))
                 agent.start(0.001)
