@@ -32,6 +32,7 @@ from kvbridge.plugin import Finding, Severity
 PROBE_BYTES = 64 << 20
 PROBE_WRITES = 5
 PROBE_TIMEOUT_S = 120.0
+_CHILD_S = 120.0              # what the receiving process may take for a step (a NIXL start on a loaded host)
 _MAX_PROBE_MESSAGE = 1 << 20  # a probe server's messages: NIXL agent metadata and a few words
 GPU_SLOW_GBPS = 20.0          # below: GPU memory is not going peer to peer (NVLink, PCIe P2P)
 HOST_SLOW_GBPS = 2.0          # below: a socket, not shared memory or CMA
@@ -248,9 +249,9 @@ def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
         child = ctx.Process(target=_receiver, args=(f"{name}-dst", dst, theirs), daemon=True)
         child.start()
     try:
-        if not mine.poll(60):
-            out["error"] = (f"the probe server at {server} did not answer in 60 s" if server
-                            else "the receiving process did not start in 60 s")
+        if not mine.poll(_CHILD_S):
+            out["error"] = (f"the probe server at {server} did not answer in {_CHILD_S:.0f} s" if server
+                            else f"the receiving process did not start in {_CHILD_S:.0f} s")
             return out
         opened = mine.recv()
         if isinstance(opened, dict):
@@ -277,9 +278,10 @@ def _probe(index: int, src: str, dst: str) -> dict[str, Any]:
                 break
         sender.release_xfer_handle(xfer)
         mine.send("check")
-        if not mine.poll(60):
+        if not mine.poll(_CHILD_S):
             out["error"] = "the receiving process did not answer"
-        elif not mine.recv():
+            return out                      # (a request socket may not ask again before it got an answer)
+        if not mine.recv():
             out["error"] = "the bytes that landed differ from the source"
         elif "error" not in out:
             out["gbps"] = PROBE_WRITES * PROBE_BYTES / seconds / 1e9 if seconds else 0.0
@@ -357,7 +359,6 @@ class _Session:
     """One probe on the server: the receiving child (its metadata, then whether the bytes landed) and the prober
     that asked for it (then asks "check" and "bye"), each wait bounded."""
 
-    START_S = 120.0            # a fresh NIXL process on a loaded host
 
     def __init__(self, ident: bytes, device: str, index: int, step_s: float) -> None:
         import multiprocessing
@@ -369,7 +370,7 @@ class _Session:
                                   daemon=True)
         self._child.start()
         self._prober_turn = False
-        self._until = time.monotonic() + self.START_S
+        self._until = time.monotonic() + _CHILD_S
 
     def step(self, sock: Any) -> bool:
         """Pass on what the child said; False when the side whose turn it is is late (the session is over)."""
@@ -391,7 +392,7 @@ class _Session:
         if not self._prober_turn or message not in ("check", "bye"):
             return False
         self._pipe.send(message)
-        self._prober_turn, self._until = False, time.monotonic() + self._step_s
+        self._prober_turn, self._until = False, time.monotonic() + _CHILD_S     # the child's work: a start, a check
         return message == "bye"
 
     def close(self, *, wait_s: float = 10.0) -> None:
