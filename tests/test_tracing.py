@@ -107,8 +107,8 @@ deadline = time.monotonic() + 10
 while sender.poll().name != "WaitingForInput" and time.monotonic() < deadline:
     time.sleep(0.002)
 sender.abort("the engine gave the request up")
-while receiver.poll().name != "Failed" and time.monotonic() < deadline:
-    time.sleep(0.002)
+while not (receiver.poll().name == "Failed" and receiver.safe_to_reuse) and time.monotonic() < deadline:
+    time.sleep(0.002)                           # Failed shows while the decode still fences: wait until it ended
 pre.close(); dec.close()
 print(json.dumps([json.loads(s.to_json(indent=None)) for s in exporter.get_finished_spans()]))
 """
@@ -128,6 +128,23 @@ def test_a_failed_room_ends_its_spans_with_the_reason_on_both_sides() -> None:
     assert send["parent_id"] == receive["context"]["span_id"]
     assert {s["context"]["trace_id"] for s in spans} == {receive["context"]["trace_id"]}
     assert "fencing" in {s["name"] for s in spans} or "failing" in {s["name"] for s in spans}
+
+
+def test_a_room_cleared_or_closed_before_it_ended_still_ends_its_spans() -> None:
+    """An engine that clears a decode room while it waits for input, and an agent closed with a prefill room open:
+    their spans end (ERROR naming why) instead of staying open and never being exported."""
+    script = _FAILING.split("sender.abort(")[0] + """
+receiver.clear()                                 # the decode engine gives up without aborting
+pre.close(); dec.close()                         # the prefill room is still waiting for its data
+print(json.dumps([json.loads(s.to_json(indent=None)) for s in exporter.get_finished_spans()]))
+"""
+    run = subprocess.run([sys.executable, "-c", script.format(tests=str(TESTS))], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    spans = json.loads(run.stdout.splitlines()[-1])
+    (receive,), (send,) = _named(spans, "kvbridge.receive"), _named(spans, "kvbridge.send")
+    assert "cleared by the engine before it ended" in receive["status"]["description"], receive["status"]
+    assert "closed before the room ended" in send["status"]["description"], send["status"]
 
 
 _UNTRACED = """

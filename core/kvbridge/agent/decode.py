@@ -231,6 +231,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             self._unsafe.discard(room)
             ctx.events.forget(room)
             if state is not None:
+                end_trace(state, "cleared by the engine before it ended")
                 if safe:
                     self._release_staging(state)
                 elif state.staged:
@@ -591,6 +592,11 @@ class DecodeSide(RoomTable[RecvRoom]):
         if room.state in (RecvState.SUCCESS, RecvState.FAILED) and not room.scattering:
             events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
 
+    def end_traces(self, reason: str) -> None:
+        """End the span of every room still traced (the agent closes; call under the lock)."""
+        for room in self.rooms.values():
+            end_trace(room, reason)
+
     def _fail(self, room: RecvRoom, reason: str) -> None:
         """Fail a room; every writer not yet fenced is asked to stop and acknowledge."""
         if room.status in (KVPoll.Failed, KVPoll.Success):
@@ -723,3 +729,11 @@ def _reserve(area: Any, whole: int, plan: StagePlan, piece_bytes: int, share: in
             return offset, size
     offset = area.alloc(whole)          # no ring fits: all of it, where it fits at all, still beats descriptors
     return None if offset is None else (offset, whole)
+
+
+def end_trace(room: RecvRoom, why: str) -> None:
+    """End a room's span that no transition will end (cleared or closed before SUCCESS/FAILED): ERROR with the
+    room's reason when it failed, else ``why``."""
+    if room.trace is not None:
+        room.trace.end(room.reason or why, {"kvbridge.bytes": room.nbytes})
+        room.trace = None

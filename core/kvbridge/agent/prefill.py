@@ -170,10 +170,17 @@ class PrefillSide(RoomTable[SendRoom]):
             if state is not None and state.busy:
                 raise KVBridgeError(f"room {room}: {len(state.inflight) + len(state.pending)} writes still in flight "
                                     "or queued; wait for safe_to_reuse before clear()")
+            if state is not None:
+                _end_traces(state, "cleared by the engine before it ended")
             self.rooms.pop(room, None)
             self._active.discard(room)
             self._tombstones.bury(room)
             self._ctx.events.forget(room)
+
+    def end_traces(self, reason: str) -> None:
+        """End the spans of every room still traced (the agent closes; call under the lock)."""
+        for room in self.rooms.values():
+            _end_traces(room, reason)
 
     # ---------------------------------------------------------------- control frames (lock held)
     def on_request(self, req: TransferRequest, peer: Peer | None) -> None:
@@ -740,3 +747,10 @@ def _staging_size(peer: Peer) -> int:
     """Bytes of the staging area the decode registered (0: none)."""
     area = next((b for b in peer.info.buffers if b.component == STAGING), None) if peer.info is not None else None
     return area.regions[0].nbytes if area is not None and area.regions else 0
+
+
+def _end_traces(room: SendRoom, why: str) -> None:
+    """End a room's spans that no transition will end (cleared or closed before SUCCESS/FAILED)."""
+    for trace in room.traces.values():
+        trace.end(room.reason or why, {"kvbridge.room_bytes": room.nbytes})
+    room.traces.clear()

@@ -595,6 +595,7 @@ class TransferAgent:
             self._thread.join(timeout=5)
         ctx = self.context
         with ctx.lock:
+            self._side().end_traces(f"{self.name} closed before the room ended")
             if self.prefill is not None:    # the notices the backend took go again over the link, before the goodbye
                 again = self.prefill.resend_unconfirmed()
                 if again:
