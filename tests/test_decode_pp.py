@@ -281,3 +281,44 @@ def test_hybrid_state_on_some_decode_stages_only(pool: str, pt: int, dt: int) ->
     finally:
         for agent in [*pre, *dec.values()]:
             agent.close()
+
+
+def test_decode_stages_of_different_tp_sizes_complete_the_prefill_room() -> None:
+    """Prefill PP 1 x TP 1 (layers 0-3); decode stage 0 at TP 2 (layers 0-1), stage 1 at TP 1 (layers 2-3), stage 1
+    asking first: once every decode rank asked, the room leaves Bootstrapping and every byte lands (an adversarial
+    helper's probe: the first cut grouped requesters by TP rank alone and waited until its bootstrap timeout)."""
+    hub = LocalHub()
+    store_p: dict[tuple[int, int, int, int], np.ndarray] = {}
+    store_d: dict[tuple[int, int, int, int], np.ndarray] = {}
+    lp = _layout([0, 1, 2, 3], 1, 0)
+    pre = TransferAgent(layout=lp, buffers={"kv": _arrays(lp, store_p, 0)}, role=Role.PREFILL, link=hub.link("p"),
+                        instance="st0", name="p")
+    decs: list[tuple[int, int, TransferAgent]] = []
+    try:
+        pre.start(0.001)
+        for stage, ids, tp, rank in [(1, [2, 3], 1, 0), (0, [0, 1], 2, 0), (0, [0, 1], 2, 1)]:
+            ld = _layout(ids, tp, rank)
+            d = TransferAgent(layout=ld, buffers={"kv": _arrays(ld, store_d, stage)}, role=Role.DECODE,
+                              link=hub.link(f"d{stage}.{rank}"), name=f"d{stage}.{rank}")
+            d.start(0.001)
+            d.connect("st0", timeout_s=10)
+            decs.append((stage, tp, d))
+        pages, dst, positions = np.array([4, 6]), np.array([1, 2]), np.arange(2)
+        for (_s, r, t, layer), array in store_p.items():
+            ref.fill_source(array, SPEC, 5, layer, t, 1, r, pages, positions)
+        sender = pre.sender(5)
+        receivers = []
+        for _stage, _tp, d in decs:
+            receivers.append(d.receiver(5, "st0"))
+            receivers[-1].send_metadata({"kv": dst})
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput, 10.0)
+        sender.send(pages, last=True)
+        _wait(lambda: all(x.poll() == KVPoll.Success for x in [sender, *receivers]))
+        for (stage, r, t, layer), array in store_d.items():
+            tp = 2 if stage == 0 else 1
+            got = array.reshape(NUM_PAGES, *SPEC.local_page_shape(tp))[dst]
+            assert np.array_equal(got, ref.expected_pages(SPEC, 5, layer, t, tp, r, positions)), (stage, r, layer)
+    finally:
+        pre.close()
+        for *_, d in decs:
+            d.close()

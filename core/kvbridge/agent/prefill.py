@@ -389,20 +389,23 @@ class PrefillSide(RoomTable[SendRoom]):
                 self._post_held(room)
 
     def _requests_complete(self, room: SendRoom, dst_size: int) -> bool:
-        """Every decode rank we serve asked for every buffer we hold: one request each, or, from decodes of another
-        pipeline split (each holding some of our layers), several whose buffers together are all of ours."""
+        """Every buffer we hold was asked for by every decode rank we serve: one request per rank, or, from decodes
+        of another pipeline split (each holding some of our layers, stages possibly of different TP sizes), several
+        whose buffers together are all of ours, for every rank of some decode TP size."""
         layout = self._ctx.layout
-        served = served_ranks(layout.tp_size, dst_size, layout.tp_rank)
-        if len(room.requests) < len(served):
+        if len(room.requests) < len(served_ranks(layout.tp_size, dst_size, layout.tp_rank)):
             return False
-        held: dict[int, set[tuple[str, str]]] = {}
+        held: dict[tuple[int, int], set[tuple[str, str]]] = {}
         for agent in room.requests:
             peer = self._peers.get(agent)
             if peer is not None:
-                held.setdefault(peer.layout.tp_rank, set()).update(
+                held.setdefault((peer.layout.tp_size, peer.layout.tp_rank), set()).update(
                     (c.name, b.name) for c in peer.layout.components for b in c.buffers)
-        ours = self._buffer_names
-        return all(held.get(rank, set()) >= ours for rank in served)
+        covered: set[tuple[str, str]] = set()
+        for size in {size for size, _ in held}:
+            ranks = [held.get((size, r), set()) for r in served_ranks(layout.tp_size, size, layout.tp_rank)]
+            covered |= set.intersection(*ranks) if ranks else set()
+        return covered >= self._buffer_names
 
     def _trace(self, room: SendRoom, req: TransferRequest) -> None:
         """Open this room's span towards ``req``'s decode under the decode room's span (kvbridge.tracing)."""
