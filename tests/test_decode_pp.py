@@ -178,7 +178,7 @@ def test_a_prefill_room_waits_until_the_decode_stages_asked_for_all_of_its_layer
 
 @pytest.mark.parametrize("decode_layers, words", [
     ([1, 2], "buffer order differs"),                   # as many layers as the prefill, one of them foreign
-    ([2], "holds none of its buffers"),                 # fewer (another split), none of them the prefill's
+    ([2], "4 buffers on prefill, 2 on decode"),         # fewer, none of them the prefill's: not another split
     ([1, 2, 3], "4 buffers on prefill, 6 on decode"),
 ], ids=["shifted", "foreign-subset", "more"])
 def test_a_decode_holding_layers_the_prefill_lacks_is_refused_with_the_reason(decode_layers: list[int],
@@ -322,3 +322,27 @@ def test_decode_stages_of_different_tp_sizes_complete_the_prefill_room() -> None
         pre.close()
         for *_, d in decs:
             d.close()
+
+
+@pytest.mark.parametrize("decode", ["all-kv-some-swa-no-mamba", "kv-2-3-no-swa"])
+def test_a_decode_missing_state_of_the_layers_it_holds_is_refused(decode: str) -> None:
+    """A decode is partial only when it holds fewer layers; it must then hold every component's buffers of those
+    layers. Holding every KV layer but one SWA layer and no Mamba (an adversarial helper's probe: the first cut
+    called it partial and accepted it, and its prefill room then waited for buffers nobody would ask for) and
+    holding KV layers 2-3 without the SWA of layer 3 are refused, naming the component."""
+    import dataclasses
+
+    from test_hybrid import GQA_POOL, KV, SWA, build_hybrid
+
+    from kvbridge.registry import Registry
+
+    kv4 = dataclasses.replace(KV, layers=4)
+    prefill = (kv4, dataclasses.replace(SWA, layers=(1, 3)), GQA_POOL[2])
+    models = ((kv4, dataclasses.replace(SWA, layers=(1,))) if decode.startswith("all")
+              else (dataclasses.replace(kv4, layers=2, first_layer=2),))
+    h = build_hybrid(Registry.build(), prefill, 1, 1, decode_models=models, connect=False)
+    try:
+        with pytest.raises(IncompatiblePeer, match="component list or order differs|must hold exactly"):
+            h.decode[0].connect("hy", timeout_s=10)
+    finally:
+        h.close()

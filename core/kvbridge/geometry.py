@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 import msgspec
@@ -389,6 +390,15 @@ class Rank(msgspec.Struct, frozen=True):
             raise GeometryError(f"rank: rank={rank} is outside size={size}")
         msgspec.structs.force_setattr(self, "size", size)
         msgspec.structs.force_setattr(self, "rank", rank)
+
+
+_TRAILING_INT = re.compile(r"(?:^|\D)(\d+)$")
+
+
+def buffer_layer(name: str) -> int | None:
+    """The model layer a buffer's name ends with (``k.3``, ``kv.v.3``, ``mamba.conv.12``), or None."""
+    match = _TRAILING_INT.search(name)
+    return int(match.group(1)) if match else None
 
 
 def region_of(array: object) -> MemoryRegion:

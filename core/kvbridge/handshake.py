@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from kvbridge.errors import IncompatiblePeer, UnsupportedTopology
-from kvbridge.geometry import Component, IndexKind, PoolLayout
+from kvbridge.geometry import Component, IndexKind, PoolLayout, buffer_layer
 from kvbridge.slicing import check_pairable, check_ratio
 
 
@@ -26,6 +26,8 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
         raise IncompatiblePeer(f"page size differs: prefill {prefill.page_size}, decode {decode.page_size}")
     p_names, d_names = prefill.component_names, decode.component_names
     partial = is_partial(prefill, decode)
+    if partial and [n for n in p_names if n in d_names] == list(d_names):
+        check_partial(prefill, decode)
     if p_names != d_names and not (partial and [n for n in p_names if n in d_names] == list(d_names)):
         raise IncompatiblePeer(f"component list or order differs: prefill {list(p_names)}, decode {list(d_names)}")
     try:
@@ -57,19 +59,36 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
                 raise IncompatiblePeer(f"{where}: {exc}") from None
 
 
+def held_layers(layout: PoolLayout) -> set[int]:
+    """The model layers a rank holds: those its paged components' buffer names end with."""
+    return {layer for c in layout.components if c.index_kind is IndexKind.PAGE
+            for b in c.buffers if (layer := buffer_layer(b.name)) is not None}
+
+
 def is_partial(prefill: PoolLayout, decode: PoolLayout) -> bool:
-    """Does ``decode`` hold only some of ``prefill``'s layers (another pipeline split)? True when one of its paged
-    components (KV and the like) has fewer buffers than the prefill's of that name. A decode whose paged
-    components are whole must hold every component and buffer (a missing state component is refused)."""
-    for dc in decode.components:
-        if dc.index_kind is IndexKind.PAGE:
-            try:
-                pc = prefill.component(dc.name)
-            except KeyError:
-                continue
-            if len(dc.buffers) < len(pc.buffers):
-                return True
-    return False
+    """Does ``decode`` hold only some of ``prefill``'s layers (another pipeline split)? True when the layers of its
+    paged components (KV and the like) are a strict subset of the prefill's. It must then hold, of every prefill
+    component, exactly the buffers of those layers (:func:`check_partial`); a decode holding every layer must hold
+    every component and buffer (a missing state component is refused)."""
+    return held_layers(decode) < held_layers(prefill)
+
+
+def check_partial(prefill: PoolLayout, decode: PoolLayout) -> None:
+    """Raise IncompatiblePeer unless a partial ``decode`` holds, of each prefill component, exactly the buffers of
+    its layers (a component with no layer in its names, like request rows, all or nothing)."""
+    layers = held_layers(decode)
+    mine = {c.name: c for c in decode.components}
+    for pc in prefill.components:
+        ids = [buffer_layer(b.name) for b in pc.buffers]
+        dc = mine.get(pc.name)
+        if any(i is None for i in ids):
+            wanted = [b.name for b in pc.buffers] if dc is not None else []
+        else:
+            wanted = [b.name for b, i in zip(pc.buffers, ids) if i in layers]
+        have = [b.name for b in dc.buffers] if dc is not None else []
+        if have != wanted:
+            raise IncompatiblePeer(f"component {pc.name!r}: a decode holding layers {sorted(layers)} must hold "
+                                   f"exactly their buffers of it {wanted[:6]}, it holds {have[:6]}")
 
 
 def restricted(component: Component, to: Component) -> Component:

@@ -26,12 +26,18 @@ class AgentLock:
 
     def __init__(self, *, clock: Callable[[], float], deliver: Deliver) -> None:
         self._lock = threading.RLock()
-        self._sending = threading.RLock()       # taken before the agent lock is released: keeps the order
         self._clock = clock
         self._deliver = deliver
         self._depth = 0                         # written only by the holder
         self._owner: int | None = None
         self._outbox: list[tuple[str, bytes, str]] = []
+        # batches leave in the order of their holds without holding the agent lock: each takes a ticket when its
+        # hold ends and waits for its turn; a send from inside a delivery (a link that delivers synchronously
+        # into this agent) goes at once
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+        self._delivering = threading.local()
         self.now = 0.0                          # the instant of the event being handled
 
     def __enter__(self) -> AgentLock:
@@ -48,14 +54,38 @@ class AgentLock:
             self._lock.release()
             return
         self._owner = None
-        if not self._outbox:
-            self._lock.release()
-            return
         batch, self._outbox = self._outbox, []
-        with self._sending:
-            self._lock.release()
+        ticket = self._take_ticket() if batch and not self._inside_delivery() else None
+        self._lock.release()
+        if batch:
+            self._send_batch(batch, ticket)
+
+    def _inside_delivery(self) -> bool:
+        return bool(getattr(self._delivering, "active", False))
+
+    def _take_ticket(self) -> int:
+        with self._turns:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            return ticket
+
+    def _send_batch(self, batch: list[tuple[str, bytes, str]], ticket: int | None) -> None:
+        if ticket is None:                      # inside a delivery of this thread: its turn is now
             for address, frame, what in batch:
                 self._deliver(address, frame, what)
+            return
+        with self._turns:
+            while self._serving != ticket:
+                self._turns.wait()
+        self._delivering.active = True
+        try:
+            for address, frame, what in batch:
+                self._deliver(address, frame, what)
+        finally:
+            self._delivering.active = False
+            with self._turns:
+                self._serving += 1
+                self._turns.notify_all()
 
     def held_here(self) -> bool:
         """Whether the calling thread holds the lock."""
@@ -66,8 +96,7 @@ class AgentLock:
         if self.held_here():
             self._outbox.append((address, frame, what))
             return
-        with self._sending:
-            self._deliver(address, frame, what)
+        self._send_batch([(address, frame, what)], None if self._inside_delivery() else self._take_ticket())
 
     @property
     def queued(self) -> int:

@@ -13,19 +13,10 @@ compute the same map: the handshake refuses a peer whose buffer names differ.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from kvbridge.errors import GeometryError
-from kvbridge.geometry import Component
-
-_TRAILING_INT = re.compile(r"(?:^|\D)(\d+)$")
-
-
-def buffer_layer(name: str) -> int | None:
-    """The layer id a buffer name ends with, or None."""
-    match = _TRAILING_INT.search(name)
-    return int(match.group(1)) if match else None
+from kvbridge.geometry import Component, buffer_layer
 
 
 @dataclass(frozen=True, slots=True)

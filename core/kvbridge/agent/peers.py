@@ -249,7 +249,10 @@ class PeerTable:
         if env.version != peer.version and not isinstance(body, (Hello, Welcome)):
             raise Dropped(f"{type(body).__name__} of protocol {env.version} from {env.sender!r}, which negotiated "
                           f"{peer.version}")
-        peer.last_seen, peer.seen = self._ctx.now, self._ctx.lateness.since(self._ctx.now)
+        # the instant the frame is handled, read now: a frame drained after the lock was taken came after ctx.now,
+        # and the silence fence (and the write lease the decode echoes) must not count from before it arrived
+        seen = self._ctx.clock()
+        peer.last_seen, peer.seen = seen, self._ctx.lateness.since(seen)
         if isinstance(body, Goodbye):
             return peer
         if peer.state is PeerState.SILENT:
@@ -448,8 +451,8 @@ class PeerTable:
                     self._retire(known, f"restarted as incarnation {env.incarnation:#x}" if not renewed else
                                  f"granted a new write lease (epoch {welcome.lease_epoch}) after its last ran out")
                 fresh = Peer(agent=welcome.agent, address=env.address, incarnation=env.incarnation,
-                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.now,
-                             seen=self._ctx.lateness.since(self._ctx.now),
+                             layout=welcome.layout, endpoint=welcome.endpoint, info=None, last_seen=self._ctx.clock(),
+                             seen=self._ctx.lateness.since(self._ctx.clock()),
                              version=env.version, writer_lease_s=welcome.writer_lease_s,
                              lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
@@ -501,7 +504,7 @@ class PeerTable:
             raise ProtocolError(f"Hello from {hello.agent} names address {hello.address}, its frame {env.address}")
         old = self.peers.get(hello.agent)
         info = PeerInfo(hello.agent, hello.endpoint, hello.buffers)
-        now = self._ctx.now
+        now = self._ctx.clock()        # the lease granted below counts from the Hello's arrival
         same = (old is not None and old.incarnation == env.incarnation and old.info == info
                 and old.layout == hello.layout and old.version == env.version)
         if not same and not self._hellos.take():
@@ -621,7 +624,7 @@ class PeerTable:
         if peer is None:
             log.debug("%s: heartbeat from unknown agent %s", self._ctx.name, beat.agent)
             return
-        now = self._ctx.now
+        now = self._ctx.clock()        # when this heartbeat was read (see admit): its echo must not predate it
         peer.last_beat = (beat.sent_at, now)
         if beat.echo > 0 and peer.writer_lease_s and self._ctx.role is Role.PREFILL:
             # the decode got our heartbeat of ``echo`` (our clock) before it sent this one: it counts our lease
