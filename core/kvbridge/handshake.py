@@ -74,17 +74,17 @@ def is_partial(prefill: PoolLayout, decode: PoolLayout) -> bool:
 
 
 def check_partial(prefill: PoolLayout, decode: PoolLayout) -> None:
-    """Raise IncompatiblePeer unless a partial ``decode`` holds, of each prefill component, exactly the buffers of
-    its layers (a component with no layer in its names, like request rows, all or nothing)."""
+    """Raise IncompatiblePeer unless a partial ``decode`` holds, of each paged prefill component, exactly the
+    buffers of its layers. Slot components (Mamba state, request rows) may be left out or hold some of the
+    prefill's buffers: their names need not count layers (SGLang numbers request rows 0..n)."""
     layers = held_layers(decode)
     mine = {c.name: c for c in decode.components}
     for pc in prefill.components:
+        if pc.index_kind is not IndexKind.PAGE:
+            continue                        # checked buffer by buffer by check_compatible (a subsequence)
         ids = [buffer_layer(b.name) for b in pc.buffers]
         dc = mine.get(pc.name)
-        if any(i is None for i in ids):
-            wanted = [b.name for b in pc.buffers] if dc is not None else []
-        else:
-            wanted = [b.name for b, i in zip(pc.buffers, ids) if i in layers]
+        wanted = [b.name for b, i in zip(pc.buffers, ids) if i in layers]
         have = [b.name for b in dc.buffers] if dc is not None else []
         if have != wanted:
             raise IncompatiblePeer(f"component {pc.name!r}: a decode holding layers {sorted(layers)} must hold "
