@@ -16,9 +16,9 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
     count, and per buffer the dtype, sharding (total KV heads, shard groups) and un-sharded dims
     (head_dim, page layout order); and that the TP sizes divide each other.
 
-    A decode rank of another pipeline split holds only some of the prefill's layers: when its paged
-    components have a strict subset of the prefill's buffers (see :func:`is_partial`), each of its components
-    and buffers must be one of the prefill's, in the prefill's order, and it may leave out the rest.
+    A decode rank of another pipeline split holds only some of the prefill's layers (:func:`is_partial`): its
+    components are some of the prefill's, in order, each with the prefill's buffers of its layers
+    (:func:`check_partial`), and it may leave out the rest.
     """
     if prefill.model and decode.model and prefill.model != decode.model:
         raise IncompatiblePeer(f"model differs: prefill serves {prefill.model!r}, decode {decode.model!r}")
@@ -26,9 +26,10 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
         raise IncompatiblePeer(f"page size differs: prefill {prefill.page_size}, decode {decode.page_size}")
     p_names, d_names = prefill.component_names, decode.component_names
     partial = is_partial(prefill, decode)
-    if partial and [n for n in p_names if n in d_names] == list(d_names):
+    in_order = [n for n in p_names if n in d_names] == list(d_names)
+    if partial and in_order:
         check_partial(prefill, decode)
-    if p_names != d_names and not (partial and [n for n in p_names if n in d_names] == list(d_names)):
+    if p_names != d_names and not (partial and in_order):
         raise IncompatiblePeer(f"component list or order differs: prefill {list(p_names)}, decode {list(d_names)}")
     try:
         check_ratio(prefill.tp_size, decode.tp_size)
