@@ -282,7 +282,6 @@ def test_receiver_validates_its_own_indices(make_pair: Callable[..., Pair]) -> N
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(page_size=8), "page size differs"),
     (dict(heads=8), "sharding"),
     (dict(model="other"), "model differs"),
 ])

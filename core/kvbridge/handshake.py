@@ -6,15 +6,22 @@ import msgspec
 
 from kvbridge.errors import IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import Component, IndexKind, PoolLayout, buffer_layer
+from kvbridge.repaging import Repaging, check_repageable, repaged
 from kvbridge.slicing import check_pairable, check_ratio
 
+#: State types whose pages may differ in size between the two sides (``StateType.repageable``).
+REPAGEABLE = frozenset({"kv"})
 
-def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
+
+def check_compatible(prefill: PoolLayout, decode: PoolLayout, repageable: frozenset[str] = REPAGEABLE) -> None:
     """Raise IncompatiblePeer naming the first difference that makes the two pools unpairable.
 
-    Checked: model, page size, component list and order, state types, index kinds, options, buffer
-    count, and per buffer the dtype, sharding (total KV heads, shard groups) and un-sharded dims
-    (head_dim, page layout order); and that the TP sizes divide each other.
+    Checked: model, component list and order, state types, index kinds, options, buffer count, and per
+    buffer the dtype, sharding (total KV heads, shard groups) and un-sharded dims (head_dim, page layout
+    order); and that the TP sizes divide each other.
+
+    The page sizes may differ when every paged component's state type is in ``repageable`` and its pages start
+    with their tokens (:mod:`kvbridge.repaging`): the buffers are then compared as pages of ``gcd(P, D)`` tokens.
 
     A decode rank of another pipeline split holds only some of the prefill's layers (:func:`is_partial`): its
     components are some of the prefill's, in order, each with the prefill's buffers of its layers
@@ -22,8 +29,7 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
     """
     if prefill.model and decode.model and prefill.model != decode.model:
         raise IncompatiblePeer(f"model differs: prefill serves {prefill.model!r}, decode {decode.model!r}")
-    if prefill.page_size != decode.page_size:
-        raise IncompatiblePeer(f"page size differs: prefill {prefill.page_size}, decode {decode.page_size}")
+    rp = Repaging.of(ours=prefill.page_size, theirs=decode.page_size)
     p_names, d_names = prefill.component_names, decode.component_names
     partial = is_partial(prefill, decode)
     in_order = [n for n in p_names if n in d_names] == list(d_names)
@@ -43,6 +49,14 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout) -> None:
         if pc.index_kind != dc.index_kind:
             raise IncompatiblePeer(f"{where}: indexed by {pc.index_kind.value} on prefill, "
                                    f"{dc.index_kind.value} on decode")
+        if rp.ours != rp.theirs and pc.index_kind is IndexKind.PAGE:
+            if pc.state_type not in repageable:
+                raise IncompatiblePeer(f"{where}: page size differs (prefill {prefill.page_size}, decode "
+                                       f"{decode.page_size} tokens) and state type {pc.state_type!r} cannot pair "
+                                       "pages of different sizes")
+            check_repageable(pc, prefill.page_size, rp.granule, "prefill")
+            check_repageable(dc, decode.page_size, rp.granule, "decode")
+            pc, dc = repaged(pc, prefill.page_size, rp.granule), repaged(dc, decode.page_size, rp.granule)
         if pc.options != dc.options:
             raise IncompatiblePeer(f"{where}: options {pc.options} on prefill, {dc.options} on decode")
         p_bufs = restricted(pc, dc).buffers if partial else pc.buffers

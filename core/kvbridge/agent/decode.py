@@ -24,6 +24,7 @@ from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.digests import digest_items
 from kvbridge.errors import Draining, KVBridgeError, ProtocolError, TransferError
+from kvbridge.geometry import IndexKind
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
     RECV_POLL,
@@ -41,6 +42,7 @@ from kvbridge.protocol.wire import (
     StatusPush,
     TransferRequest,
 )
+from kvbridge.repaging import sub_pages
 from kvbridge.staging import dest_index, scatter_rows, should_stage
 from kvbridge.tracing import RoomTrace
 
@@ -53,8 +55,9 @@ class Coverage:
     """Which (item, layer) cells of one (prefill rank, component) landed; a cell counts once, whatever the
     notices repeat or overlap. ``done``: items with every layer."""
 
-    def __init__(self, items: int, layers: int) -> None:
+    def __init__(self, items: int, layers: int, *, slack: int = 0) -> None:
         self.items, self.layers = items, layers
+        self.slack = slack       # items at the end that may stay empty (padding of a larger page: repaging)
         self.done = 0
         self._full = np.zeros(items, dtype=bool)
         self._cells: np.ndarray | None = None      # [items, layers], once a notice names only some layers
@@ -76,7 +79,10 @@ class Coverage:
 
     @property
     def complete(self) -> bool:
-        return self.done == self.items
+        if self.done == self.items:
+            return True
+        missing = self.items - self.done
+        return 0 < missing <= self.slack and bool(self._full[: self.items - missing].all())
 
     def missing_layers(self) -> list[int]:
         """Layers some item still lacks (every layer when nothing arrived layer-wise)."""
@@ -252,8 +258,18 @@ class DecodeSide(RoomTable[RecvRoom]):
         staging: dict[str, dict[int, int]] = {}
         rings: dict[str, dict[int, int]] = {}
         mode = ctx.config.staging
+        if len({p.layout.page_size for p in peers.values()}) > 1:
+            self._fail(room, f"the prefill ranks of {room.instance!r} use different page sizes "
+                             f"{sorted({p.layout.page_size for p in peers.values()})}")
+            return
+        some = next(iter(peers.values()))
+        rp = self._plans.repaging(some)
         for comp_index, comp in enumerate(ctx.layout.components):
-            dst_items = room.indices[comp.name] = indices[comp.name].unpack()
+            dst_items = indices[comp.name].unpack()
+            factor = self._plans.factor(some, comp_index)
+            if factor > 1:                      # pages of another size than the prefill's: sub-pages
+                dst_items = sub_pages(dst_items, factor)
+            room.indices[comp.name] = dst_items
             n_items = len(dst_items)
             layers = self._plans.layers(comp_index).num_layers
             for rank, peer in peers.items():
@@ -262,7 +278,11 @@ class DecodeSide(RoomTable[RecvRoom]):
                     continue
                 key = (rank, comp.name)
                 room.expected.add(key)
-                room.covered[key] = Coverage(n_items, layers)
+                room.covered[key] = Coverage(n_items, layers, slack=factor - 1)
+                if rp is not None and ctx.state_types[comp_index].chunked and comp.index_kind is IndexKind.PAGE:
+                    # the sub-pages before the prefill's first page: cached here (they hold the prefix)
+                    lead = rp.lead(prefix_len, prefill=src_layout.page_size, decode=ctx.layout.page_size)
+                    room.covered[key].add(0, min(max(lead, 0), n_items), range(layers))
                 plan = self._plans.stage_plan_for(peer, comp_index, segs, src_layout, ctx.layout)
                 if (plan is not None and staging_area is not None and n_items
                         and should_stage(plan.rows, dst_items, mode=mode, below_bytes=self._plans.stage_below_bytes())):
@@ -367,13 +387,15 @@ class DecodeSide(RoomTable[RecvRoom]):
                              f"landed, {8 * expected} B expected")
             return False
         want = np.frombuffer(notice.digests, dtype="<u8")
-        views = ctx.buffers.views[notice.component]
+        views = self._plans.views(peer, comp_index)
+        factor = self._plans.factor(peer, comp_index)        # items are sub-pages when the page sizes differ
         for k, b in enumerate(buffers):
             got = digest_items(views[b], items, self._plans.run_bytes(peer, comp_index, b, "dst"))
             bad = np.flatnonzero(got != want[k * len(items): (k + 1) * len(items)])
             if bad.size:
                 self._fail(room, f"checksum mismatch: {notice.component} buffer {comp.buffers[b].name} "
-                                 f"destination page {int(items[bad[0]])} ({bad.size} of {len(items)} items differ) "
+                                 f"destination page {int(items[bad[0]]) // factor} ({bad.size} of {len(items)} items "
+                                 "differ) "
                                  f"from prefill rank {notice.sender}, chunk {notice.chunk}")
                 return False
         return True

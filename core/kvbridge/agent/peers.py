@@ -431,7 +431,7 @@ class PeerTable:
             reason = f"prefill {welcome.agent} refused the handshake: {welcome.reason}"
         else:
             try:
-                check_compatible(welcome.layout, self._ctx.layout)
+                check_compatible(welcome.layout, self._ctx.layout, self._ctx.repageable)
             except IncompatiblePeer as exc:
                 reason = str(exc)
         for target in targets:

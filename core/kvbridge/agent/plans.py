@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Protocol
 from kvbridge.agent.layers import LayerMap, layer_map
 from kvbridge.digests import Runs, run_bytes
 from kvbridge.errors import GeometryError
-from kvbridge.geometry import Component, PoolLayout, Rank
+from kvbridge.geometry import Component, IndexKind, PoolLayout, Rank
 from kvbridge.handshake import is_partial, restricted
 from kvbridge.planner import BufferPair, PairGroups
 from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.wire import Role
+from kvbridge.repaging import Repaging, repaged, repaged_view
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.staging import DEFAULT_DESCRIPTOR_COST_US, Rows, regular_rows, stage_threshold
 
@@ -72,6 +73,8 @@ class PlanCache:
         self._below: float | None = None
         self._run_bytes: dict[tuple[str, int, int, str], Runs] = {}
         self._partial: dict[str, bool] = {}
+        self._repaging: dict[str, Repaging | None] = {}
+        self._components: dict[tuple[str, int], tuple[Component, Component | None]] = {}
 
     def layers(self, comp_index: int) -> LayerMap:
         """The layers of one of our components (the peer's are the same: buffer names must match)."""
@@ -107,10 +110,46 @@ class PlanCache:
             found = self._partial[peer.agent] = is_partial(src, dst)
         return found
 
+    def repaging(self, peer: Peer) -> Repaging | None:
+        """The sub-pages of this pair when its page sizes differ (None: the same page size)."""
+        if peer.agent not in self._repaging:
+            ours, theirs = self._ctx.layout.page_size, peer.layout.page_size
+            self._repaging[peer.agent] = None if ours == theirs else Repaging.of(ours=ours, theirs=theirs)
+        return self._repaging[peer.agent]
+
+    def _pair_components(self, peer: Peer, comp_index: int) -> tuple[Component, Component | None]:
+        key = (peer.agent, comp_index)
+        found = self._components.get(key)
+        if found is None:
+            ours = self._ctx.layout.components[comp_index]
+            theirs = next((c for c in peer.layout.components if c.name == ours.name), None)
+            rp = self.repaging(peer)
+            if rp is not None:
+                ours = repaged(ours, self._ctx.layout.page_size, rp.granule)
+                theirs = repaged(theirs, peer.layout.page_size, rp.granule) if theirs is not None else None
+            found = self._components[key] = (ours, theirs)
+        return found
+
+    def own_component(self, peer: Peer, comp_index: int) -> Component:
+        """Our component as this pair pairs it: in sub-pages when the page sizes differ."""
+        return self._pair_components(peer, comp_index)[0]
+
     def peer_component(self, peer: Peer, comp_index: int) -> Component | None:
-        """The peer's component of the same name as our ``comp_index`` (None: a partial peer holds none of it)."""
-        name = self._ctx.layout.components[comp_index].name
-        return next((c for c in peer.layout.components if c.name == name), None)
+        """The peer's component of the same name as our ``comp_index`` (None: a partial peer holds none of it),
+        in sub-pages when the page sizes differ."""
+        return self._pair_components(peer, comp_index)[1]
+
+    def factor(self, peer: Peer, comp_index: int) -> int:
+        """How many of this pair's items one of our items is (1 unless the page sizes differ)."""
+        rp = self.repaging(peer)
+        paged = self._ctx.layout.components[comp_index].index_kind is IndexKind.PAGE
+        return rp.ours if rp is not None and paged else 1
+
+    def views(self, peer: Peer, comp_index: int) -> list[object]:
+        """Our buffers' views in this pair's items (sub-pages when the page sizes differ)."""
+        views = self._ctx.buffers.views.get(self._ctx.layout.components[comp_index].name) or []
+        factor = self.factor(peer, comp_index)
+        return views if factor == 1 else [repaged_view(v, factor) for v in views]
 
     def slice_for(self, peer: Peer, comp_index: int) -> ComponentSlice:
         """What the prefill side of this pair writes for one component, per buffer of ours (a buffer a partial
@@ -119,8 +158,7 @@ class PlanCache:
         cached = self._slices.get(key)
         if cached is None:
             ctx = self._ctx
-            ours = ctx.layout.components[comp_index]
-            theirs = self.peer_component(peer, comp_index)
+            ours, theirs = self._pair_components(peer, comp_index)
             src, dst = (ctx.layout, peer.layout) if ctx.role is Role.PREFILL else (peer.layout, ctx.layout)
             if theirs is None:
                 cached = ComponentSlice(tuple(Segments.empty() for _ in ours.buffers))
@@ -159,8 +197,7 @@ class PlanCache:
         key = (peer.agent, comp_index)
         pairs = self._pairs.get(key)
         if pairs is None:
-            mine = self._ctx.layout.components[comp_index]
-            theirs = self.peer_component(peer, comp_index)
+            mine, theirs = self._pair_components(peer, comp_index)
             src_regions = self._ctx.buffers.registered[mine.name].regions
             if peer.info is None:
                 raise AssertionError(f"peer {peer.agent} has no registered buffers on this side")
@@ -183,8 +220,9 @@ class PlanCache:
                  dst: PoolLayout) -> tuple[Rows, ...] | None:
         """The staging pattern of a (peer, component) slice, or None when plain descriptors are used."""
         key = (peer.agent, comp_index)
-        if key not in self._rows and self.partial(peer):
-            self._rows[key] = None          # paired by name: plain descriptors (staging pairs buffers by index)
+        if key not in self._rows and (self.partial(peer) or self.repaging(peer) is not None):
+            # paired by name (staging pairs buffers by index), or in sub-pages: plain descriptors
+            self._rows[key] = None
         if key not in self._rows:
             rows = [regular_rows(seg, sb.item_nbytes, db.item_nbytes) for seg, sb, db in
                     zip(segs.buffers, src.components[comp_index].buffers, dst.components[comp_index].buffers)]
@@ -250,7 +288,8 @@ class PlanCache:
 
     def forget(self, agent: str) -> None:
         self._partial.pop(agent, None)
-        for cache in (self._slices, self._pairs, self._rows, self._stage):
+        self._repaging.pop(agent, None)
+        for cache in (self._slices, self._pairs, self._rows, self._stage, self._components):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]
         for lkey in [k for k in self._layer_pairs if k[0] == agent]:

@@ -29,10 +29,12 @@ from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.backends.base import ComponentTransfer
 from kvbridge.digests import digest_items, readable
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
+from kvbridge.geometry import IndexKind
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.protocol.states import WriteEvent, WriteState
 from kvbridge.protocol.wire import Notice
+from kvbridge.repaging import Repaging, sub_pages
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
 
@@ -66,6 +68,27 @@ def _position_in(dst_all: np.ndarray, d_idx: np.ndarray) -> int | None:
         return None
     first = int(hits[0])
     return first if np.array_equal(dst_all[first: first + d_idx.size], d_idx) else None
+
+
+def _sub_paged_chunk(room: SendRoom, component: str, agent: str, src: np.ndarray, dst_pages: np.ndarray,
+                     prefix_len: int, last: bool, rp: Repaging, *, prefill: int,
+                     decode: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pair a chunk of our pages with the decode's pages of another size, as sub-pages (:mod:`kvbridge.repaging`):
+    sub-pages the decode has cached are left out, and so is padding of our last page past the decode's list; the
+    decode's last page may keep padding of its own. Returns (source, destination, first position) in sub-pages."""
+    dst = sub_pages(dst_pages, rp.theirs)
+    ours = sub_pages(src, rp.ours)
+    start = room.cursor * rp.ours + rp.lead(prefix_len, prefill=prefill, decode=decode)
+    end = start + len(ours)
+    where = f"room {room.room} {component}"
+    if end > len(dst) and (not last or end - len(dst) >= rp.ours):
+        raise GeometryError(f"{where}: prefill sends {prefill}-token pages up to sub-page {end} of {rp.granule} "
+                            f"tokens, decode {agent} asked for {len(dst)} ({len(dst_pages)} pages of {decode})")
+    if last and len(dst) - end >= rp.theirs:
+        raise GeometryError(f"{where}: prefill sent {end} of {len(dst)} sub-pages of {rp.granule} tokens to decode "
+                            f"{agent} with its last chunk: more than the decode's last page is missing")
+    lo, hi = max(start, 0), min(end, len(dst))
+    return ours[lo - start: hi - start], dst[lo:hi], lo
 
 
 def _coverage_start(dst_all: np.ndarray, d_idx: np.ndarray, where: str) -> int | None:
@@ -114,7 +137,11 @@ class Poster:
             packed = req.indices[comp.name]
             dst_all = packed.unpack()
             first: int | None
-            if st.chunked:
+            rp = self._plans.repaging(peer) if comp.index_kind is IndexKind.PAGE else None
+            if st.chunked and rp is not None:
+                s_idx, d_idx, first = _sub_paged_chunk(room, comp.name, agent, src, dst_all, req.prefix_len, last, rp,
+                                                       prefill=ctx.layout.page_size, decode=peer.layout.page_size)
+            elif st.chunked:
                 end = room.cursor + len(src)
                 if end > len(dst_all):
                     raise GeometryError(f"room {room.room} {comp.name}: prefill sends items up to {end}, decode "
@@ -275,8 +302,7 @@ class Poster:
         item in the order of the destination items the notice names (``kvbridge.digests``), where the pages live:
         on a GPU on the engine's current stream, after the work it queued (the source pages), which this call
         waits for. Raw regions without a view send none (the decode then fails the room saying so)."""
-        ctx = self._ctx
-        views = ctx.buffers.views.get(ctx.layout.components[comp_index].name) or []
+        views = self._plans.views(peer, comp_index)
         if not views or not readable(views[0]):
             return b""
         parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))

@@ -29,6 +29,9 @@ class StateType:
     #: True when the component's items are sent with every prefill chunk (KV pages); False when it
     #: travels once, with the last chunk (Mamba slots, SWA window, NSA indexer).
     chunked: ClassVar[bool] = False
+    #: True when its pages may differ in size between prefill and decode: the agent then pairs them as pages of
+    #: ``gcd(P, D)`` tokens (:mod:`kvbridge.repaging`); the page's first axis must be its tokens.
+    repageable: ClassVar[bool] = False
 
     def check_component(self, component: Component, tp: Rank) -> None:
         """Raise GeometryError when ``component`` is not a valid instance of this state type."""

@@ -23,6 +23,7 @@ from kvbridge.state.base import StateType
 class KVState(StateType):
     name: ClassVar[str] = "kv"
     chunked: ClassVar[bool] = True
+    repageable: ClassVar[bool] = True
 
     def check_component(self, component: Component, tp: Rank) -> None:
         if component.index_kind is not IndexKind.PAGE:

@@ -1,0 +1,240 @@
+"""Different page sizes on the two sides (#24 item 1): P 16 -> D 64, 64 -> 16, 16 -> 128, 128 -> 16 and pairs whose
+sizes do not divide each other, for token-major GQA (replicated heads at TP 4) and MLA, at the TP pairs the kit
+sweeps, in chunks, with decode prefix hits that end inside a page of either side.
+
+The reference is independent of kvbridge's sub-pages: every byte is a function of (layer, tensor, token, head,
+byte) of the request, written into the prefill's pages at ``token // P`` and expected in the decode's at
+``token // D``; tokens the decode holds as its prefix are there before and must stay; pages outside the
+request must not change. Tokens past the request's last one in the decode's last page hold nothing (either
+side's last page is partly padding).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvbridge.agent import AgentConfig, TransferAgent
+from kvbridge.errors import IncompatiblePeer
+from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, ShardAxis
+from kvbridge.handshake import check_compatible
+from kvbridge.links import LocalHub
+from kvbridge.pattern import pattern, units_held
+from kvbridge.protocol.wire import Role
+from kvbridge.registry import Registry
+from kvbridge.testkit.world import World
+
+HEAD_BYTES = 8          # one head of one token (4 bf16 elements)
+GQA_HEADS = 2           # TP 4 replicates each head on two ranks
+MLA_BYTES = 16
+LAYERS = 2
+TOKENS_IN_POOL = 1024
+SEED = 11
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    mla: bool
+
+    def tensors(self) -> str:
+        return "c" if self.mla else "kv"
+
+    def local_heads(self, tp: int) -> list[int]:
+        return [0] if self.mla else units_held(GQA_HEADS, tp, 0)
+
+    def component(self, tp: int, page: int, num_pages: int, *, head_major: bool = False) -> Component:
+        if self.mla:
+            shape: tuple[int, ...] = (page, MLA_BYTES // 2)
+            shard = None
+        else:
+            heads = len(units_held(GQA_HEADS, tp, 0))
+            shape = (heads, page, HEAD_BYTES // 2) if head_major else (page, heads, HEAD_BYTES // 2)
+            shard = ShardAxis(axis=0 if head_major else 1, total=GQA_HEADS)
+        bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=num_pages, item_shape=shape, dtype=DType.BFLOAT16,
+                                    shard=shard) for t in self.tensors() for layer in range(LAYERS))
+        return Component(name=self.name, state_type="kv", buffers=bufs, index_kind=IndexKind.PAGE)
+
+
+KINDS = (Kind("gqa", mla=False), Kind("mla", mla=True))
+
+
+def token_bytes(kind: Kind, layer: int, tensor: int, tokens: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """What ``rank`` of TP ``tp`` holds of ``tokens``: uint8 ``[n, bytes of one token]`` (heads, then bytes)."""
+    t = tokens.reshape(-1, 1, 1)
+    if kind.mla:
+        return pattern(SEED, layer, tensor, t, 0, np.arange(MLA_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
+    heads = np.asarray(units_held(GQA_HEADS, tp, rank)).reshape(1, -1, 1)
+    return pattern(SEED, layer, tensor, t, heads, np.arange(HEAD_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
+
+
+class Pool:
+    """One rank's buffers (uint8 ``[pages, page bytes]``), background noise everywhere."""
+
+    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator) -> None:
+        self.tp, self.rank, self.page = tp, rank, page
+        self.num_pages = TOKENS_IN_POOL // page
+        self.layout = PoolLayout(components=tuple(k.component(tp, page, self.num_pages) for k in KINDS), tp_size=tp,
+                                 tp_rank=rank, page_size=page, model="repaging")
+        self.buffers = {c.name: [rng.integers(0, 256, (g.num_items, g.item_nbytes), dtype=np.uint8)
+                                 for g in c.buffers] for c in self.layout.components}
+
+    def arrays(self) -> dict[str, list[object]]:
+        return {name: list(bufs) for name, bufs in self.buffers.items()}
+
+    def tokens(self, pages: np.ndarray, first_token: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Page index and slot of each token of ``pages`` (listed from token ``first_token`` on)."""
+        tokens = first_token + np.arange(len(pages) * self.page)
+        return pages[(tokens - first_token) // self.page], tokens % self.page, tokens
+
+    def write_tokens(self, pages: np.ndarray, first_token: int, upto: int | None = None) -> None:
+        page_of, slot, tokens = self.tokens(pages, first_token)
+        keep = tokens < upto if upto is not None else np.ones(len(tokens), bool)
+        if not keep.any():
+            return
+        for kind in KINDS:
+            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
+                data = token_bytes(kind, layer, t, tokens[keep], self.tp, self.rank)
+                view = self.buffers[kind.name][b].reshape(self.num_pages, self.page, -1)
+                view[page_of[keep], slot[keep]] = data
+
+    def close(self) -> None:
+        pass
+
+
+def _pages(rng: np.random.Generator, pool: Pool, count: int) -> np.ndarray:
+    return rng.permutation(pool.num_pages)[:count].astype(np.int64)
+
+
+def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: int, tokens: int, prefix: int,
+                chunks: int, rng: np.random.Generator) -> None:
+    """One request of ``tokens`` tokens whose decode holds its first ``prefix``; checks every decode rank."""
+    d_first = prefix // d_page                      # both sides list pages from the one holding the prefix end
+    p_first = prefix // p_page
+    d_count = -(-tokens // d_page) - d_first
+    p_count = -(-tokens // p_page) - p_first
+    dec_pools = [r.pool for r in world.decode[dt]]
+    d_pages = _pages(rng, dec_pools[0], d_count)
+    before = []
+    for pool in dec_pools:                        # the decode's cached prefix is in place already
+        pool.write_tokens(d_pages, d_first * d_page, upto=prefix)
+        before.append({n: [b.copy() for b in bufs] for n, bufs in pool.buffers.items()})
+    p_pages = _pages(rng, world.prefill[pt][0].pool, p_count)
+    for r in world.prefill[pt]:
+        r.pool.write_tokens(p_pages, p_first * p_page)
+    opened = world.open(pt, dt, room, {k.name: d_pages for k in KINDS}, 10.0, prefix_len=prefix)
+    cuts = np.array_split(p_pages, chunks)
+    opened.send([c for c in cuts if len(c)] or [p_pages[:0]])
+    opened.wait_success(20.0)
+    for pool, old in zip(dec_pools, before):
+        page_of, slot, all_tokens = pool.tokens(d_pages, d_first * d_page)
+        real = all_tokens < tokens
+        others = np.setdiff1d(np.arange(pool.num_pages), d_pages)
+        for kind in KINDS:
+            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
+                got = pool.buffers[kind.name][b].reshape(pool.num_pages, pool.page, -1)
+                want = token_bytes(kind, layer, t, all_tokens[real], pool.tp, pool.rank)
+                bad = np.flatnonzero((got[page_of[real], slot[real]] != want).any(axis=1))
+                where = (f"P {p_page} -> D {d_page}, TP {pt} -> {dt}, {tokens} tokens, prefix {prefix}, decode rank "
+                         f"{pool.rank} {kind.name} buffer {b}")
+                assert not bad.size, f"{where}: tokens {all_tokens[real][bad][:6].tolist()} differ"
+                assert np.array_equal(pool.buffers[kind.name][b][others], old[kind.name][b][others]), \
+                    f"{where}: a page outside the request changed"
+    opened.settle(10.0)
+
+
+PAGE_PAIRS = [(16, 64), (64, 16), (16, 128), (128, 16), (48, 32), (24, 64)]
+TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+
+
+def _world(pairs: list[tuple[int, int]], p_page: int, d_page: int, rng: np.random.Generator,
+           **config: object) -> World:
+    return World(registry=Registry.build(), backend="loopback", pairs=pairs,
+                 make_pool=lambda role, tp, r: Pool(tp, r, p_page if role is Role.PREFILL else d_page, rng),
+                 config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
+                                    waiting_timeout_s=10.0, **config),  # type: ignore[arg-type]
+                 label=f"repage-{p_page}-{d_page}")
+
+
+@pytest.mark.parametrize("p_page, d_page", PAGE_PAIRS, ids=[f"P{p}-D{d}" for p, d in PAGE_PAIRS])
+def test_pages_of_other_sizes_arrive_byte_exact_at_every_tp_pair(p_page: int, d_page: int) -> None:
+    rng = np.random.default_rng(p_page * 1000 + d_page)
+    world = _world(TP_PAIRS, p_page, d_page, rng)
+    room = 1
+    try:
+        for pt, dt in TP_PAIRS:
+            big = max(p_page, d_page)
+            # whole pages of both; a last page partly empty on both; prefix hits ending inside a page of either
+            for tokens, prefix, chunks in ((4 * big, 0, 1), (3 * big + 5, 0, 3), (3 * big + 7, big + 3, 2),
+                                           (2 * big + 1, min(p_page, d_page) + 1, 2)):
+                run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, chunks, rng)
+                room += 1
+    finally:
+        world.close()
+
+
+def test_checksums_cover_sub_pages() -> None:
+    rng = np.random.default_rng(5)
+    world = _world([(2, 1), (1, 2)], 64, 16, rng, checksums=True)
+    try:
+        run_request(world, 2, 1, 1, 64, 16, 200, 20, 2, rng)
+        run_request(world, 1, 2, 2, 64, 16, 130, 0, 1, rng)
+    finally:
+        world.close()
+    world = _world([(2, 1)], 16, 64, rng, checksums=True)
+    try:
+        run_request(world, 2, 1, 3, 16, 64, 200, 70, 3, rng)
+    finally:
+        world.close()
+
+
+def test_a_prefill_that_sends_too_few_pages_fails_both_sides_with_the_reason() -> None:
+    rng = np.random.default_rng(9)
+    world = _world([(1, 1)], 16, 64, rng)
+    try:
+        d_pages = _pages(rng, world.decode[1][0].pool, 2)            # 128 tokens on the decode
+        opened = world.open(1, 1, 7, {k.name: d_pages for k in KINDS}, 10.0)
+        with pytest.raises(Exception, match="more than the decode's last page is missing"):
+            opened.senders[0].send(np.arange(4), last=True)          # 64 tokens: a whole decode page short
+        opened.wait_failed(10.0)
+        assert "sent 4 of 8 sub-pages" in opened.senders[0].failure_reason
+        opened.settle(10.0)
+    finally:
+        world.close()
+
+
+def _layout(page: int, *, head_major: bool = False, state_type: str = "kv") -> PoolLayout:
+    comp = KINDS[0].component(1, page, 16, head_major=head_major)
+    if state_type != "kv":
+        import msgspec
+
+        comp = msgspec.structs.replace(comp, state_type=state_type)
+    return PoolLayout(components=(comp,), tp_size=1, tp_rank=0, page_size=page, model="repaging")
+
+
+def test_what_cannot_be_repaged_is_refused_naming_why() -> None:
+    check_compatible(_layout(16), _layout(64))
+    with pytest.raises(IncompatiblePeer, match="does not start with its tokens.*head-major"):
+        check_compatible(_layout(16, head_major=True), _layout(64, head_major=True))
+    with pytest.raises(IncompatiblePeer, match="state type 'ring' cannot pair pages of different sizes"):
+        check_compatible(_layout(16, state_type="ring"), _layout(64, state_type="ring"))
+    check_compatible(_layout(16, head_major=True), _layout(16, head_major=True))     # same size: as before
+
+
+def test_a_head_major_decode_with_another_page_size_is_refused_at_connect() -> None:
+    hub = LocalHub()
+    p_layout, d_layout = _layout(16, head_major=True), _layout(32, head_major=True)
+
+    def arrays(layout: PoolLayout) -> dict[str, list[object]]:
+        return {c.name: [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in c.buffers]
+                for c in layout.components}
+
+    with TransferAgent(layout=p_layout, buffers=arrays(p_layout), role=Role.PREFILL, link=hub.link("p"),
+                       instance="i") as pre, \
+         TransferAgent(layout=d_layout, buffers=arrays(d_layout), role=Role.DECODE, link=hub.link("d")) as dec:
+        pre.start(0.001)
+        with pytest.raises(IncompatiblePeer, match="head-major"):
+            dec.connect("i", timeout_s=5)
