@@ -38,34 +38,46 @@ SEED = 11
 @dataclass(frozen=True)
 class Kind:
     name: str
-    mla: bool
+    layout: str          # "token" (token-major GQA), "head" (head-major GQA) or "mla"
 
     def tensors(self) -> str:
-        return "c" if self.mla else "kv"
-
-    def local_heads(self, tp: int) -> list[int]:
-        return [0] if self.mla else units_held(GQA_HEADS, tp, 0)
+        return "c" if self.layout == "mla" else "kv"
 
     def component(self, tp: int, page: int, num_pages: int, *, head_major: bool = False) -> Component:
-        if self.mla:
+        if self.layout == "mla":
             shape: tuple[int, ...] = (page, MLA_BYTES // 2)
             shard = None
         else:
             heads = len(units_held(GQA_HEADS, tp, 0))
+            head_major = head_major or self.layout == "head"
             shape = (heads, page, HEAD_BYTES // 2) if head_major else (page, heads, HEAD_BYTES // 2)
             shard = ShardAxis(axis=0 if head_major else 1, total=GQA_HEADS)
         bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=num_pages, item_shape=shape, dtype=DType.BFLOAT16,
                                     shard=shard) for t in self.tensors() for layer in range(LAYERS))
         return Component(name=self.name, state_type="kv", buffers=bufs, index_kind=IndexKind.PAGE)
 
+    def token_view(self, buf: np.ndarray, num_pages: int, page: int) -> np.ndarray:
+        """``[pages, tokens, bytes of one token]`` over a uint8 buffer (a copy for head-major pages)."""
+        if self.layout == "head":
+            return buf.reshape(num_pages, -1, page, HEAD_BYTES).transpose(0, 2, 1, 3).reshape(num_pages, page, -1)
+        return buf.reshape(num_pages, page, -1)
 
-KINDS = (Kind("gqa", mla=False), Kind("mla", mla=True))
+    def write(self, buf: np.ndarray, num_pages: int, page: int, page_of: np.ndarray, slot: np.ndarray,
+              data: np.ndarray) -> None:
+        if self.layout == "head":
+            view = buf.reshape(num_pages, -1, page, HEAD_BYTES)
+            view[page_of, :, slot] = data.reshape(len(data), -1, HEAD_BYTES)
+        else:
+            buf.reshape(num_pages, page, -1)[page_of, slot] = data
+
+
+KINDS = (Kind("gqa", "token"), Kind("hm", "head"), Kind("mla", "mla"))
 
 
 def token_bytes(kind: Kind, layer: int, tensor: int, tokens: np.ndarray, tp: int, rank: int) -> np.ndarray:
     """What ``rank`` of TP ``tp`` holds of ``tokens``: uint8 ``[n, bytes of one token]`` (heads, then bytes)."""
     t = tokens.reshape(-1, 1, 1)
-    if kind.mla:
+    if kind.layout == "mla":
         return pattern(SEED, layer, tensor, t, 0, np.arange(MLA_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
     heads = np.asarray(units_held(GQA_HEADS, tp, rank)).reshape(1, -1, 1)
     return pattern(SEED, layer, tensor, t, heads, np.arange(HEAD_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
@@ -98,8 +110,7 @@ class Pool:
         for kind in KINDS:
             for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
                 data = token_bytes(kind, layer, t, tokens[keep], self.tp, self.rank)
-                view = self.buffers[kind.name][b].reshape(self.num_pages, self.page, -1)
-                view[page_of[keep], slot[keep]] = data
+                kind.write(self.buffers[kind.name][b], self.num_pages, self.page, page_of[keep], slot[keep], data)
 
     def close(self) -> None:
         pass
@@ -135,7 +146,7 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
         others = np.setdiff1d(np.arange(pool.num_pages), d_pages)
         for kind in KINDS:
             for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
-                got = pool.buffers[kind.name][b].reshape(pool.num_pages, pool.page, -1)
+                got = kind.token_view(pool.buffers[kind.name][b], pool.num_pages, pool.page)
                 want = token_bytes(kind, layer, t, all_tokens[real], pool.tp, pool.rank)
                 bad = np.flatnonzero((got[page_of[real], slot[real]] != want).any(axis=1))
                 where = (f"P {p_page} -> D {d_page}, TP {pt} -> {dt}, {tokens} tokens, prefix {prefix}, decode rank "
@@ -206,27 +217,29 @@ def test_a_prefill_that_sends_too_few_pages_fails_both_sides_with_the_reason() -
         world.close()
 
 
-def _layout(page: int, *, head_major: bool = False, state_type: str = "kv") -> PoolLayout:
+def _layout(page: int, *, head_major: bool = False, state_type: str = "kv", flat: bool = False) -> PoolLayout:
     comp = KINDS[0].component(1, page, 16, head_major=head_major)
-    if state_type != "kv":
+    if state_type != "kv" or flat:
         import msgspec
 
-        comp = msgspec.structs.replace(comp, state_type=state_type)
+        bufs = tuple(msgspec.structs.replace(b, item_shape=(b.item_nbytes // 2,), shard=None) for b in comp.buffers)
+        comp = msgspec.structs.replace(comp, state_type=state_type, buffers=bufs if flat else comp.buffers)
     return PoolLayout(components=(comp,), tp_size=1, tp_rank=0, page_size=page, model="repaging")
 
 
 def test_what_cannot_be_repaged_is_refused_naming_why() -> None:
     check_compatible(_layout(16), _layout(64))
-    with pytest.raises(IncompatiblePeer, match="does not start with its tokens.*head-major"):
-        check_compatible(_layout(16, head_major=True), _layout(64, head_major=True))
+    check_compatible(_layout(16, head_major=True), _layout(64, head_major=True))
+    with pytest.raises(IncompatiblePeer, match="has no token planes its state type names"):
+        check_compatible(_layout(16, flat=True), _layout(64, flat=True))       # a page of raw bytes: no planes
     with pytest.raises(IncompatiblePeer, match="state type 'ring' cannot pair pages of different sizes"):
         check_compatible(_layout(16, state_type="ring"), _layout(64, state_type="ring"))
-    check_compatible(_layout(16, head_major=True), _layout(16, head_major=True))     # same size: as before
+    check_compatible(_layout(16, flat=True), _layout(16, flat=True))     # same size: as before
 
 
-def test_a_head_major_decode_with_another_page_size_is_refused_at_connect() -> None:
+def test_a_decode_whose_pages_have_no_planes_is_refused_at_connect() -> None:
     hub = LocalHub()
-    p_layout, d_layout = _layout(16, head_major=True), _layout(32, head_major=True)
+    p_layout, d_layout = _layout(16, flat=True), _layout(32, flat=True)
 
     def arrays(layout: PoolLayout) -> dict[str, list[object]]:
         return {c.name: [np.zeros((g.num_items, g.item_nbytes), np.uint8) for g in c.buffers]
@@ -236,5 +249,5 @@ def test_a_head_major_decode_with_another_page_size_is_refused_at_connect() -> N
                        instance="i") as pre, \
          TransferAgent(layout=d_layout, buffers=arrays(d_layout), role=Role.DECODE, link=hub.link("d")) as dec:
         pre.start(0.001)
-        with pytest.raises(IncompatiblePeer, match="head-major"):
+        with pytest.raises(IncompatiblePeer, match="no token planes"):
             dec.connect("i", timeout_s=5)

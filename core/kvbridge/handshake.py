@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
 from kvbridge.errors import IncompatiblePeer, UnsupportedTopology
 from kvbridge.geometry import Component, IndexKind, PoolLayout, buffer_layer
 from kvbridge.repaging import Repaging, check_repageable, repaged
 from kvbridge.slicing import check_pairable, check_ratio
+from kvbridge.state.base import StateType
+from kvbridge.state.kv import KVState
 
-#: State types whose pages may differ in size between the two sides (``StateType.repageable``).
-REPAGEABLE = frozenset({"kv"})
+#: The state types a bare check knows (an agent passes those it loaded).
+BUILT_IN: Mapping[str, StateType] = {"kv": KVState()}
 
 
-def check_compatible(prefill: PoolLayout, decode: PoolLayout, repageable: frozenset[str] = REPAGEABLE) -> None:
+def check_compatible(prefill: PoolLayout, decode: PoolLayout,
+                     state_types: Mapping[str, StateType] = BUILT_IN) -> None:
     """Raise IncompatiblePeer naming the first difference that makes the two pools unpairable.
 
     Checked: model, component list and order, state types, index kinds, options, buffer count, and per
     buffer the dtype, sharding (total KV heads, shard groups) and un-sharded dims (head_dim, page layout
     order); and that the TP sizes divide each other.
 
-    The page sizes may differ when every paged component's state type is in ``repageable`` and its pages start
-    with their tokens (:mod:`kvbridge.repaging`): the buffers are then compared as pages of ``gcd(P, D)`` tokens.
+    The page sizes may differ when every paged component's state type (from ``state_types``) is ``repageable``
+    and names the token planes of its pages (:mod:`kvbridge.repaging`): the buffers are then compared as pages
+    of ``gcd(P, D)`` tokens.
 
     A decode rank of another pipeline split holds only some of the prefill's layers (:func:`is_partial`): its
     components are some of the prefill's, in order, each with the prefill's buffers of its layers
@@ -50,13 +56,16 @@ def check_compatible(prefill: PoolLayout, decode: PoolLayout, repageable: frozen
             raise IncompatiblePeer(f"{where}: indexed by {pc.index_kind.value} on prefill, "
                                    f"{dc.index_kind.value} on decode")
         if rp.ours != rp.theirs and pc.index_kind is IndexKind.PAGE:
-            if pc.state_type not in repageable:
+            st = state_types.get(pc.state_type)
+            if st is None or not st.repageable:
                 raise IncompatiblePeer(f"{where}: page size differs (prefill {prefill.page_size}, decode "
                                        f"{decode.page_size} tokens) and state type {pc.state_type!r} cannot pair "
                                        "pages of different sizes")
-            check_repageable(pc, prefill.page_size, rp.granule, "prefill")
-            check_repageable(dc, decode.page_size, rp.granule, "decode")
-            pc, dc = repaged(pc, prefill.page_size, rp.granule), repaged(dc, decode.page_size, rp.granule)
+            check_repageable(pc, prefill.page_size, rp.granule, "prefill", st.token_planes)
+            check_repageable(dc, decode.page_size, rp.granule, "decode", st.token_planes)
+            smaller = min(prefill.page_size, decode.page_size)
+            pc = repaged(pc, prefill.page_size, rp.granule, smaller)
+            dc = repaged(dc, decode.page_size, rp.granule, smaller)
         if pc.options != dc.options:
             raise IncompatiblePeer(f"{where}: options {pc.options} on prefill, {dc.options} on decode")
         p_bufs = restricted(pc, dc).buffers if partial else pc.buffers

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.errors import GeometryError
+from kvbridge.repaging import SidePages
 from kvbridge.slicing import Segments
 
 _U64 = np.uint64
@@ -30,6 +31,8 @@ class BufferPair:
     dst_item_nbytes: int
     dst_num_items: int
     segments: Segments
+    src_pages: SidePages | None = None     # sub-pages of several planes (kvbridge.repaging.spread): item addresses
+    dst_pages: SidePages | None = None     # are not ``i * item_nbytes`` then
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,11 +75,19 @@ def check_indices(indices: np.ndarray, num_items: int, what: str) -> np.ndarray:
     return arr
 
 
+def _offsets(idx: np.ndarray, item: int, off: np.ndarray, pages: SidePages | None) -> np.ndarray:
+    if pages is None:
+        return (idx[:, None] * item + off[None, :]).ravel()
+    page, sub = np.divmod(idx, pages.factor)
+    return (page[:, None] * pages.page_nbytes + sub[:, None] * pages.stride[None, :] + off[None, :]).ravel()
+
+
 def _relative_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_item: int, dst_item: int,
-                   seg: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   seg: Segments, src_pages: SidePages | None = None,
+                   dst_pages: SidePages | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merged descriptors relative to the buffer bases, for one item-size/segment pattern."""
-    src_rel = (src_idx[:, None] * src_item + seg.src_off[None, :]).ravel()
-    dst_rel = (dst_idx[:, None] * dst_item + seg.dst_off[None, :]).ravel()
+    src_rel = _offsets(src_idx, src_item, seg.src_off, src_pages)
+    dst_rel = _offsets(dst_idx, dst_item, seg.dst_off, dst_pages)
     lens = np.broadcast_to(seg.nbytes[None, :], (src_idx.size, len(seg))).ravel()
     if lens.size <= 1:
         return src_rel, dst_rel, lens.copy()
@@ -95,6 +106,8 @@ class PairGroup:
     members: np.ndarray          # int32 buffer indices
     src_base: np.ndarray         # uint64, one per member
     dst_base: np.ndarray
+    src_pages: SidePages | None = None
+    dst_pages: SidePages | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False, kw_only=True)
@@ -114,18 +127,26 @@ class PairGroups:
     def of(cls, pairs: Sequence[BufferPair]) -> PairGroups:
         if not pairs:
             return cls(groups=(), src_num_items=0, dst_num_items=0)
-        found: dict[tuple[int, int, bytes], list[int]] = {}
+        found: dict[tuple[int, int, bytes, bytes, bytes], list[int]] = {}
         for b, pair in enumerate(pairs):
             if len(pair.segments):
-                found.setdefault((pair.src_item_nbytes, pair.dst_item_nbytes, pair.segments.key()), []).append(b)
+                found.setdefault((pair.src_item_nbytes, pair.dst_item_nbytes, pair.segments.key(),
+                                  _pages_key(pair.src_pages), _pages_key(pair.dst_pages)), []).append(b)
         groups = tuple(PairGroup(src_item_nbytes=pairs[m[0]].src_item_nbytes,
                                  dst_item_nbytes=pairs[m[0]].dst_item_nbytes, segments=pairs[m[0]].segments,
+                                 src_pages=pairs[m[0]].src_pages, dst_pages=pairs[m[0]].dst_pages,
                                  members=np.array(m, dtype=np.int32),
                                  src_base=np.array([pairs[b].src_base for b in m], dtype=_U64),
                                  dst_base=np.array([pairs[b].dst_base for b in m], dtype=_U64))
                        for m in found.values())
         return cls(groups=groups, src_num_items=min(p.src_num_items for p in pairs),
                    dst_num_items=min(p.dst_num_items for p in pairs))
+
+
+def _pages_key(pages: SidePages | None) -> bytes:
+    if pages is None:
+        return b""
+    return np.array([pages.factor, pages.page_nbytes], np.int64).tobytes() + pages.stride.tobytes()
 
 
 def plan_transfer(pairs: Sequence[BufferPair] | PairGroups, src_idx: np.ndarray,
@@ -152,7 +173,8 @@ def plan_transfer(pairs: Sequence[BufferPair] | PairGroups, src_idx: np.ndarray,
         src_idx, dst_idx = src_idx[order], dst_idx[order]
     out_src, out_dst, out_len, out_buf = [], [], [], []
     for g in grouped.groups:
-        rs, rd, rl = _relative_runs(src_idx, dst_idx, g.src_item_nbytes, g.dst_item_nbytes, g.segments)
+        rs, rd, rl = _relative_runs(src_idx, dst_idx, g.src_item_nbytes, g.dst_item_nbytes, g.segments,
+                                    g.src_pages, g.dst_pages)
         out_src.append((g.src_base[:, None] + rs.astype(_U64)[None, :]).ravel())
         out_dst.append((g.dst_base[:, None] + rd.astype(_U64)[None, :]).ravel())
         out_len.append(np.broadcast_to(rl.astype(_U64)[None, :], (g.members.size, rl.size)).ravel())

@@ -21,6 +21,7 @@ token, so up to ``factor - 1`` sub-pages at the end of the other side's list hav
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,10 @@ import numpy as np
 
 from kvbridge.errors import IncompatiblePeer
 from kvbridge.geometry import BufferGeometry, Component, IndexKind
+from kvbridge.slicing import Segments
 
 PAGE_OPTION = "page_size"       # a state type's option naming the page size (SWA, NSA): the sub-page size then
+SUB_PAGE_OPTION = "sub_page_of"  # added to a repaged component: the smaller of the pair's page sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,40 +67,145 @@ def sub_pages(pages: np.ndarray, factor: int) -> np.ndarray:
     return (pages[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).ravel()
 
 
-def token_axis_first(buf: BufferGeometry, page_size: int) -> bool:
-    """Is the buffer's first item axis the page's tokens (so a run of tokens is contiguous)?"""
-    return buf.item_shape[0] == page_size and (buf.shard is None or buf.shard.axis != 0)
+Planes = tuple[int, ...]
+"""Bytes per token of each plane of a page, in page order: a page of ``P`` tokens is the planes one after the
+other, plane ``r`` holding ``P * planes[r]`` bytes, token after token. Token-major KV has one plane (every head of
+a token together); head-major KV one per head; an NSA indexer page its keys, then its scales."""
 
 
-def check_repageable(comp: Component, page_size: int, granule: int, side: str) -> None:
+def default_planes(buf: BufferGeometry, page_size: int) -> Planes | None:
+    """The planes of a page whose tokens are its first axis (one plane) or its second under a sharded first axis
+    (head-major: one plane per head); None for any other page."""
+    shape = buf.item_shape
+    if shape[0] == page_size and (buf.shard is None or buf.shard.axis != 0):
+        return (buf.item_nbytes // page_size,)
+    if len(shape) >= 2 and shape[1] == page_size and buf.shard is not None and buf.shard.axis == 0:
+        return (math.prod(shape[2:]) * buf.dtype.itemsize,) * shape[0]
+    return None
+
+
+def _compact_shape(buf: BufferGeometry, page_size: int, granule: int) -> tuple[int, ...]:
+    """The item shape of a sub-page laid out compactly (each plane's ``granule`` tokens, plane after plane)."""
+    shape = buf.item_shape
+    if shape[0] == page_size and (buf.shard is None or buf.shard.axis != 0):
+        return (granule, *shape[1:])
+    if len(shape) >= 2 and shape[1] == page_size:
+        return (shape[0], granule, *shape[2:])
+    return (shape[0] // page_size * granule, *shape[1:])
+
+
+PlanesOf = Callable[[Component, BufferGeometry, int], "Planes | None"]
+
+
+def check_repageable(comp: Component, page_size: int, granule: int, side: str, planes_of: PlanesOf) -> None:
     """Raise IncompatiblePeer unless every buffer of a paged component splits into sub-pages of ``granule``."""
     if comp.index_kind is not IndexKind.PAGE:
         return
     for buf in comp.buffers:
-        if not token_axis_first(buf, page_size):
+        planes = planes_of(comp, buf, page_size)
+        if planes is None or sum(planes) * page_size != buf.item_nbytes:
             raise IncompatiblePeer(
                 f"component {comp.name!r}: the page sizes differ and buffer {buf.name!r} on {side} (item shape "
-                f"{buf.item_shape}, {page_size}-token pages) does not start with its tokens: a sub-page of "
-                f"{granule} tokens of a head-major page is one run per head, not a page kvbridge can pair; "
-                "run both sides with the same page size or a token-major layout")
+                f"{buf.item_shape}, {page_size}-token pages) has no token planes its state type names (pages "
+                f"with tokens first or second under a sharded axis): it cannot be paired as sub-pages of {granule} "
+                "tokens; run both sides with the same page size")
 
 
-def repaged(comp: Component, page_size: int, granule: int) -> Component:
-    """``comp`` as pages of ``granule`` tokens (paged components only; the memory is the same)."""
-    if comp.index_kind is not IndexKind.PAGE or granule == page_size:
+def repaged(comp: Component, page_size: int, granule: int, smaller: int) -> Component:
+    """``comp`` as pages of ``granule`` tokens, each laid out compactly (paged components only). With one plane
+    per page this is the same memory; with several, the planner spreads each sub-page's bytes over the planes
+    (:func:`spread`). A ``page_size`` option becomes ``granule``, and ``smaller`` (the smaller of the pair's two
+    page sizes) is added as option ``sub_page_of``: a window's sub-pages, paired, span up to that many tokens
+    more at each end than a window of ``granule``-token pages would."""
+    if comp.index_kind is not IndexKind.PAGE:
         return comp
     factor = page_size // granule
     buffers = tuple(msgspec.structs.replace(b, num_items=b.num_items * factor,
-                                            item_shape=(granule, *b.item_shape[1:])) for b in comp.buffers)
+                                            item_shape=_compact_shape(b, page_size, granule)) for b in comp.buffers)
     options = dict(comp.options)
     if PAGE_OPTION in options:
         options[PAGE_OPTION] = granule
+    options[SUB_PAGE_OPTION] = smaller
     return msgspec.structs.replace(comp, buffers=buffers, options=options)
 
 
 def repaged_view(view: Any, factor: int) -> Any:
-    """A uint8 ``[pages, page_nbytes]`` view of one buffer (numpy or torch) as ``[sub_pages, page_nbytes /
-    factor]``: the same memory, when the page's first axis is its tokens."""
+    """A uint8 ``[pages, page_nbytes]`` view of a one-plane buffer (numpy or torch) as ``[sub_pages, page_nbytes /
+    factor]``: the same memory."""
     if factor == 1:
         return view
     return view.reshape(view.shape[0] * factor, view.shape[1] // factor)
+
+
+@dataclass(frozen=True, slots=True)
+class SidePages:
+    """One side of a buffer pair in sub-pages: item ``i`` starts at ``(i // factor) * page_nbytes +
+    (i % factor) * stride[s]`` for its segment ``s`` (the planner's addressing for several planes)."""
+
+    factor: int
+    page_nbytes: int
+    stride: np.ndarray
+
+
+def _plane_starts(planes: Planes, tokens: int) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.asarray(planes, dtype=np.int64) * tokens)))
+
+
+def spread(segments: Segments, granule: int, src: tuple[Planes, int], dst: tuple[Planes, int]
+           ) -> tuple[Segments, SidePages, SidePages]:
+    """Segments of a compact sub-page (:func:`repaged`) as runs inside the real pages of both sides, cut where a
+    plane ends on either side; with the strides that move each run from one sub-page of a page to the next.
+    ``src``/``dst``: (planes, page size in tokens) of each side.
+
+    >>> from kvbridge.slicing import Segments
+    >>> seg = Segments.whole(2 * 4 * 8)        # a head-major sub-page of 2 heads x 4 tokens x 8 B
+    >>> out, s, d = spread(seg, 4, ((8, 8), 16), ((8, 8), 8))
+    >>> out.src_off.tolist(), out.dst_off.tolist(), out.nbytes.tolist(), s.stride.tolist(), d.page_nbytes
+    ([0, 128], [0, 64], [32, 32], [32, 32], 128)
+    """
+    sides = []
+    for planes, page in (src, dst):
+        compact = _plane_starts(planes, granule)
+        sides.append((compact, _plane_starts(planes, page), np.asarray(planes, dtype=np.int64)))
+    so, do, ln, ss, ds = [], [], [], [], []
+    for a, b, n in zip(segments.src_off.tolist(), segments.dst_off.tolist(), segments.nbytes.tolist()):
+        bounds = {0, n}
+        for base, (compact, _, _) in zip((a, b), sides):
+            bounds.update(int(c) - base for c in compact if 0 < int(c) - base < n)
+        cuts = sorted(bounds)
+        for lo, hi in zip(cuts, cuts[1:]):
+            out = []
+            for base, (compact, real, widths) in zip((a + lo, b + lo), sides):
+                r = int(np.searchsorted(compact, base, side="right")) - 1
+                out.append((int(real[r]) + base - int(compact[r]), granule * int(widths[r])))
+            (s_off, s_stride), (d_off, d_stride) = out
+            so.append(s_off)
+            do.append(d_off)
+            ln.append(hi - lo)
+            ss.append(s_stride)
+            ds.append(d_stride)
+    i64 = np.int64
+    result = Segments(np.array(so, i64), np.array(do, i64), np.array(ln, i64))
+    (src_planes, src_page), (dst_planes, dst_page) = src, dst
+    return (result,
+            SidePages(src_page // granule, sum(src_planes) * src_page, np.array(ss, i64)),
+            SidePages(dst_page // granule, sum(dst_planes) * dst_page, np.array(ds, i64)))
+
+
+def compact_items(view: Any, items: np.ndarray, planes: Planes, page_size: int, granule: int) -> Any:
+    """The bytes of sub-pages ``items`` of a several-plane buffer (uint8 ``[pages, page_nbytes]``, numpy or torch),
+    each laid out compactly as :func:`repaged` describes: ``[len(items), granule * sum(planes)]``, a copy."""
+    factor = page_size // granule
+    items = np.asarray(items, dtype=np.int64)
+    compact, real = _plane_starts(planes, granule), _plane_starts(planes, page_size)
+    within = np.arange(int(compact[-1]), dtype=np.int64)
+    plane = np.searchsorted(compact, within, side="right") - 1
+    width = granule * np.asarray(planes, dtype=np.int64)[plane]
+    offset = real[plane] + within - compact[plane]           # for sub-page 0 of a page
+    cols = offset[None, :] + (items % factor)[:, None] * width[None, :]
+    rows = (items // factor)[:, None]
+    if isinstance(view, np.ndarray):
+        return view[rows, cols]
+    import torch  # a tensor was given
+
+    return view[torch.as_tensor(rows, device=view.device), torch.as_tensor(cols, device=view.device)]

@@ -52,12 +52,12 @@ class AgentContext:
     events: RoomEvents = field(default_factory=RoomEvents)   # finished / failed / safe rooms, for events()
     lateness: OwnLateness = field(init=False)   # time this rank was not running: excused by every timer
     lock: AgentLock = field(init=False)
-    repageable: frozenset[str] = field(init=False)     # state types whose pages may differ in size from a peer's
+    state_by_name: dict[str, StateType] = field(init=False)   # our state types by name (the handshake's checks)
 
     def __post_init__(self) -> None:
         self.lateness = OwnLateness(self.config.heartbeat_interval_s)
         self.lock = AgentLock(clock=self.clock, deliver=self._deliver)
-        self.repageable = frozenset(st.name for st in self.state_types if st.repageable)
+        self.state_by_name = {c.state_type: st for c, st in zip(self.layout.components, self.state_types)}
 
     @property
     def now(self) -> float:

@@ -22,7 +22,6 @@ from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.lateness import Since
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
-from kvbridge.digests import digest_items
 from kvbridge.errors import Draining, KVBridgeError, ProtocolError, TransferError
 from kvbridge.geometry import IndexKind
 from kvbridge.protocol.events import RoomEventKind
@@ -55,9 +54,11 @@ class Coverage:
     """Which (item, layer) cells of one (prefill rank, component) landed; a cell counts once, whatever the
     notices repeat or overlap. ``done``: items with every layer."""
 
-    def __init__(self, items: int, layers: int, *, slack: int = 0) -> None:
+    def __init__(self, items: int, layers: int, *, slack: int = 0, lead_slack: int = 0) -> None:
         self.items, self.layers = items, layers
-        self.slack = slack       # items at the end that may stay empty (padding of a larger page: repaging)
+        # items at the end (at the start) that may stay empty: padding past the request, tokens before a window,
+        # in this rank's last (first) page when its pages are larger than the prefill's (kvbridge.repaging)
+        self.slack, self.lead_slack = slack, lead_slack
         self.done = 0
         self._full = np.zeros(items, dtype=bool)
         self._cells: np.ndarray | None = None      # [items, layers], once a notice names only some layers
@@ -81,8 +82,13 @@ class Coverage:
     def complete(self) -> bool:
         if self.done == self.items:
             return True
-        missing = self.items - self.done
-        return 0 < missing <= self.slack and bool(self._full[: self.items - missing].all())
+        if self.items - self.done > self.slack + self.lead_slack:
+            return False
+        held = np.flatnonzero(self._full)
+        if not held.size:
+            return False
+        start, stop = int(held[0]), int(held[-1]) + 1
+        return stop - start == held.size and start <= self.lead_slack and self.items - stop <= self.slack
 
     def missing_layers(self) -> list[int]:
         """Layers some item still lacks (every layer when nothing arrived layer-wise)."""
@@ -278,7 +284,8 @@ class DecodeSide(RoomTable[RecvRoom]):
                     continue
                 key = (rank, comp.name)
                 room.expected.add(key)
-                room.covered[key] = Coverage(n_items, layers, slack=factor - 1)
+                chunked = ctx.state_types[comp_index].chunked
+                room.covered[key] = Coverage(n_items, layers, slack=factor - 1, lead_slack=0 if chunked else factor - 1)
                 if rp is not None and ctx.state_types[comp_index].chunked and comp.index_kind is IndexKind.PAGE:
                     # the sub-pages before the prefill's first page: cached here (they hold the prefix)
                     lead = rp.lead(prefix_len, prefill=src_layout.page_size, decode=ctx.layout.page_size)
@@ -387,10 +394,13 @@ class DecodeSide(RoomTable[RecvRoom]):
                              f"landed, {8 * expected} B expected")
             return False
         want = np.frombuffer(notice.digests, dtype="<u8")
-        views = self._plans.views(peer, comp_index)
         factor = self._plans.factor(peer, comp_index)        # items are sub-pages when the page sizes differ
         for k, b in enumerate(buffers):
-            got = digest_items(views[b], items, self._plans.run_bytes(peer, comp_index, b, "dst"))
+            got = self._plans.digest(peer, comp_index, b, items, "dst")
+            if got is None:
+                self._fail(room, f"checksums asked for, but {notice.component} buffer {comp.buffers[b].name} has no "
+                                 "host-readable view on this rank")
+                return False
             bad = np.flatnonzero(got != want[k * len(items): (k + 1) * len(items)])
             if bad.size:
                 self._fail(room, f"checksum mismatch: {notice.component} buffer {comp.buffers[b].name} "

@@ -90,7 +90,7 @@ def refusal(ctx: AgentContext, hello: Hello) -> str:
     if hello.backend != ctx.backend_name:
         return f"backend differs: prefill uses {ctx.backend_name!r}, decode {hello.backend!r}"
     try:
-        check_compatible(ctx.layout, hello.layout, ctx.repageable)
+        check_compatible(ctx.layout, hello.layout, ctx.state_by_name)
     except IncompatiblePeer as exc:
         return str(exc)
     if ctx.layout.tp_rank not in target_ranks(ctx.layout.tp_size, hello.layout.tp_size, hello.layout.tp_rank):

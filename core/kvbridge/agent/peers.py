@@ -431,7 +431,7 @@ class PeerTable:
             reason = f"prefill {welcome.agent} refused the handshake: {welcome.reason}"
         else:
             try:
-                check_compatible(welcome.layout, self._ctx.layout, self._ctx.repageable)
+                check_compatible(welcome.layout, self._ctx.layout, self._ctx.state_by_name)
             except IncompatiblePeer as exc:
                 reason = str(exc)
         for target in targets:

@@ -6,15 +6,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from kvbridge.agent.layers import LayerMap, layer_map
-from kvbridge.digests import Runs, run_bytes
+from kvbridge.digests import Runs, digest_items, readable, run_bytes
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import Component, IndexKind, PoolLayout, Rank
 from kvbridge.handshake import is_partial, restricted
 from kvbridge.planner import BufferPair, PairGroups
 from kvbridge.protocol.records import PeerInfo
 from kvbridge.protocol.wire import Role
-from kvbridge.repaging import Repaging, repaged, repaged_view
+from kvbridge.repaging import Planes, Repaging, SidePages, compact_items, repaged, repaged_view, spread
 from kvbridge.slicing import ComponentSlice, Segments
 from kvbridge.staging import DEFAULT_DESCRIPTOR_COST_US, Rows, regular_rows, stage_threshold
 
@@ -75,6 +77,7 @@ class PlanCache:
         self._partial: dict[str, bool] = {}
         self._repaging: dict[str, Repaging | None] = {}
         self._components: dict[tuple[str, int], tuple[Component, Component | None]] = {}
+        self._spread: dict[tuple[str, int], bool] = {}
 
     def layers(self, comp_index: int) -> LayerMap:
         """The layers of one of our components (the peer's are the same: buffer names must match)."""
@@ -125,8 +128,9 @@ class PlanCache:
             theirs = next((c for c in peer.layout.components if c.name == ours.name), None)
             rp = self.repaging(peer)
             if rp is not None:
-                ours = repaged(ours, self._ctx.layout.page_size, rp.granule)
-                theirs = repaged(theirs, peer.layout.page_size, rp.granule) if theirs is not None else None
+                smaller = min(self._ctx.layout.page_size, peer.layout.page_size)
+                ours = repaged(ours, self._ctx.layout.page_size, rp.granule, smaller)
+                theirs = repaged(theirs, peer.layout.page_size, rp.granule, smaller) if theirs is not None else None
             found = self._components[key] = (ours, theirs)
         return found
 
@@ -145,11 +149,51 @@ class PlanCache:
         paged = self._ctx.layout.components[comp_index].index_kind is IndexKind.PAGE
         return rp.ours if rp is not None and paged else 1
 
-    def views(self, peer: Peer, comp_index: int) -> list[object]:
-        """Our buffers' views in this pair's items (sub-pages when the page sizes differ)."""
+    def planes(self, layout: PoolLayout, comp_index: int) -> list[Planes]:
+        """The token planes of each buffer of a component of ``layout`` (ours or a peer's, same state type)."""
+        comp = layout.components[comp_index] if layout is self._ctx.layout else next(
+            c for c in layout.components if c.name == self._ctx.layout.components[comp_index].name)
+        st = self._ctx.state_types[comp_index]
+        found = []
+        for buf in comp.buffers:
+            planes = st.token_planes(comp, buf, layout.page_size)
+            if planes is None:
+                raise GeometryError(f"component {comp.name!r} buffer {buf.name!r}: no token planes (checked at the "
+                                    "handshake)")
+            found.append(planes)
+        return found
+
+    def spread_out(self, peer: Peer, comp_index: int) -> bool:
+        """Do this pair's sub-pages of the component span several planes of a page (head-major pages, NSA
+        keys and scales)? Their bytes are then not one run of our memory: planned with per-plane strides,
+        digested from a gathered copy, never posted in a backend's structured form."""
+        key = (peer.agent, comp_index)
+        found = self._spread.get(key)
+        if found is None:
+            found = False
+            if self.factor(peer, comp_index) > 1 or (self.repaging(peer) is not None and
+                                                      self._ctx.layout.components[comp_index].index_kind
+                                                      is IndexKind.PAGE):
+                theirs = self._pair_components(peer, comp_index)[1]
+                found = any(len(p) > 1 for p in self.planes(self._ctx.layout, comp_index)) or (
+                    theirs is not None and any(len(p) > 1 for p in self.planes(peer.layout, comp_index)))
+            self._spread[key] = found
+        return found
+
+    def digest(self, peer: Peer, comp_index: int, buffer: int, items: np.ndarray, side: str) -> np.ndarray | None:
+        """Digests of ``items`` (this pair's items) of one of our buffers, over the runs of its slice on ``side``;
+        None when the buffer has no readable view."""
         views = self._ctx.buffers.views.get(self._ctx.layout.components[comp_index].name) or []
-        factor = self.factor(peer, comp_index)
-        return views if factor == 1 else [repaged_view(v, factor) for v in views]
+        if not views or not readable(views[0]):
+            return None
+        runs = self.run_bytes(peer, comp_index, buffer, side)
+        if not self.spread_out(peer, comp_index):
+            return digest_items(repaged_view(views[buffer], self.factor(peer, comp_index)), items, runs)
+        rp = self.repaging(peer)
+        assert rp is not None
+        planes = self.planes(self._ctx.layout, comp_index)[buffer]
+        gathered = compact_items(views[buffer], items, planes, self._ctx.layout.page_size, rp.granule)
+        return digest_items(gathered, np.arange(len(items)), runs)
 
     def slice_for(self, peer: Peer, comp_index: int) -> ComponentSlice:
         """What the prefill side of this pair writes for one component, per buffer of ours (a buffer a partial
@@ -206,13 +250,28 @@ class PlanCache:
             dst = dict(zip((b.name for b in theirs.buffers),
                            zip(peer.info.component(mine.name).regions, theirs.buffers)))
             pairs = []
+            spread_out = self.spread_out(peer, comp_index)
+            granule = 0
+            if spread_out:
+                rp = self.repaging(peer)
+                assert rp is not None and self._ctx.role is Role.PREFILL
+                granule = rp.granule
+                mine_planes = dict(zip((b.name for b in self._ctx.layout.components[comp_index].buffers),
+                                       self.planes(self._ctx.layout, comp_index)))
+                peer_orig = next(c for c in peer.layout.components if c.name == mine.name)
+                their_planes = dict(zip((b.name for b in peer_orig.buffers), self.planes(peer.layout, comp_index)))
             for s, sg, seg in zip(src_regions, mine.buffers, segs.buffers):
                 d, dg = dst.get(sg.name, (None, None))
+                pages: tuple[SidePages | None, SidePages | None] = (None, None)
+                if spread_out and d is not None and len(seg):
+                    seg, *sides = spread(seg, granule, (mine_planes[sg.name], self._ctx.layout.page_size),
+                                         (their_planes[sg.name], peer.layout.page_size))
+                    pages = (sides[0], sides[1])
                 pairs.append(BufferPair(src_base=s.addr, src_item_nbytes=sg.item_nbytes, src_num_items=sg.num_items,
                                         dst_base=d.addr if d is not None else 0,
                                         dst_item_nbytes=dg.item_nbytes if dg is not None else sg.item_nbytes,
                                         dst_num_items=theirs.num_items, segments=seg if d is not None else
-                                        Segments.empty()))
+                                        Segments.empty(), src_pages=pages[0], dst_pages=pages[1]))
             self._pairs[key] = pairs
         return pairs
 
@@ -247,10 +306,13 @@ class PlanCache:
 
     def layer_pairs(self, peer: Peer, comp_index: int, segs: ComponentSlice,
                     layers: range) -> tuple[list[BufferPair], tuple[Segments, ...]]:
-        """Buffer pairs and segments of ``layers`` only (the other buffers' segments empty)."""
+        """Buffer pairs and segments of ``layers`` only (the other buffers' segments empty). The segments are the
+        transfer's structured form; none when the sub-pages span several planes (a backend then posts the plan's
+        descriptors)."""
         lm = self.layers(comp_index)
+        structured = not self.spread_out(peer, comp_index)
         if layers.start == 0 and layers.stop == lm.num_layers:
-            return self.pairs_for(peer, comp_index, segs), segs.buffers
+            return self.pairs_for(peer, comp_index, segs), segs.buffers if structured else ()
         key = (peer.agent, comp_index, layers.start, layers.stop)
         found = self._layer_pairs.get(key)
         if found is None:
@@ -258,8 +320,8 @@ class PlanCache:
             empty = Segments.empty()
             pairs = [p if b in keep else dataclasses.replace(p, segments=empty)
                      for b, p in enumerate(self.pairs_for(peer, comp_index, segs))]
-            found = self._layer_pairs[key] = (pairs, tuple(s if b in keep else empty
-                                                            for b, s in enumerate(segs.buffers)))
+            found = self._layer_pairs[key] = (pairs, tuple(s if b in keep else empty for b, s in
+                                                            enumerate(segs.buffers)) if structured else ())
         return found
 
     def layer_groups(self, peer: Peer, comp_index: int, segs: ComponentSlice,
@@ -289,7 +351,7 @@ class PlanCache:
     def forget(self, agent: str) -> None:
         self._partial.pop(agent, None)
         self._repaging.pop(agent, None)
-        for cache in (self._slices, self._pairs, self._rows, self._stage, self._components):
+        for cache in (self._slices, self._pairs, self._rows, self._stage, self._components, self._spread):
             for key in [k for k in cache if k[0] == agent]:
                 del cache[key]
         for lkey in [k for k in self._layer_pairs if k[0] == agent]:

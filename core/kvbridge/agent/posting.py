@@ -27,9 +27,8 @@ from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.backends.base import ComponentTransfer
-from kvbridge.digests import digest_items, readable
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
-from kvbridge.geometry import IndexKind
+from kvbridge.geometry import Component, IndexKind
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.protocol.states import WriteEvent, WriteState
@@ -37,6 +36,7 @@ from kvbridge.protocol.wire import Notice
 from kvbridge.repaging import Repaging, sub_pages
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
+from kvbridge.state.base import StateType
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -89,6 +89,25 @@ def _sub_paged_chunk(room: SendRoom, component: str, agent: str, src: np.ndarray
                             f"{agent} with its last chunk: more than the decode's last page is missing")
     lo, hi = max(start, 0), min(end, len(dst))
     return ours[lo - start: hi - start], dst[lo:hi], lo
+
+
+def _sub_paged_state(st: StateType, comp: Component, agent: str, src: np.ndarray, src_first: int,
+                     dst_pages: np.ndarray, dst_first: int, rp: Repaging, where: str) -> tuple[np.ndarray, np.ndarray,
+                                                                                                int | None]:
+    """Pair the pages of a state component sent once (an SWA window, NSA indexer pages) with the decode's pages
+    of another size, as sub-pages: the decode's sub-pages outside ours must lie within its first or its last page
+    (tokens before the window, padding past the request), and are left out; the state type pairs the rest.
+    Returns (source, destination, first position in the decode's list) in sub-pages."""
+    ours, s_first = sub_pages(src, rp.ours), src_first * rp.ours
+    dst, d_first = sub_pages(dst_pages, rp.theirs), dst_first * rp.theirs
+    lo, hi = max(s_first, d_first), min(s_first + len(ours), d_first + len(dst))
+    if len(dst) and (lo - d_first >= rp.theirs or d_first + len(dst) - hi >= rp.theirs):
+        raise GeometryError(f"{where} {comp.name}: prefill sends sub-pages [{s_first}, {s_first + len(ours)}) of "
+                            f"{rp.granule} tokens, decode {agent} asked for [{d_first}, {d_first + len(dst)}): more "
+                            "than its first or last page lies outside ours")
+    kept = dst[lo - d_first: hi - d_first] if len(dst) else dst
+    s_idx, d_idx = st.pair_indices(comp, ours, s_first, kept, lo if len(dst) else d_first)
+    return s_idx, d_idx, _coverage_start(dst, d_idx, f"{where} {comp.name}")
 
 
 def _coverage_start(dst_all: np.ndarray, d_idx: np.ndarray, where: str) -> int | None:
@@ -150,6 +169,9 @@ class Poster:
                     raise GeometryError(f"room {room.room}: prefill sent {end} of {len(dst_all)} {comp.name} items "
                                         f"to decode {agent} with its last chunk")
                 s_idx, d_idx, first = src, dst_all[room.cursor: end], room.cursor
+            elif rp is not None:
+                s_idx, d_idx, first = _sub_paged_state(st, self._plans.own_component(peer, comp_index), agent, src,
+                                                       src_first, dst_all, packed.first, rp, f"room {room.room}")
             else:
                 s_idx, d_idx = st.pair_indices(comp, src, src_first, dst_all, packed.first)
                 first = _coverage_start(dst_all, d_idx, f"room {room.room} {comp.name}")
@@ -302,11 +324,12 @@ class Poster:
         item in the order of the destination items the notice names (``kvbridge.digests``), where the pages live:
         on a GPU on the engine's current stream, after the work it queued (the source pages), which this call
         waits for. Raw regions without a view send none (the decode then fails the room saying so)."""
-        views = self._plans.views(peer, comp_index)
-        if not views or not readable(views[0]):
-            return b""
-        parts = [digest_items(views[b], src_items, self._plans.run_bytes(peer, comp_index, b, "src"))
-                 for b in self._plans.sliced_buffers(peer, comp_index, layers)]
+        parts = []
+        for b in self._plans.sliced_buffers(peer, comp_index, layers):
+            digests = self._plans.digest(peer, comp_index, b, src_items, "src")
+            if digests is None:
+                return b""
+            parts.append(digests)
         return np.concatenate(parts).astype("<u8").tobytes() if parts else b""
 
     @staticmethod

@@ -18,7 +18,8 @@ from typing import ClassVar
 import numpy as np
 
 from kvbridge.errors import GeometryError
-from kvbridge.geometry import Component, Rank
+from kvbridge.geometry import BufferGeometry, Component, Rank
+from kvbridge.repaging import Planes, default_planes
 from kvbridge.slicing import ComponentSlice, sharded_component_slice
 
 
@@ -32,6 +33,13 @@ class StateType:
     #: True when its pages may differ in size between prefill and decode: the agent then pairs them as pages of
     #: ``gcd(P, D)`` tokens (:mod:`kvbridge.repaging`); the page's first axis must be its tokens.
     repageable: ClassVar[bool] = False
+
+    def token_planes(self, component: Component, buffer: BufferGeometry, page_size: int) -> Planes | None:
+        """Bytes per token of each plane of one page of ``buffer``, in page order (:data:`kvbridge.repaging.Planes`),
+        or None when its pages cannot be cut into sub-pages. Asked only of a ``repageable`` state type whose pages
+        differ in size from the peer's. The default knows token-major pages ``[page, ...]`` (one plane) and
+        head-major ones ``[heads, page, ...]`` sharded on heads (one plane per head)."""
+        return default_planes(buffer, page_size)
 
     def check_component(self, component: Component, tp: Rank) -> None:
         """Raise GeometryError when ``component`` is not a valid instance of this state type."""

@@ -21,6 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvbridge.plugin import (
+    BufferGeometry,
     Component,
     ComponentSlice,
     GeometryError,
@@ -33,6 +34,7 @@ from kvbridge.plugin import (
 from kvbridge_nsa.pages import PageRange, indexer_pages
 
 _AGREED = ("page_size", "bytes_per_token")
+SCALE_BYTES = 4          # one fp32 scale per token, after the page's keys
 
 
 class NSAState(StateType):
@@ -40,6 +42,20 @@ class NSAState(StateType):
 
     name: ClassVar[str] = "nsa"
     chunked: ClassVar[bool] = False
+    repageable: ClassVar[bool] = True     # a page is its keys, then its scales: two token planes
+
+    def token_planes(self, component: Component, buffer: BufferGeometry, page_size: int) -> tuple[int, ...] | None:
+        """A page holds every token's key bytes, then every token's 4-byte scale (DeepSeek-V3.2's layout).
+
+        >>> from kvbridge_nsa.geometry import nsa_component
+        >>> comp = nsa_component("i", layers=1, num_pages=8)
+        >>> NSAState().token_planes(comp, comp.buffers[0], 64)
+        (128, 4)
+        """
+        per_token = component.options.get("bytes_per_token")
+        if not isinstance(per_token, int) or per_token <= SCALE_BYTES or buffer.item_nbytes != page_size * per_token:
+            return None
+        return (per_token - SCALE_BYTES, SCALE_BYTES)
 
     def check_component(self, component: Component, tp: Rank) -> None:
         where = f"component {component.name!r}"

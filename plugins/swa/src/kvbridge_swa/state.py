@@ -44,6 +44,7 @@ class SWAState(StateType):
 
     name: ClassVar[str] = "swa"
     chunked: ClassVar[bool] = False
+    repageable: ClassVar[bool] = True     # token- or head-major window pages split into sub-pages (kvbridge.repaging)
 
     def check_component(self, component: Component, tp: Rank) -> None:
         where = f"component {component.name!r}"
@@ -75,7 +76,9 @@ class SWAState(StateType):
         """
         page_size = component.options.get("page_size")
         if isinstance(page_size, int):
-            limit = max_window_pages(int(component.options["window"]), page_size)
+            # paired as sub-pages of two page sizes, a window spans up to a smaller page more at each end
+            edge = component.options.get("sub_page_of", page_size)
+            limit = max_window_pages(int(component.options["window"]) + 2 * (int(edge) - page_size), page_size)
             if len(dst_items) > limit:
                 raise GeometryError(f"component {component.name!r}: decode lists {len(dst_items)} pages, but a "
                                     f"window of {component.options['window']} tokens spans at most {limit} pages "
