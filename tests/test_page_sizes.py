@@ -12,6 +12,7 @@ side's last page is partly padding).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,12 +159,12 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
 
 
 PAGE_PAIRS = [(16, 64), (64, 16), (16, 128), (128, 16), (48, 32), (24, 64)]
-TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4), (4, 1), (4, 4)]   # the kit's sweep
 
 
-def _world(pairs: list[tuple[int, int]], p_page: int, d_page: int, rng: np.random.Generator,
+def _world(pairs: list[tuple[int, int]], p_page: int, d_page: int, rng: np.random.Generator, backend: str = "loopback",
            **config: object) -> World:
-    return World(registry=Registry.build(), backend="loopback", pairs=pairs,
+    return World(registry=Registry.build(), backend=backend, pairs=pairs,
                  make_pool=lambda role, tp, r: Pool(tp, r, p_page if role is Role.PREFILL else d_page, rng),
                  config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
                                     waiting_timeout_s=10.0, **config),  # type: ignore[arg-type]
@@ -183,6 +184,23 @@ def test_pages_of_other_sizes_arrive_byte_exact_at_every_tp_pair(p_page: int, d_
                                            (2 * big + 1, min(p_page, d_page) + 1, 2)):
                 run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, chunks, rng)
                 room += 1
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32)], ids=["P16-D64", "P64-D16", "P48-D32"])
+def test_nixl_writes_sub_pages_byte_exact(p_page: int, d_page: int) -> None:
+    """The same over real NIXL (UCX, host memory): one-plane sub-pages go in NIXL's prepped form, several-plane
+    ones (head-major) as listed descriptors."""
+    pytest.importorskip("nixl")
+    rng = np.random.default_rng(p_page + d_page)
+    pairs = [(2, 1), (1, 2), (1, 1)]
+    world = _world(pairs, p_page, d_page, rng, backend="nixl", staging="never",
+                   backend_options={"progress_thread": "false"})
+    try:
+        for room, (pt, dt) in enumerate(pairs, start=1):
+            big = max(p_page, d_page)
+            run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng)
     finally:
         world.close()
 
@@ -251,3 +269,132 @@ def test_a_decode_whose_pages_have_no_planes_is_refused_at_connect() -> None:
         pre.start(0.001)
         with pytest.raises(IncompatiblePeer, match="no token planes"):
             dec.connect("i", timeout_s=5)
+
+
+# ---------------------------------------------------------------------------------------------------- SWA and NSA
+WINDOW = 100
+NSA_KEY, NSA_SCALE = 8, 4        # bytes per token: keys first, then scales (kvbridge_nsa's two planes)
+
+
+class StatePool:
+    """A hybrid rank: token-major KV pages, SWA window pages (head-major when asked) and NSA indexer pages."""
+
+    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator, head_major: bool) -> None:
+        from kvbridge_nsa.geometry import nsa_component
+        from kvbridge_swa.geometry import swa_component
+
+        self.tp, self.rank, self.page, self.head_major = tp, rank, page, head_major
+        self.num_pages = TOKENS_IN_POOL // page
+        comps = (KINDS[0].component(tp, page, self.num_pages),
+                 swa_component("swa", layers=LAYERS, page_size=page, kv_heads=GQA_HEADS, head_dim=HEAD_BYTES // 2,
+                               tp=tp, dtype="bfloat16", num_pages=self.num_pages, window=WINDOW, head_major=head_major),
+                 nsa_component("nsa", layers=LAYERS, page_size=page, bytes_per_token=NSA_KEY + NSA_SCALE,
+                               num_pages=self.num_pages))
+        self.layout = PoolLayout(components=comps, tp_size=tp, tp_rank=rank, page_size=page, model="repaging")
+        self.buffers = {c.name: [rng.integers(0, 256, (g.num_items, g.item_nbytes), dtype=np.uint8)
+                                 for g in c.buffers] for c in comps}
+
+    def arrays(self) -> dict[str, list[object]]:
+        return {name: list(bufs) for name, bufs in self.buffers.items()}
+
+    def expected(self, comp: str, b: int, tokens: np.ndarray) -> np.ndarray:
+        layer, tensor = b % LAYERS, b // LAYERS
+        if comp == "nsa":
+            return pattern(SEED, layer, 9, tokens.reshape(-1, 1), np.arange(NSA_KEY + NSA_SCALE).reshape(1, -1))
+        return token_bytes(KINDS[0], layer, tensor + (0 if comp == "gqa" else 2), tokens, self.tp, self.rank)
+
+    def cells(self, comp: str, b: int) -> tuple[np.ndarray, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+        """The buffer, and a function (page, slot) -> [n, bytes of one token] reading or naming its cells."""
+        buf, n, p = self.buffers[comp][b], self.num_pages, self.page
+        if comp == "nsa":
+            keys, scales = buf[:, : p * NSA_KEY].reshape(n, p, NSA_KEY), buf[:, p * NSA_KEY:].reshape(n, p, NSA_SCALE)
+            return buf, lambda pg, sl: np.concatenate([keys[pg, sl], scales[pg, sl]], axis=1)
+        if comp == "swa" and self.head_major:
+            view = buf.reshape(n, -1, p, HEAD_BYTES)
+            return buf, lambda pg, sl: view[pg, :, sl].reshape(len(pg), -1)
+        view = buf.reshape(n, p, -1)
+        return buf, lambda pg, sl: view[pg, sl]
+
+    def write(self, comp: str, pages: np.ndarray, first_page: int, upto: int) -> None:
+        tokens = first_page * self.page + np.arange(len(pages) * self.page)
+        keep = tokens < upto
+        pg, sl = pages[(tokens[keep] - first_page * self.page) // self.page], tokens[keep] % self.page
+        for b in range(len(self.buffers[comp])):
+            data = self.expected(comp, b, tokens[keep])
+            buf, _ = self.cells(comp, b)
+            n, p = self.num_pages, self.page
+            if comp == "nsa":
+                buf[:, : p * NSA_KEY].reshape(n, p, NSA_KEY)[pg, sl] = data[:, :NSA_KEY]
+                buf[:, p * NSA_KEY:].reshape(n, p, NSA_SCALE)[pg, sl] = data[:, NSA_KEY:]
+            elif comp == "swa" and self.head_major:
+                buf.reshape(n, -1, p, HEAD_BYTES)[pg, :, sl] = data.reshape(len(data), -1, HEAD_BYTES)
+            else:
+                buf.reshape(n, p, -1)[pg, sl] = data
+
+    def check(self, comp: str, pages: np.ndarray, first_page: int, lo: int, hi: int, old: list[np.ndarray],
+              where: str) -> None:
+        tokens = first_page * self.page + np.arange(len(pages) * self.page)
+        keep = (tokens >= lo) & (tokens < hi)
+        pg, sl = pages[(tokens[keep] - first_page * self.page) // self.page], tokens[keep] % self.page
+        others = np.setdiff1d(np.arange(self.num_pages), pages)
+        for b in range(len(self.buffers[comp])):
+            buf, read = self.cells(comp, b)
+            bad = np.flatnonzero((read(pg, sl) != self.expected(comp, b, tokens[keep])).any(axis=1))
+            assert not bad.size, f"{where} {comp} buffer {b}: tokens {tokens[keep][bad][:6].tolist()} differ"
+            assert np.array_equal(buf[others], old[b][others]), f"{where} {comp} buffer {b}: a page outside changed"
+
+    def close(self) -> None:
+        pass
+
+
+def run_hybrid(world: World, pt: int, dt: int, room: int, p_page: int, d_page: int, tokens: int,
+               rng: np.random.Generator) -> None:
+    from kvbridge_nsa.pages import indexer_pages
+    from kvbridge_swa.window import window_pages
+
+    dec = [r.pool for r in world.decode[dt]]
+    pre = [r.pool for r in world.prefill[pt]]
+    kv_d, kv_p = _pages(rng, dec[0], -(-tokens // d_page)), _pages(rng, pre[0], -(-tokens // p_page))
+    swa_d, swa_p = window_pages(tokens, WINDOW, d_page), window_pages(tokens, WINDOW, p_page)
+    nsa_d, nsa_p = indexer_pages(tokens, d_page), indexer_pages(tokens, p_page)
+    dst = {"gqa": kv_d, "swa": _pages(rng, dec[0], swa_d.count), "nsa": _pages(rng, dec[0], nsa_d.count)}
+    src = {"gqa": kv_p, "swa": _pages(rng, pre[0], swa_p.count), "nsa": _pages(rng, pre[0], nsa_p.count)}
+    for pool in pre:
+        pool.write("gqa", src["gqa"], 0, tokens)
+        pool.write("swa", src["swa"], swa_p.first, tokens)
+        pool.write("nsa", src["nsa"], 0, tokens)
+    before = [{n: [b.copy() for b in bufs] for n, bufs in pool.buffers.items()} for pool in dec]
+    opened = world.open(pt, dt, room, {"gqa": dst["gqa"], "swa": (dst["swa"], swa_d.first), "nsa": dst["nsa"]}, 10.0)
+    half = len(src["gqa"]) // 2
+    opened.send([src["gqa"][:half], src["gqa"][half:]],
+                state={"swa": (src["swa"], swa_p.first), "nsa": src["nsa"]})
+    opened.wait_success(20.0)
+    for pool, old in zip(dec, before):
+        where = f"P {p_page} -> D {d_page}, TP {pt} -> {dt}, {tokens} tokens, decode rank {pool.rank}:"
+        pool.check("gqa", dst["gqa"], 0, 0, tokens, old["gqa"], where)
+        pool.check("swa", dst["swa"], swa_d.first, max(0, tokens - WINDOW), tokens, old["swa"], where)
+        pool.check("nsa", dst["nsa"], 0, 0, tokens, old["nsa"], where)
+    opened.settle(10.0)
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["swa-token-major", "swa-head-major"])
+@pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32), (24, 64)],
+                         ids=["P16-D64", "P64-D16", "P48-D32", "P24-D64"])
+def test_swa_window_and_nsa_indexer_pages_of_other_sizes_arrive_byte_exact(p_page: int, d_page: int,
+                                                                           head_major: bool) -> None:
+    pytest.importorskip("kvbridge_swa")
+    pytest.importorskip("kvbridge_nsa")
+    rng = np.random.default_rng(p_page * 7 + d_page)
+    world = World(registry=Registry.build(), backend="loopback", pairs=TP_PAIRS,
+                  make_pool=lambda role, tp, r: StatePool(tp, r, p_page if role is Role.PREFILL else d_page, rng,
+                                                          head_major),
+                  config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
+                                     waiting_timeout_s=10.0), label=f"hybrid-{p_page}-{d_page}")
+    room = 1
+    try:
+        for pt, dt in TP_PAIRS:
+            for tokens in (WINDOW // 2, 3 * max(p_page, d_page) + 5, 5 * max(p_page, d_page) - 1):
+                run_hybrid(world, pt, dt, room, p_page, d_page, tokens, rng)
+                room += 1
+    finally:
+        world.close()
