@@ -69,9 +69,9 @@ def h64(*parts: Any) -> np.ndarray:
 class Model:
     """The scenario's model and this rank's slice of it; byte patterns of every buffer kind."""
 
-    def __init__(self, sc: dict[str, Any], tp: int, rank: int, layers: list[int]) -> None:
+    def __init__(self, sc: dict[str, Any], tp: int, rank: int, layers: list[int], page: int | None = None) -> None:
         self.sc, self.tp, self.rank, self.layers = sc, tp, rank, layers
-        self.P = sc["page"]
+        self.P = page or sc["page"]           # a side may set its own ("prefill": {"page": 16}); KV only then
         self.H = sc.get("heads", 4)
         self.hb = sc.get("head_bytes", 8)
         self.mla = sc.get("mla", False)
@@ -85,15 +85,16 @@ class Model:
         return [self.rank // (self.tp // self.H)]
 
     def kv_page(self, req: int, tensor: int, layer: int, pos: int) -> np.ndarray:
-        """Bytes of one page at request position ``pos``: [P, heads_local, hb] (MLA: [P, D])."""
+        """Bytes of one page at request position ``pos``: [P, heads_local, hb] (MLA: [P, D]), a function of
+        each token's position in the request (so pages of two sizes hold the same tokens alike)."""
         if self.mla:
-            t = np.arange(self.P)[:, None]
+            t = pos * self.P + np.arange(self.P)[:, None]
             b = np.arange(self.hb * 4)[None, :]
-            return h64(self.seed, req, 1, tensor, layer, pos, t, 0, b)
-        t = np.arange(self.P)[:, None, None]
+            return h64(self.seed, req, 1, tensor, layer, t, 0, b)
+        t = pos * self.P + np.arange(self.P)[:, None, None]
         hh = np.array(self.heads())[None, :, None]
         b = np.arange(self.hb)[None, None, :]
-        return h64(self.seed, req, 1, tensor, layer, pos, t, hh, b)
+        return h64(self.seed, req, 1, tensor, layer, t, hh, b)
 
     def kv_item(self) -> int:
         return self.P * (self.hb * 4 if self.mla else len(self.heads()) * self.hb)
@@ -230,7 +231,8 @@ class Pools:
 def requests(sc: dict[str, Any]) -> list[dict[str, Any]]:
     """Every request, identical in every process: lengths, prefix hits, chunks, pages on both sides."""
     rng = np.random.default_rng(sc["seed"])
-    P = sc["page"]
+    P = sc["decode"].get("page", sc["page"])         # a decode radix hit is whole decode pages
+    PP = sc["prefill"].get("page", sc["page"])
     out = []
     p_free = list(rng.permutation(np.arange(1, sc["pool_pages"])))
     d_free = list(rng.permutation(np.arange(1, sc["pool_pages"])))
@@ -243,7 +245,7 @@ def requests(sc: dict[str, Any]) -> list[dict[str, Any]]:
             prefix = int(rng.integers(0, length // P + 1)) * P          # decode radix hit, page-aligned, may be full
             prefix = min(prefix, (length // P) * P)
         npages = math.ceil(length / P)
-        ppages = [int(p_free.pop()) for _ in range(npages)]
+        ppages = [int(p_free.pop()) for _ in range(math.ceil(length / PP))]
         dpages = [int(d_free.pop()) for _ in range(npages)]
         cuts = sorted({int(c) for c in rng.integers(1, length, size=int(rng.integers(0, 4)))}) if length > 1 else []
         win = []
@@ -284,7 +286,7 @@ def setup(sc: dict[str, Any], role: str, dp: int, pp: int, tp_rank: int) -> tupl
     n_layers = sc["layers"]
     per = n_layers // pp_size
     layers = list(range(pp * per, (pp + 1) * per))
-    model = Model(sc, tp, tp_rank, layers)
+    model = Model(sc, tp, tp_rank, layers, side.get("page"))
     pools = Pools(model, sc, fill=0x00 if role == "prefill" else 0xEE)
     server_args = type("ServerArgs", (), {"host": "127.0.0.1", "disaggregation_bootstrap_port": sc["port"],
                                           "load_balance_method": sc.get("lbm", "follow_bootstrap_room")})()
@@ -325,7 +327,7 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
                 queue.remove(r)
             elif poll == KVPoll.WaitingForInput:
                 prefix = r["sender"].pop_decode_prefix_len()        # finalize_bootstrap
-                num_pages = math.ceil((r["len"] - prefix) / P)
+                num_pages = math.ceil(r["len"] / P) - prefix // P
                 r["sender"].init(num_pages, r["aux_p"])
                 queue.remove(r)
                 # the forward pass, chunk by chunk (send_kv_chunk after each; page-floored unless last)
@@ -544,7 +546,11 @@ def verify(sc: dict[str, Any], pools: Pools, model: Model, r: dict[str, Any]) ->
             page = r["dpages"][pos]
             want = model.kv_page(r["k"], tensor, layer, pos).ravel() if pos >= first else np.full(arr.shape[1], 0xEE,
                                                                                                   np.uint8)
-            if not np.array_equal(arr[page], want):
+            got = arr[page]
+            if pos >= first and sc["prefill"].get("page", sc["page"]) != P:
+                valid = (min(r["len"], (pos + 1) * P) - pos * P) * (arr.shape[1] // P)
+                got, want = got[:valid], want[:valid]      # a page of two sizes: the tokens past the request vary
+            if not np.array_equal(got, want):
                 errs.append(f"room {r['room']} kv tensor {tensor} layer {layer} position {pos} page {page}")
     if model.layers[-1] == sc["layers"] - 1:        # aux rows come with the last stage
         for i, nb in enumerate(sc["aux_bytes"]):

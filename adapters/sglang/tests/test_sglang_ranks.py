@@ -52,6 +52,19 @@ def test_gqa_tp4_to_tp2_chunked_prefix_aux(tmp_path: Path) -> None:
     assert all(len(res["sent"]) == 8 for key, res in results.items() if key[0] == "prefill")
 
 
+@pytest.mark.parametrize("p_page, d_page, mla", [(4, 8, False), (8, 4, False), (6, 4, True), (4, 16, False)],
+                         ids=["P4-D8", "P8-D4", "P6-D4-mla", "P4-D16"])
+def test_pages_of_another_size_tp2_to_tp1(tmp_path: Path, p_page: int, d_page: int, mla: bool) -> None:
+    """Prefill and decode with different page sizes (#24 item 1): chunked prefill, decode prefix hits of whole
+    decode pages (which may end inside a prefill page), every token of every request on the decode verified."""
+    sc = scenario(prefill={"tp": 2, "page": p_page}, decode={"tp": 1, "page": d_page}, mla=mla, requests=6,
+                  max_len=45)
+    r, results = run(sc, tmp_path)
+    check_clean(r, results)
+    res = decode_results(results)[0]
+    assert len(res["verified"]) == 6 and not res["failed"] and not res["errors"], res
+
+
 MAMBA = {"type": "mamba", "groups": [8, 8, 16], "kernel": 4, "ssm_heads": 4, "ssm_bytes": 16, "slots": 32,
          "layers": [0, 1]}
 

@@ -343,18 +343,12 @@ class KVBridgeKVManager(BaseKVManager):
             return False
         if topo is None:
             return False
-        self._check_topology(bootstrap_addr, topo)
         with self._lock:
             if self.epochs.get(bootstrap_addr, None) not in (None, str(answer.get("epoch", ""))):
                 self._retire(bootstrap_addr, self.epochs[bootstrap_addr], str(answer.get("epoch", "")))
             self._install(bootstrap_addr, topo, str(answer.get("epoch", "")))
         self._watch()
         return True
-
-    def _check_topology(self, bootstrap_addr: str, topo: Topology) -> None:
-        if topo.page_size != self.page_size:
-            raise KVBridgeError(f"prefill at {bootstrap_addr} has page size {topo.page_size}, this decode "
-                                f"{self.page_size}")
 
     def _install(self, bootstrap_addr: str, topo: Topology, epoch: str) -> None:
         """Cache a complete topology of the server's life ``epoch`` (call with the lock held)."""
@@ -419,8 +413,6 @@ class KVBridgeKVManager(BaseKVManager):
         epoch = str(answer.get("epoch", ""))
         try:
             topo = Topology.parse(answer)
-            if topo is not None:
-                self._check_topology(bootstrap_addr, topo)
         except Exception as exc:   # noqa: BLE001 - SGLang's own call raises it to the scheduler
             log.error("kvbridge-sglang: the prefill server at %s now answers an unusable topology: %s",
                       bootstrap_addr, exc)
