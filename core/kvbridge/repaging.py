@@ -1,10 +1,11 @@
-"""Different page sizes on the two sides: both pools seen as pages of ``gcd(P, D)`` tokens.
+"""Different page sizes on the two sides: both pools seen as pages of ``g = gcd(P, D)`` tokens ("sub-pages").
 
-A page whose token axis comes first (token-major KV ``[page, heads, dim]``, MLA ``[page, dim]``, indexer pages)
-is ``P / g`` consecutive sub-pages of ``g`` tokens each, byte for byte; so a prefill with 64-token pages and a
-decode with 16-token pages are paired as two pools of 16-token pages, without moving a byte, and the whole
-protocol (slicing, planning, coverage, digests) runs on those sub-pages. A head-major page (``[heads, page,
-dim]``) is not: its sub-page is one run per head, and such a pair is refused naming why.
+A page is one or more token planes (:data:`Planes`): token-major KV ``[page, heads, dim]`` is one (every head of a
+token together), head-major KV ``[heads, page, dim]`` one per head, an NSA indexer page its keys then its scales.
+A sub-page is ``g`` consecutive tokens of every plane: one run of memory for one plane (a page of ``g`` tokens,
+byte for byte), one run per plane otherwise (planned with per-plane strides, :func:`spread`). So a prefill with
+64-token pages and a decode with 16-token pages are paired as two pools of 16-token pages and the whole protocol
+(slicing, planning, coverage, digests) runs on those sub-pages.
 
 Positions: both sides list pages from the one holding the decode's prefix end on (``prefix // page``); in
 sub-pages the prefill's first page starts ``lead`` sub-pages after the decode's (negative: before it, on
