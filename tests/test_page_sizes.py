@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,16 +88,31 @@ def token_bytes(kind: Kind, layer: int, tensor: int, tokens: np.ndarray, tp: int
 class Pool:
     """One rank's buffers (uint8 ``[pages, page bytes]``), background noise everywhere."""
 
-    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator) -> None:
-        self.tp, self.rank, self.page = tp, rank, page
+    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator, device: str | None = None) -> None:
+        self.tp, self.rank, self.page, self.device = tp, rank, page, device
         self.num_pages = TOKENS_IN_POOL // page
         self.layout = PoolLayout(components=tuple(k.component(tp, page, self.num_pages) for k in KINDS), tp_size=tp,
                                  tp_rank=rank, page_size=page, model="repaging")
         self.buffers = {c.name: [rng.integers(0, 256, (g.num_items, g.item_nbytes), dtype=np.uint8)
                                  for g in c.buffers] for c in self.layout.components}
+        self.on_device: dict[str, list[Any]] = {}
+        if device is not None:               # the registered memory is on the GPU; ``buffers`` is its host copy
+            import torch
+
+            self.on_device = {n: [torch.from_numpy(b).to(device) for b in bufs] for n, bufs in self.buffers.items()}
 
     def arrays(self) -> dict[str, list[object]]:
-        return {name: list(bufs) for name, bufs in self.buffers.items()}
+        return {name: list(bufs) for name, bufs in (self.on_device or self.buffers).items()}
+
+    def push(self) -> None:
+        for name, bufs in self.on_device.items():
+            for host, dev in zip(self.buffers[name], bufs):
+                dev.copy_(torch_of(host, dev.device))
+
+    def pull(self) -> None:
+        for name, bufs in self.on_device.items():
+            for host, dev in zip(self.buffers[name], bufs):
+                host[...] = dev.cpu().numpy()
 
     def tokens(self, pages: np.ndarray, first_token: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Page index and slot of each token of ``pages`` (listed from token ``first_token`` on)."""
@@ -117,7 +133,13 @@ class Pool:
         pass
 
 
-def _pages(rng: np.random.Generator, pool: Pool, count: int) -> np.ndarray:
+def torch_of(array: np.ndarray, device: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(array).to(device)
+
+
+def _pages(rng: np.random.Generator, pool: Any, count: int) -> np.ndarray:
     return rng.permutation(pool.num_pages)[:count].astype(np.int64)
 
 
@@ -133,14 +155,18 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
     before = []
     for pool in dec_pools:                        # the decode's cached prefix is in place already
         pool.write_tokens(d_pages, d_first * d_page, upto=prefix)
+        pool.push()
         before.append({n: [b.copy() for b in bufs] for n, bufs in pool.buffers.items()})
     p_pages = _pages(rng, world.prefill[pt][0].pool, p_count)
     for r in world.prefill[pt]:
         r.pool.write_tokens(p_pages, p_first * p_page)
+        r.pool.push()
     opened = world.open(pt, dt, room, {k.name: d_pages for k in KINDS}, 10.0, prefix_len=prefix)
     cuts = np.array_split(p_pages, chunks)
     opened.send([c for c in cuts if len(c)] or [p_pages[:0]])
     opened.wait_success(20.0)
+    for pool in dec_pools:
+        pool.pull()
     for pool, old in zip(dec_pools, before):
         page_of, slot, all_tokens = pool.tokens(d_pages, d_first * d_page)
         real = all_tokens < tokens
@@ -163,9 +189,12 @@ TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4), (4, 1), (4, 
 
 
 def _world(pairs: list[tuple[int, int]], p_page: int, d_page: int, rng: np.random.Generator, backend: str = "loopback",
-           **config: object) -> World:
-    return World(registry=Registry.build(), backend=backend, pairs=pairs,
-                 make_pool=lambda role, tp, r: Pool(tp, r, p_page if role is Role.PREFILL else d_page, rng),
+           devices: tuple[str, str] | None = None, **config: object) -> World:
+    def pool(role: Role, tp: int, r: int) -> Pool:
+        prefill = role is Role.PREFILL
+        return Pool(tp, r, p_page if prefill else d_page, rng, devices[0 if prefill else 1] if devices else None)
+
+    return World(registry=Registry.build(), backend=backend, pairs=pairs, make_pool=pool,
                  config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
                                     waiting_timeout_s=10.0, **config),  # type: ignore[arg-type]
                  label=f"repage-{p_page}-{d_page}")
@@ -197,6 +226,29 @@ def test_nixl_writes_sub_pages_byte_exact(p_page: int, d_page: int) -> None:
     pairs = [(2, 1), (1, 2), (1, 1)]
     world = _world(pairs, p_page, d_page, rng, backend="nixl", staging="never",
                    backend_options={"progress_thread": "false"})
+    try:
+        for room, (pt, dt) in enumerate(pairs, start=1):
+            big = max(p_page, d_page)
+            run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng)
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32)], ids=["P16-D64", "P64-D16", "P48-D32"])
+def test_gpu_sub_pages_between_two_gpus_with_checksums(p_page: int, d_page: int) -> None:
+    """Prefill ranks' pools on cuda:0, decode's on cuda:1 (one GPU: both on it), over NIXL: token-major, head-major
+    and MLA sub-pages byte-exact, with the per-destination checksums computed on the GPUs (gathered copies of
+    head-major sub-pages included). Skipped without CUDA."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kvbridge_nixl = pytest.importorskip("kvbridge_nixl")
+    if not kvbridge_nixl.probe().available:
+        pytest.skip("nixl unavailable")
+    rng = np.random.default_rng(p_page * 3 + d_page)
+    pairs = [(2, 1), (1, 2), (2, 2)]
+    devices = ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    world = _world(pairs, p_page, d_page, rng, backend="nixl", devices=devices, checksums=True)
     try:
         for room, (pt, dt) in enumerate(pairs, start=1):
             big = max(p_page, d_page)

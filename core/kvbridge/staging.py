@@ -193,10 +193,15 @@ def _dest_view(buf: Any, r: Rows) -> Any:
 def _reshape(x: Any, *shape: int) -> Any:
     """Reshape without ever copying (numpy or torch): staged slices must stay views."""
     if isinstance(x, np.ndarray):
+        if _NUMPY_COPY_KW:
+            return x.reshape(shape, copy=False)      # raises instead of silently copying
         out = x.view()
-        out.shape = shape          # raises instead of silently copying
+        out.shape = shape          # the same, before NumPy 2.1 (deprecated from 2.5)
         return out
     return x.view(*shape)
+
+
+_NUMPY_COPY_KW = tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 1)
 
 
 def _void(a: np.ndarray) -> np.ndarray:
