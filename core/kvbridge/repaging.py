@@ -74,25 +74,36 @@ other, plane ``r`` holding ``P * planes[r]`` bytes, token after token. Token-maj
 a token together); head-major KV one per head; an NSA indexer page its keys, then its scales."""
 
 
+def token_axis(buf: BufferGeometry, page_size: int) -> int | None:
+    """The axis of a page that counts its tokens: the first axis of size ``page_size`` that is not the sharded
+    one (tokens come before a head's dims in every KV layout: ``[page, heads, dim]`` with ``dim == page`` is
+    token-major), except a leading K/V axis of 2 followed by another candidate (vLLM's FlashInfer ``[2, page,
+    heads, dim]`` with 2-token pages). None when no axis has that size."""
+    shard = buf.shard.axis if buf.shard is not None else -1
+    found = [i for i, n in enumerate(buf.item_shape) if n == page_size and i != shard]
+    if len(found) > 1 and found[0] == 0 and page_size == 2:
+        found = found[1:]
+    return found[0] if found else None
+
+
 def default_planes(buf: BufferGeometry, page_size: int) -> Planes | None:
-    """The planes of a page whose tokens are its first axis (one plane) or its second under a sharded first axis
-    (head-major: one plane per head); None for any other page."""
+    """The planes of a page with a token axis (:func:`token_axis`): every combination of the axes before it is a
+    plane (head-major ``[heads, page, dim]``: one per head; vLLM's FlashInfer ``[2, page, heads, dim]``: K and V),
+    everything after it is one token's bytes in that plane. Token-major ``[page, heads, dim]``: one plane."""
+    axis = token_axis(buf, page_size)
+    if axis is None:
+        return None
     shape = buf.item_shape
-    if shape[0] == page_size and (buf.shard is None or buf.shard.axis != 0):
-        return (buf.item_nbytes // page_size,)
-    if len(shape) >= 2 and shape[1] == page_size and buf.shard is not None and buf.shard.axis == 0:
-        return (math.prod(shape[2:]) * buf.dtype.itemsize,) * shape[0]
-    return None
+    return (math.prod(shape[axis + 1:]) * buf.dtype.itemsize,) * math.prod(shape[:axis])
 
 
 def _compact_shape(buf: BufferGeometry, page_size: int, granule: int) -> tuple[int, ...]:
     """The item shape of a sub-page laid out compactly (each plane's ``granule`` tokens, plane after plane)."""
     shape = buf.item_shape
-    if shape[0] == page_size and (buf.shard is None or buf.shard.axis != 0):
-        return (granule, *shape[1:])
-    if len(shape) >= 2 and shape[1] == page_size:
-        return (shape[0], granule, *shape[2:])
-    return (shape[0] // page_size * granule, *shape[1:])
+    axis = token_axis(buf, page_size)
+    if axis is not None:
+        return (*shape[:axis], granule, *shape[axis + 1:])
+    return (shape[0] // page_size * granule, *shape[1:])      # a flat page of bytes (its state type's planes)
 
 
 PlanesOf = Callable[[Component, BufferGeometry, int], "Planes | None"]

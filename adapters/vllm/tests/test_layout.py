@@ -33,20 +33,20 @@ LAYERS, HEADS, BLOCK, DIM, BLOCKS = 2, 4, 4, 8, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def allocate(kind: str, heads: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def allocate(kind: str, heads: int, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> dict[str, torch.Tensor]:
     """Per-layer caches as vLLM hands them to register_kv_caches (views into one allocation)."""
     if kind == "cpu":
-        whole = torch.zeros(LAYERS, BLOCKS, heads, BLOCK, 2 * DIM, dtype=dtype)
+        whole = torch.zeros(LAYERS, BLOCKS, heads, block, 2 * DIM, dtype=dtype)
     elif kind == "nhd":
-        whole = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, heads, DIM, dtype=dtype)
+        whole = torch.zeros(LAYERS, 2, BLOCKS, block, heads, DIM, dtype=dtype)
     elif kind == "hnd":   # memory [2, B, H, N, D], exposed as the logical [2, B, N, H, D]
-        whole = torch.zeros(LAYERS, 2, BLOCKS, heads, BLOCK, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
+        whole = torch.zeros(LAYERS, 2, BLOCKS, heads, block, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
     elif kind == "flashinfer":
-        whole = torch.zeros(LAYERS, BLOCKS, 2, BLOCK, heads, DIM, dtype=dtype)
+        whole = torch.zeros(LAYERS, BLOCKS, 2, block, heads, DIM, dtype=dtype)
     elif kind == "flashinfer_hnd":   # memory [B, 2, H, N, D], exposed as the logical [B, 2, N, H, D]
-        whole = torch.zeros(LAYERS, BLOCKS, 2, heads, BLOCK, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
+        whole = torch.zeros(LAYERS, BLOCKS, 2, heads, block, DIM, dtype=dtype).permute(0, 1, 2, 4, 3, 5)
     else:   # mla: [B, N, latent], the same on every rank (the latent here: DIM values per token)
-        whole = torch.zeros(LAYERS, BLOCKS, BLOCK, DIM, dtype=dtype)
+        whole = torch.zeros(LAYERS, BLOCKS, block, DIM, dtype=dtype)
     return {name: whole[i] for i, name in enumerate(NAMES)}
 
 
@@ -249,6 +249,118 @@ def _on(caches: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]
     moved = base.to(device)
     offset = {n: (t.storage_offset() - base.storage_offset()) for n, t in caches.items()}
     return {n: moved.as_strided(t.shape, t.stride(), moved.storage_offset() + offset[n]) for n, t in caches.items()}
+
+
+BLOCK_CASES = ([pytest.param(k, p, d, pb, db, "cpu", id=f"{k}-{p}-{d}-B{pb}-B{db}")
+                for k in ("nhd", "hnd", "flashinfer", "flashinfer_hnd", "mla")
+                for p, d in ((2, 1), (1, 2)) for pb, db in ((4, 8), (8, 4))]
+               + [pytest.param(k, 2, 1, 4, 8, "cuda", id=f"{k}-2-1-B4-B8-2gpu", marks=GPU)
+                  for k in ("nhd", "hnd", "flashinfer", "flashinfer_hnd", "mla")])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "pt", "dt", "p_block", "d_block", "device"), BLOCK_CASES)
+def test_blocks_of_another_size_reshard_byte_exact(kind: str, pt: int, dt: int, p_block: int, d_block: int,
+                                                     device: str) -> None:
+    """Prefill and decode with different vLLM block sizes (#24 item 1): a 19-token request whose first decode block
+    is in the decode's prefix cache; every token after the prefix on every decode rank equals the logical KV of its
+    heads, tokens of the prefix block are untouched."""
+    hub = LocalHub()
+    counter = itertools.count()
+    gpu = device == "cuda"
+    settings = Settings.defaults(backend="nixl" if gpu else "loopback", shm_remap=False)
+    src_dev, dst_dev = ("cuda:0", "cuda:1") if gpu else ("cpu", "cpu")
+    tokens, prefix = 19, d_block
+    padded = 4 * max(p_block, d_block) * 2
+    n = LAYERS * 2 * padded * HEADS * DIM
+    kv = torch.arange(n, dtype=torch.float32).reshape(LAYERS, 2, padded, HEADS, DIM)    # [layer, K/V, token, head]
+    rng = np.random.default_rng(1)
+    workers: list[WorkerSide] = []
+    try:
+        prefill, src_blocks = [], []
+        for r in range(pt):
+            lo, hi = held(kind, pt, r)
+            caches = _on(allocate(kind, hi - lo, block=p_block), src_dev)
+            blocks = rng.permutation(BLOCKS)[: -(-tokens // p_block)]
+            for layer, name in enumerate(NAMES):
+                for pos, b in enumerate(blocks):
+                    span = slice(pos * p_block, (pos + 1) * p_block)
+                    for h in range(lo, hi):
+                        write(kind, caches[name], int(b), h - lo, kv[layer, 0, span, h].to(src_dev),
+                              kv[layer, 1, span, h].to(src_dev))
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=pt, tp_rank=r, block_size=p_block)
+            w = WorkerSide(settings=settings, pool=pool, produce=True, consume=False, instance="p",
+                           link_factory=lambda: hub.link(f"a{next(counter)}"))
+            workers.append(w)
+            prefill.append(w)
+            src_blocks.append(blocks)
+        decode, dst_caches, dst_blocks = [], [], []
+        for r in range(dt):
+            lo, hi = held(kind, dt, r)
+            caches = _on(allocate(kind, hi - lo, block=d_block), dst_dev)
+            pool = pool_layout(caches, kind=kind, total_kv_heads=HEADS, tp_size=dt, tp_rank=r, block_size=d_block)
+            w = WorkerSide(settings=settings, pool=pool, produce=False, consume=True, instance="",
+                           link_factory=lambda: hub.link(f"a{next(counter)}"))
+            workers.append(w)
+            decode.append(w)
+            dst_caches.append(caches)
+            dst_blocks.append(rng.permutation(BLOCKS)[: -(-tokens // d_block)])
+        if gpu:
+            torch.cuda.synchronize()
+        for r, w in enumerate(prefill):
+            w.save("req", SaveSpec(room=9, block_ids=tuple(int(b) for b in src_blocks[r])))
+        for r, w in enumerate(decode):
+            w.load("req", LoadSpec(room=9, instance="p", block_ids=tuple(int(b) for b in dst_blocks[r][1:]),
+                                   prefix_len=prefix))
+        sent: set[int] = set()
+        recv: set[int] = set()
+        for _ in range(8000):
+            for r, w in enumerate(prefill):
+                if w.finished(["req"])[0]:
+                    sent.add(r)
+            for r, w in enumerate(decode):
+                if w.finished([])[1]:
+                    recv.add(r)
+            if len(sent) == pt and len(recv) == dt:
+                break
+            time.sleep(0.005)
+        assert len(sent) == pt and len(recv) == dt, (sent, recv)
+        for w in decode:
+            assert w.load_errors() == set()
+        if gpu:
+            torch.cuda.synchronize()
+        for r in range(dt):
+            lo, hi = held(kind, dt, r)
+            for layer, name in enumerate(NAMES):
+                cache = dst_caches[r][name].cpu()
+                for pos, b in enumerate(dst_blocks[r]):
+                    valid = min(tokens - pos * d_block, d_block)
+                    span = slice(pos * d_block, pos * d_block + valid)
+                    for h in range(lo, hi):
+                        k, v = read(kind, cache, int(b), h - lo)
+                        if pos == 0:
+                            assert not k.any() and (v is None or not v.any()), "a prefix block was written"
+                            continue
+                        torch.testing.assert_close(k[:valid], kv[layer, 0, span, h], rtol=0, atol=0)
+                        if v is not None:
+                            torch.testing.assert_close(v[:valid], kv[layer, 1, span, h], rtol=0, atol=0)
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_cpu_blocks_of_another_size_are_refused_naming_why() -> None:
+    """vLLM's CPU cache interleaves K and V rows per head ([blocks, heads, block_size, 2*head]): a block of another
+    size cannot be cut into sub-blocks there; the handshake refuses it with the reason."""
+    from kvbridge.errors import IncompatiblePeer
+    from kvbridge.handshake import check_compatible
+
+    prefill = pool_layout(allocate("cpu", 2, block=4), kind="cpu", total_kv_heads=HEADS, tp_size=2, tp_rank=0,
+                          block_size=4)
+    decode = pool_layout(allocate("cpu", 2, block=8), kind="cpu", total_kv_heads=HEADS, tp_size=2, tp_rank=0,
+                         block_size=8)
+    with pytest.raises(IncompatiblePeer, match="no token planes"):
+        check_compatible(prefill.layout, decode.layout)
 
 
 @pytest.mark.timeout(60)
