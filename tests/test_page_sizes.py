@@ -184,6 +184,17 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
     opened.settle(10.0)
 
 
+def one_request_per_pair(world: World, pairs: list[tuple[int, int]], p_page: int, d_page: int,
+                         rng: np.random.Generator) -> None:
+    """One chunked request per TP pair with a prefix hit ending inside a page, then the world closed."""
+    try:
+        for room, (pt, dt) in enumerate(pairs, start=1):
+            big = max(p_page, d_page)
+            run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng)
+    finally:
+        world.close()
+
+
 PAGE_PAIRS = [(16, 64), (64, 16), (16, 128), (128, 16), (48, 32), (24, 64)]
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4), (4, 1), (4, 4)]   # the kit's sweep
 
@@ -226,12 +237,7 @@ def test_nixl_writes_sub_pages_byte_exact(p_page: int, d_page: int) -> None:
     pairs = [(2, 1), (1, 2), (1, 1)]
     world = _world(pairs, p_page, d_page, rng, backend="nixl", staging="never",
                    backend_options={"progress_thread": "false"})
-    try:
-        for room, (pt, dt) in enumerate(pairs, start=1):
-            big = max(p_page, d_page)
-            run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng)
-    finally:
-        world.close()
+    one_request_per_pair(world, pairs, p_page, d_page, rng)
 
 
 @pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32)], ids=["P16-D64", "P64-D16", "P48-D32"])
@@ -249,12 +255,7 @@ def test_gpu_sub_pages_between_two_gpus_with_checksums(p_page: int, d_page: int)
     pairs = [(2, 1), (1, 2), (2, 2)]
     devices = ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     world = _world(pairs, p_page, d_page, rng, backend="nixl", devices=devices, checksums=True)
-    try:
-        for room, (pt, dt) in enumerate(pairs, start=1):
-            big = max(p_page, d_page)
-            run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng)
-    finally:
-        world.close()
+    one_request_per_pair(world, pairs, p_page, d_page, rng)
 
 
 def test_checksums_cover_sub_pages() -> None:
