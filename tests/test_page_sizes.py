@@ -27,7 +27,7 @@ from kvbridge.links import LocalHub
 from kvbridge.pattern import pattern, units_held
 from kvbridge.protocol.wire import Role
 from kvbridge.registry import Registry
-from kvbridge.testkit.world import World
+from kvbridge.testkit.world import Room, World
 
 HEAD_BYTES = 8          # one head of one token (4 bf16 elements)
 GQA_HEADS = 2           # TP 4 replicates each head on two ranks
@@ -144,10 +144,12 @@ def _pages(rng: np.random.Generator, pool: Any, count: int) -> np.ndarray:
 
 
 def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: int, tokens: int, prefix: int,
-                chunks: int, rng: np.random.Generator) -> None:
-    """One request of ``tokens`` tokens whose decode holds its first ``prefix``; checks every decode rank."""
+                chunks: int, rng: np.random.Generator, mode: str = "whole") -> None:
+    """One request of ``tokens`` tokens whose decode holds its first ``prefix``; checks every decode rank.
+    ``mode``: "whole" chunks; "layerwise" (each chunk layer by layer); "held" (every chunk from position 0 sent
+    with ``from_start=True`` before the decode asked: the core holds them and drops the decode's prefix)."""
     d_first = prefix // d_page                      # both sides list pages from the one holding the prefix end
-    p_first = prefix // p_page
+    p_first = 0 if mode == "held" else prefix // p_page
     d_count = -(-tokens // d_page) - d_first
     p_count = -(-tokens // p_page) - p_first
     dec_pools = [r.pool for r in world.decode[dt]]
@@ -161,9 +163,27 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
     for r in world.prefill[pt]:
         r.pool.write_tokens(p_pages, p_first * p_page)
         r.pool.push()
-    opened = world.open(pt, dt, room, {k.name: d_pages for k in KINDS}, 10.0, prefix_len=prefix)
-    cuts = np.array_split(p_pages, chunks)
-    opened.send([c for c in cuts if len(c)] or [p_pages[:0]])
+    cuts = [c for c in np.array_split(p_pages, chunks) if len(c)] or [p_pages[:0]]
+    metadata = {k.name: d_pages for k in KINDS}
+    if mode == "held":
+        senders = [p.agent.sender(room) for p in world.prefill[pt]]
+        for k, cut in enumerate(cuts):
+            for sender in senders:
+                sender.send(cut, last=k == len(cuts) - 1, from_start=True)
+        receivers = [d.agent.receiver(room, world.instance(pt)) for d in world.decode[dt]]
+        for receiver in receivers:
+            receiver.send_metadata(metadata, prefix_len=prefix)
+        opened = Room(world, pt, dt, room, senders, receivers)
+    else:
+        opened = world.open(pt, dt, room, metadata, 10.0, prefix_len=prefix)
+        if mode == "layerwise":
+            for k, cut in enumerate(cuts):
+                for layer in range(LAYERS):
+                    for sender in opened.senders:
+                        sender.send(cut, last=k == len(cuts) - 1 and layer == LAYERS - 1,
+                                    layers=range(layer, layer + 1))
+        else:
+            opened.send(cuts)
     opened.wait_success(20.0)
     for pool in dec_pools:
         pool.pull()
@@ -256,6 +276,25 @@ def test_gpu_sub_pages_between_two_gpus_with_checksums(p_page: int, d_page: int)
     devices = ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     world = _world(pairs, p_page, d_page, rng, backend="nixl", devices=devices, checksums=True)
     one_request_per_pair(world, pairs, p_page, d_page, rng)
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "held"])
+@pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32)], ids=["P16-D64", "P64-D16", "P48-D32"])
+def test_layer_wise_and_held_sends_with_pages_of_other_sizes(p_page: int, d_page: int, mode: str) -> None:
+    """Layer-wise sends (each chunk layer by layer) and sends held from position 0 before the decode asked, with
+    prefix hits ending inside a page of either side."""
+    rng = np.random.default_rng(p_page + 2 * d_page)
+    pairs = [(2, 1), (1, 2), (2, 4)]
+    world = _world(pairs, p_page, d_page, rng)
+    try:
+        room = 1
+        for pt, dt in pairs:
+            big = max(p_page, d_page)
+            for tokens, prefix in ((3 * big + 7, big + 3), (2 * big, 0), (big + 1, min(p_page, d_page) - 1)):
+                run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, 3, rng, mode)
+                room += 1
+    finally:
+        world.close()
 
 
 def test_checksums_cover_sub_pages() -> None:

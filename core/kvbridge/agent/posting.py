@@ -81,7 +81,9 @@ def _sub_paged_chunk(room: SendRoom, component: str, agent: str, src: np.ndarray
     start = room.cursor * rp.ours + rp.lead(prefix_len, prefill=prefill, decode=decode)
     end = start + len(ours)
     where = f"room {room.room} {component}"
-    if end > len(dst) and (not last or end - len(dst) >= rp.ours):
+    # padding of our last page past the decode's list is left out; a layer-wise send learns which chunk was the
+    # last only with its final layer group, so any chunk may end in it (a chunk after it then fails here)
+    if end - len(dst) >= rp.ours:
         raise GeometryError(f"{where}: prefill sends {prefill}-token pages up to sub-page {end} of {rp.granule} "
                             f"tokens, decode {agent} asked for {len(dst)} ({len(dst_pages)} pages of {decode})")
     if last and len(dst) - end >= rp.theirs:
