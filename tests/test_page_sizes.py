@@ -12,7 +12,7 @@ side's last page is partly padding).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +25,9 @@ from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolL
 from kvbridge.handshake import check_compatible
 from kvbridge.links import LocalHub
 from kvbridge.pattern import pattern, units_held
-from kvbridge.protocol.wire import Role
+from kvbridge.protocol.wire import KVPoll, Role
 from kvbridge.registry import Registry
-from kvbridge.testkit.world import Room, World
+from kvbridge.testkit.world import Rank, Room, World, wait_until
 
 HEAD_BYTES = 8          # one head of one token (4 bf16 elements)
 GQA_HEADS = 2           # TP 4 replicates each head on two ranks
@@ -45,7 +45,8 @@ class Kind:
     def tensors(self) -> str:
         return "c" if self.layout == "mla" else "kv"
 
-    def component(self, tp: int, page: int, num_pages: int, *, head_major: bool = False) -> Component:
+    def component(self, tp: int, page: int, num_pages: int, *, head_major: bool = False,
+                  layers: tuple[int, ...] = tuple(range(LAYERS))) -> Component:
         if self.layout == "mla":
             shape: tuple[int, ...] = (page, MLA_BYTES // 2)
             shard = None
@@ -55,7 +56,7 @@ class Kind:
             shape = (heads, page, HEAD_BYTES // 2) if head_major else (page, heads, HEAD_BYTES // 2)
             shard = ShardAxis(axis=0 if head_major else 1, total=GQA_HEADS)
         bufs = tuple(BufferGeometry(name=f"{t}.{layer}", num_items=num_pages, item_shape=shape, dtype=DType.BFLOAT16,
-                                    shard=shard) for t in self.tensors() for layer in range(LAYERS))
+                                    shard=shard) for t in self.tensors() for layer in layers)
         return Component(name=self.name, state_type="kv", buffers=bufs, index_kind=IndexKind.PAGE)
 
     def token_view(self, buf: np.ndarray, num_pages: int, page: int) -> np.ndarray:
@@ -88,11 +89,12 @@ def token_bytes(kind: Kind, layer: int, tensor: int, tokens: np.ndarray, tp: int
 class Pool:
     """One rank's buffers (uint8 ``[pages, page bytes]``), background noise everywhere."""
 
-    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator, device: str | None = None) -> None:
-        self.tp, self.rank, self.page, self.device = tp, rank, page, device
+    def __init__(self, tp: int, rank: int, page: int, rng: np.random.Generator, device: str | None = None,
+                 layers: tuple[int, ...] = tuple(range(LAYERS))) -> None:
+        self.tp, self.rank, self.page, self.device, self.layers = tp, rank, page, device, layers
         self.num_pages = TOKENS_IN_POOL // page
-        self.layout = PoolLayout(components=tuple(k.component(tp, page, self.num_pages) for k in KINDS), tp_size=tp,
-                                 tp_rank=rank, page_size=page, model="repaging")
+        self.layout = PoolLayout(components=tuple(k.component(tp, page, self.num_pages, layers=layers) for k in KINDS),
+                                 tp_size=tp, tp_rank=rank, page_size=page, model="repaging")
         self.buffers = {c.name: [rng.integers(0, 256, (g.num_items, g.item_nbytes), dtype=np.uint8)
                                  for g in c.buffers] for c in self.layout.components}
         self.on_device: dict[str, list[Any]] = {}
@@ -125,7 +127,7 @@ class Pool:
         if not keep.any():
             return
         for kind in KINDS:
-            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
+            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), self.layers)):
                 data = token_bytes(kind, layer, t, tokens[keep], self.tp, self.rank)
                 kind.write(self.buffers[kind.name][b], self.num_pages, self.page, page_of[keep], slot[keep], data)
 
@@ -144,15 +146,17 @@ def _pages(rng: np.random.Generator, pool: Any, count: int) -> np.ndarray:
 
 
 def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: int, tokens: int, prefix: int,
-                chunks: int, rng: np.random.Generator, mode: str = "whole") -> None:
+                chunks: int, rng: np.random.Generator, mode: str = "whole", stages: Sequence[Any] = ()) -> None:
     """One request of ``tokens`` tokens whose decode holds its first ``prefix``; checks every decode rank.
     ``mode``: "whole" chunks; "layerwise" (each chunk layer by layer); "held" (every chunk from position 0 sent
-    with ``from_start=True`` before the decode asked: the core holds them and drops the decode's prefix)."""
+    with ``from_start=True`` before the decode asked: the core holds them and drops the decode's prefix).
+    ``stages``: more decode ranks (another pipeline stage's, ``.agent`` and ``.pool``) that ask for the room too."""
     d_first = prefix // d_page                      # both sides list pages from the one holding the prefix end
     p_first = 0 if mode == "held" else prefix // p_page
     d_count = -(-tokens // d_page) - d_first
     p_count = -(-tokens // p_page) - p_first
-    dec_pools = [r.pool for r in world.decode[dt]]
+    decode_ranks = [*world.decode[dt], *stages]
+    dec_pools = [r.pool for r in decode_ranks]
     d_pages = _pages(rng, dec_pools[0], d_count)
     before = []
     for pool in dec_pools:                        # the decode's cached prefix is in place already
@@ -165,17 +169,17 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
         r.pool.push()
     cuts = [c for c in np.array_split(p_pages, chunks) if len(c)] or [p_pages[:0]]
     metadata = {k.name: d_pages for k in KINDS}
+    senders = [p.agent.sender(room) for p in world.prefill[pt]]
     if mode == "held":
-        senders = [p.agent.sender(room) for p in world.prefill[pt]]
         for k, cut in enumerate(cuts):
             for sender in senders:
                 sender.send(cut, last=k == len(cuts) - 1, from_start=True)
-        receivers = [d.agent.receiver(room, world.instance(pt)) for d in world.decode[dt]]
-        for receiver in receivers:
-            receiver.send_metadata(metadata, prefix_len=prefix)
-        opened = Room(world, pt, dt, room, senders, receivers)
-    else:
-        opened = world.open(pt, dt, room, metadata, 10.0, prefix_len=prefix)
+    receivers = [d.agent.receiver(room, world.instance(pt)) for d in decode_ranks]
+    for receiver in receivers:
+        receiver.send_metadata(metadata, prefix_len=prefix)
+    opened = Room(world, pt, dt, room, senders, receivers)
+    if mode != "held":
+        wait_until(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders), 10.0, opened.describe)
         if mode == "layerwise":
             for k, cut in enumerate(cuts):
                 for layer in range(LAYERS):
@@ -192,7 +196,7 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
         real = all_tokens < tokens
         others = np.setdiff1d(np.arange(pool.num_pages), d_pages)
         for kind in KINDS:
-            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), range(LAYERS))):
+            for b, (t, layer) in enumerate(itertools.product(range(len(kind.tensors())), pool.layers)):
                 got = kind.token_view(pool.buffers[kind.name][b], pool.num_pages, pool.page)
                 want = token_bytes(kind, layer, t, all_tokens[real], pool.tp, pool.rank)
                 bad = np.flatnonzero((got[page_of[real], slot[real]] != want).any(axis=1))
@@ -220,10 +224,12 @@ TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 4), (4, 1), (4, 
 
 
 def _world(pairs: list[tuple[int, int]], p_page: int, d_page: int, rng: np.random.Generator, backend: str = "loopback",
-           devices: tuple[str, str] | None = None, **config: object) -> World:
+           devices: tuple[str, str] | None = None, decode_layers: tuple[int, ...] = tuple(range(LAYERS)),
+           **config: object) -> World:
     def pool(role: Role, tp: int, r: int) -> Pool:
         prefill = role is Role.PREFILL
-        return Pool(tp, r, p_page if prefill else d_page, rng, devices[0 if prefill else 1] if devices else None)
+        return Pool(tp, r, p_page if prefill else d_page, rng, devices[0 if prefill else 1] if devices else None,
+                    tuple(range(LAYERS)) if prefill else decode_layers)
 
     return World(registry=Registry.build(), backend=backend, pairs=pairs, make_pool=pool,
                  config=AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0,
@@ -294,6 +300,39 @@ def test_layer_wise_and_held_sends_with_pages_of_other_sizes(p_page: int, d_page
                 run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, 3, rng, mode)
                 room += 1
     finally:
+        world.close()
+
+
+@pytest.mark.parametrize("p_page, d_page", [(16, 64), (64, 16), (48, 32)], ids=["P16-D64", "P64-D16", "P48-D32"])
+def test_decode_pipeline_stages_with_pages_of_another_size(p_page: int, d_page: int) -> None:
+    """Decode PP with another split: two decode stages, each holding one of the prefill's two layers, with another
+    page size; each receives exactly its layer, byte-exact, in chunks and layer by layer, checksums on."""
+    rng = np.random.default_rng(p_page + d_page)
+    pairs = [(2, 1), (1, 2)]
+    world = _world(pairs, p_page, d_page, rng, decode_layers=(0,), checksums=True)
+    second: dict[int, list[Rank]] = {}
+    try:
+        for dt in sorted({d for _, d in pairs}):            # stage 2 of each decode instance: layer 1 only
+            second[dt] = []
+            for r in range(dt):
+                pool = Pool(dt, r, d_page, rng, layers=(1,))
+                agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.DECODE,
+                                      link=world.hub.link(f"stage2-tp{dt}-r{r}"), backend="loopback",
+                                      registry=world.registry, name=f"stage2-tp{dt}-r{r}", config=world.config)
+                second[dt].append(Rank(agent, pool))
+                agent.start(0.002)
+                for pt in sorted({p for p, d in pairs if d == dt}):
+                    agent.connect(world.instance(pt), timeout_s=10.0)
+        room = 1
+        for pt, dt in pairs:
+            big = max(p_page, d_page)
+            for mode in ("whole", "layerwise"):
+                run_request(world, pt, dt, room, p_page, d_page, 3 * big + 7, big + 3, 2, rng, mode, second[dt])
+                room += 1
+    finally:
+        for ranks in second.values():
+            for rank in ranks:
+                rank.agent.close()
         world.close()
 
 
