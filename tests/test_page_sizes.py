@@ -81,9 +81,11 @@ def token_bytes(kind: Kind, layer: int, tensor: int, tokens: np.ndarray, tp: int
     """What ``rank`` of TP ``tp`` holds of ``tokens``: uint8 ``[n, bytes of one token]`` (heads, then bytes)."""
     t = tokens.reshape(-1, 1, 1)
     if kind.layout == "mla":
-        return pattern(SEED, layer, tensor, t, 0, np.arange(MLA_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
+        latent = pattern(SEED, layer, tensor, t, 0, np.arange(MLA_BYTES).reshape(1, 1, -1))
+        return latent.reshape(len(tokens), MLA_BYTES)
     heads = np.asarray(units_held(GQA_HEADS, tp, rank)).reshape(1, -1, 1)
-    return pattern(SEED, layer, tensor, t, heads, np.arange(HEAD_BYTES).reshape(1, 1, -1)).reshape(len(tokens), -1)
+    return pattern(SEED, layer, tensor, t, heads, np.arange(HEAD_BYTES).reshape(1, 1, -1)).reshape(
+        len(tokens), heads.size * HEAD_BYTES)
 
 
 class Pool:
@@ -362,6 +364,47 @@ def test_a_prefill_that_sends_too_few_pages_fails_both_sides_with_the_reason() -
         opened.wait_failed(10.0)
         assert "sent 4 of 8 sub-pages" in opened.senders[0].failure_reason
         opened.settle(10.0)
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("mode", ["whole", "held"])
+def test_a_prefix_past_the_request_s_pages_moves_nothing_and_succeeds(mode: str) -> None:
+    """P 6 -> D 4, a 50-token request whose decode holds 54 tokens: neither side lists a page; the empty last chunk
+    ends the room on both sides (it named sub-pages [1, 1) of an empty list before, and the decode failed the room
+    blaming the prefill while the prefill succeeded; found by an adversarial helper)."""
+    rng = np.random.default_rng(36)
+    world = _world([(1, 1)], 6, 4, rng)
+    try:
+        run_request(world, 1, 1, 1, 6, 4, 50, 54, 1, rng, mode)
+        run_request(world, 1, 1, 2, 6, 4, 50, 51, 1, rng, mode)
+    finally:
+        world.close()
+
+
+def test_decode_ranks_that_disagree_on_their_prefix_fail_the_room_naming_it() -> None:
+    """Two decode ranks of one request claiming different cached prefixes (0 and 16 tokens with 64-token decode
+    pages, so the same page list) cannot be served by one chunk stream that starts at one prefix: the room fails on
+    every side naming the disagreement, and no decode page changes (an adversarial helper found rank 1 getting
+    token t at t + 16, and Success)."""
+    rng = np.random.default_rng(34)
+    world = _world([(1, 2)], 16, 64, rng)
+    try:
+        dec = [r.pool for r in world.decode[2]]
+        pages = _pages(rng, dec[0], 3)
+        before = [{n: [b.copy() for b in bufs] for n, bufs in pool.buffers.items()} for pool in dec]
+        receivers = [r.agent.receiver(1, world.instance(1)) for r in world.decode[2]]
+        for receiver, prefix in zip(receivers, (0, 16)):
+            receiver.send_metadata({k.name: pages for k in KINDS}, prefix_len=prefix)
+        sender = world.prefill[1][0].agent.sender(1)
+        opened = Room(world, 1, 2, 1, [sender], receivers)
+        opened.wait_failed(10.0)
+        for side in (sender, *receivers):
+            assert "disagree on the prefix" in side.failure_reason, side.failure_reason
+        opened.settle(10.0)
+        for pool, old in zip(dec, before):
+            for name, bufs in pool.buffers.items():
+                assert all(np.array_equal(b, o) for b, o in zip(bufs, old[name])), f"{name} changed"
     finally:
         world.close()
 

@@ -89,7 +89,8 @@ def _sub_paged_chunk(room: SendRoom, component: str, agent: str, src: np.ndarray
     if last and len(dst) - end >= rp.theirs:
         raise GeometryError(f"{where}: prefill sent {end} of {len(dst)} sub-pages of {rp.granule} tokens to decode "
                             f"{agent} with its last chunk: more than the decode's last page is missing")
-    lo, hi = max(start, 0), min(end, len(dst))
+    lo = min(max(start, 0), len(dst))          # an empty list (a prefix past the request's pages): nothing to pair
+    hi = max(min(end, len(dst)), lo)
     return ours[lo - start: hi - start], dst[lo:hi], lo
 
 

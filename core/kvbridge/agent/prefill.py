@@ -377,16 +377,30 @@ class PrefillSide(RoomTable[SendRoom]):
             return  # duplicate: exactly-once per (room, decode rank)
         if peer is None or not peer.alive:
             return  # its incarnation left before the room opened (its death unqueued it; this is a late copy)
+        first = next(iter(room.requests.values()), None)
         room.requests[req.agent] = req
         room.incarnations[req.agent] = peer.incarnation
         if req.trace:
             self._trace(room, req)
         layout = self._ctx.layout
+        if first is not None and self._other_prefix(first, req):
+            self._fail(room, f"decode ranks disagree on the prefix they hold: {first.agent} {first.prefix_len} "
+                             f"tokens, {req.agent} {req.prefix_len}: one chunk stream cannot start at both")
+            return
         room.expected_requests = len(served_ranks(layout.tp_size, req.dst_size, layout.tp_rank))
         if self._requests_complete(room, req.dst_size) and room.state is SendState.BOOTSTRAPPING:
             self._step(room, SendEvent.REQUESTS_COMPLETE)
             if room.held:
                 self._post_held(room)
+
+    def _other_prefix(self, a: TransferRequest, b: TransferRequest) -> bool:
+        """Do two decode ranks' prefixes start the request's pages at different places, on our pages or theirs?"""
+        ours = self._ctx.layout.page_size
+        pa, pb = self._peers.get(a.agent), self._peers.get(b.agent)
+        theirs_a = pa.layout.page_size if pa is not None else ours
+        theirs_b = pb.layout.page_size if pb is not None else ours
+        return (a.prefix_len // ours != b.prefix_len // ours
+                or a.prefix_len // theirs_a * theirs_a != b.prefix_len // theirs_b * theirs_b)
 
     def _requests_complete(self, room: SendRoom, dst_size: int) -> bool:
         """Every buffer we hold was asked for by every decode rank we serve: one request per rank, or, from decodes
