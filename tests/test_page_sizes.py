@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvbridge.agent import AgentConfig, TransferAgent
-from kvbridge.errors import IncompatiblePeer
+from kvbridge.errors import GeometryError, IncompatiblePeer
 from kvbridge.geometry import BufferGeometry, Component, DType, IndexKind, PoolLayout, ShardAxis
 from kvbridge.handshake import check_compatible
 from kvbridge.links import LocalHub
@@ -148,11 +148,13 @@ def _pages(rng: np.random.Generator, pool: Any, count: int) -> np.ndarray:
 
 
 def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: int, tokens: int, prefix: int,
-                chunks: int, rng: np.random.Generator, mode: str = "whole", stages: Sequence[Any] = ()) -> None:
+                chunks: int, rng: np.random.Generator, mode: str = "whole", stages: Sequence[Any] = (),
+                length: bool = False) -> None:
     """One request of ``tokens`` tokens whose decode holds its first ``prefix``; checks every decode rank.
     ``mode``: "whole" chunks; "layerwise" (each chunk layer by layer); "held" (every chunk from position 0 sent
     with ``from_start=True`` before the decode asked: the core holds them and drops the decode's prefix).
-    ``stages``: more decode ranks (another pipeline stage's, ``.agent`` and ``.pool``) that ask for the room too."""
+    ``stages``: more decode ranks (another pipeline stage's, ``.agent`` and ``.pool``) that ask for the room too.
+    ``length``: the decode gives the request's length (``send_metadata(tokens=)``)."""
     d_first = prefix // d_page                      # both sides list pages from the one holding the prefix end
     p_first = 0 if mode == "held" else prefix // p_page
     d_count = -(-tokens // d_page) - d_first
@@ -178,7 +180,7 @@ def run_request(world: World, pt: int, dt: int, room: int, p_page: int, d_page: 
                 sender.send(cut, last=k == len(cuts) - 1, from_start=True)
     receivers = [d.agent.receiver(room, world.instance(pt)) for d in decode_ranks]
     for receiver in receivers:
-        receiver.send_metadata(metadata, prefix_len=prefix)
+        receiver.send_metadata(metadata, prefix_len=prefix, tokens=tokens if length else None)
     opened = Room(world, pt, dt, room, senders, receivers)
     if mode != "held":
         wait_until(lambda: all(s.poll() >= KVPoll.WaitingForInput for s in senders), 10.0, opened.describe)
@@ -250,7 +252,7 @@ def test_pages_of_other_sizes_arrive_byte_exact_at_every_tp_pair(p_page: int, d_
             # whole pages of both; a last page partly empty on both; prefix hits ending inside a page of either
             for tokens, prefix, chunks in ((4 * big, 0, 1), (3 * big + 5, 0, 3), (3 * big + 7, big + 3, 2),
                                            (2 * big + 1, min(p_page, d_page) + 1, 2)):
-                run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, chunks, rng)
+                run_request(world, pt, dt, room, p_page, d_page, tokens, prefix, chunks, rng, length=room % 2 == 0)
                 room += 1
     finally:
         world.close()
@@ -405,6 +407,41 @@ def test_decode_ranks_that_disagree_on_their_prefix_fail_the_room_naming_it() ->
         for pool, old in zip(dec, before):
             for name, bufs in pool.buffers.items():
                 assert all(np.array_equal(b, o) for b, o in zip(bufs, old[name])), f"{name} changed"
+    finally:
+        world.close()
+
+
+def test_the_request_length_tells_a_missing_page_from_padding() -> None:
+    """Without the request's length, a page list off by less than one page of the larger side looks like the
+    padding of a last page (an adversarial helper's cases: a prefill 2 pages short, a decode listing 2 pages too
+    few or too many, or listing from before its prefix page, all ended in Success). Given the length
+    (``send_metadata(tokens=)``), the decode checks its own lists and succeeds only once every token landed."""
+    rng = np.random.default_rng(40)
+    world = _world([(1, 1)], 16, 64, rng)
+    try:
+        run_request(world, 1, 1, 1, 16, 64, 176, 17, 2, rng, length=True)         # honest: byte-exact
+        dec = world.decode[1][0]
+        receiver = dec.agent.receiver(2, world.instance(1))
+        for pages, prefix in ((5, 0), (2, 0), (3, 70)):       # 176 tokens need 3 pages of 64 (2 from token 64)
+            with pytest.raises(GeometryError, match=r"pages listed, a 176-token request"):
+                receiver.send_metadata({k.name: _pages(rng, dec.pool, pages) for k in KINDS}, prefix_len=prefix,
+                                       tokens=176)
+        receiver.send_metadata({k.name: _pages(rng, dec.pool, 3) for k in KINDS}, tokens=176)
+        sender = world.prefill[1][0].agent.sender(2)
+        opened = Room(world, 1, 1, 2, [sender], [receiver])
+        wait_until(lambda: sender.poll() >= KVPoll.WaitingForInput, 10.0, opened.describe)
+        sender.send(_pages(rng, world.prefill[1][0].pool, 9), last=True)        # 144 tokens of 176: 2 pages short
+        wait_until(lambda: receiver.poll() is KVPoll.Failed, 10.0, opened.describe)
+        assert "sent 9 of 12" in receiver.failure_reason, receiver.failure_reason
+        opened.settle(10.0)
+    finally:
+        world.close()
+    world = _world([(1, 1)], 64, 16, rng)
+    try:
+        run_request(world, 1, 1, 1, 64, 16, 100, 0, 1, rng, length=True)
+        with pytest.raises(GeometryError, match="5 pages listed, a 100-token request"):
+            world.decode[1][0].agent.receiver(2, world.instance(1)).send_metadata(
+                {k.name: np.arange(5) for k in KINDS}, tokens=100)
     finally:
         world.close()
 

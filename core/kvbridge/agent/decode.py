@@ -22,7 +22,7 @@ from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.lateness import Since
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
-from kvbridge.errors import Draining, KVBridgeError, ProtocolError, TransferError
+from kvbridge.errors import Draining, GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.geometry import IndexKind
 from kvbridge.protocol.events import RoomEventKind
 from kvbridge.protocol.states import (
@@ -131,6 +131,7 @@ class RecvRoom:
     quiesced: set[str] = field(default_factory=set)                  # prefill agents that can no longer write
     pending: tuple[dict[str, PackedIndices], int] | None = None      # metadata given while bootstrapping
     metadata_at: float | None = None
+    tokens: int | None = None                                        # the request's length, when the engine gave it
     waiting: Since | None = None                                     # its waiting timer (from send_metadata)
     trace: RoomTrace | None = None                                   # its span (kvbridge.tracing), when traced
     failed_at: float | None = None                                   # when it failed (FENCING from then on)
@@ -209,17 +210,37 @@ class DecodeSide(RoomTable[RecvRoom]):
         with self._ctx.lock:
             return self.get(room).nbytes
 
-    def send_metadata(self, room: int, indices: Mapping[str, PackedIndices], prefix_len: int) -> None:
+    def send_metadata(self, room: int, indices: Mapping[str, PackedIndices], prefix_len: int,
+                      tokens: int | None = None) -> None:
+        if tokens is not None:
+            self._check_length(room, indices, prefix_len, tokens)
         with self._ctx.lock:
             state = self.get(room)
             if state.status is KVPoll.Failed:
                 raise TransferError(room, state.reason)
             if state.metadata_at is not None or state.pending is not None:
                 raise KVBridgeError(f"room {room}: send_metadata() was already called")
+            state.tokens = tokens
             if state.status is KVPoll.Bootstrapping:
                 state.pending = (dict(indices), prefix_len)     # sent once the prefill ranks are back
                 return
             self._request(state, indices, prefix_len)
+
+    def _check_length(self, room: int, indices: Mapping[str, PackedIndices], prefix_len: int, tokens: int) -> None:
+        """The request's length given: each chunked paged component must list exactly the pages from the one
+        holding the prefix end to the one holding the last token (with pages of another size than the prefill's,
+        no other check can tell a missing or extra page from padding)."""
+        layout = self._ctx.layout
+        if tokens < 0 or prefix_len > tokens:
+            raise GeometryError(f"room {room}: a {tokens}-token request cannot have a prefix of {prefix_len} tokens")
+        want = max(-(-tokens // layout.page_size) - prefix_len // layout.page_size, 0)
+        for comp, st in zip(layout.components, self._ctx.state_types):
+            if st.chunked and comp.index_kind is IndexKind.PAGE and comp.name in indices:
+                got = len(indices[comp.name].unpack())
+                if got != want:
+                    raise GeometryError(f"room {room} {comp.name}: {got} pages listed, a {tokens}-token request "
+                                        f"whose first {prefix_len} are held here needs {want} of "
+                                        f"{layout.page_size} tokens")
 
     def abort(self, room: int, reason: str) -> None:
         with self._ctx.lock:
@@ -285,7 +306,11 @@ class DecodeSide(RoomTable[RecvRoom]):
                 key = (rank, comp.name)
                 room.expected.add(key)
                 chunked = ctx.state_types[comp_index].chunked
-                room.covered[key] = Coverage(n_items, layers, slack=factor - 1, lead_slack=0 if chunked else factor - 1)
+                slack = factor - 1
+                if chunked and rp is not None and room.tokens is not None:     # exactly the padding past the end
+                    start = prefix_len // ctx.layout.page_size * ctx.layout.page_size
+                    slack = max(n_items - (-(-(room.tokens - start) // rp.granule)), 0)
+                room.covered[key] = Coverage(n_items, layers, slack=slack, lead_slack=0 if chunked else factor - 1)
                 if rp is not None and ctx.state_types[comp_index].chunked and comp.index_kind is IndexKind.PAGE:
                     # the sub-pages before the prefill's first page: cached here (they hold the prefix)
                     lead = rp.lead(prefix_len, prefill=src_layout.page_size, decode=ctx.layout.page_size)

@@ -97,8 +97,13 @@ class Receiver:
     def __init__(self, side: DecodeSide, progress: Callable[[], None], layout: PoolLayout, room: int) -> None:
         self._side, self._progress, self._layout, self.room = side, progress, layout, room
 
-    def send_metadata(self, indices: Mapping[str, IndexArg], *, prefix_len: int = 0) -> None:
-        """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``)."""
+    def send_metadata(self, indices: Mapping[str, IndexArg], *, prefix_len: int = 0, tokens: int | None = None) -> None:
+        """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``).
+
+        ``tokens``: the request's length, when the engine knows it. The KV page lists are then checked against it
+        (``ceil(tokens / page) - prefix_len // page`` pages each), and with a prefill of another page size the
+        room succeeds only once every token up to it landed; without it, a list off by less than one page of the
+        larger side cannot be told from the padding of a last page."""
         packed: dict[str, PackedIndices] = {}
         for comp in self._layout.components:
             if comp.name not in indices:
@@ -109,7 +114,7 @@ class Receiver:
         unknown = sorted(set(indices) - set(self._layout.component_names))
         if unknown:
             raise GeometryError(f"room {self.room}: indices for unknown components {unknown}")
-        self._side.send_metadata(self.room, packed, prefix_len)
+        self._side.send_metadata(self.room, packed, prefix_len, tokens)
 
     def poll(self) -> KVPoll:
         self._progress()
