@@ -55,7 +55,9 @@ def _patch(bench: ModuleType) -> None:
     _wrap(prefill.PrefillSide, "send")
     _wrap(posting.Poster, "_gather", lambda _s, _room, p: f"chunk={p.notice.chunk}")
     _wrap(posting.Poster, "_send", lambda _s, _room, _t, _agent, notice, *_a: f"chunk={notice.chunk}")
-    _wrap(prefill.PrefillSide, "_finished", lambda _s, _room, item: f"chunk={item.notice.chunk}", result=True)
+    _wrap(posting.Poster, "_posted", lambda _s, _room, item, *_a: f"chunk={item.notice.chunk}")   # the backend took it
+    _wrap(prefill.PrefillSide, "_finished", lambda _s, _room, item, done, _reason: f"chunk={item.notice.chunk} "
+                                                                                   f"done={done}")
     _wrap(decode.DecodeSide, "on_notice", lambda _s, notice, _env: f"chunk={notice.chunk}")
     _wrap(decode.DecodeSide, "_count", lambda _s, _room, _key, notice, _layers: f"chunk={notice.chunk}")
     _wrap(bench._Rank, "op_recv")

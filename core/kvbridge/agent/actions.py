@@ -1,36 +1,79 @@
 """The agent lock, and the actions the protocol handlers queue while they hold it.
 
-A handler (a frame received, an engine call, a timer) runs under the lock and decides; it does not do the I/O.
-Frames it sends go to the lock's outbox; when the outermost holder releases the lock, the frames go out in the
-order they were queued, outside the lock (a slow socket never stalls the engine's calls or the other peers), and
-in that order across threads (the next holder's frames wait until these left). The instant of the event is read
-once, when the outermost holder takes the lock: handlers read :attr:`AgentLock.now` and never the clock::
+A handler (a frame received, an engine call, a timer, a backend completion) runs under the lock and decides; it
+does not do the I/O. What it wants done is an **action** queued on the lock: a frame to send (:class:`SendFrame`)
+or a backend call (:class:`CallBackend`: post a write, notify, release a handle, add or remove a peer). When the
+outermost holder releases the lock, its actions run in the order they were queued, outside the lock (a slow socket
+or post never stalls the engine's calls or the other peers), and in that order across threads (the next holder's
+actions wait until these ran). What a backend call gave comes back as an event: its ``then`` runs under the lock
+once the batch ran. The instant of the event is read once, when the outermost holder takes the lock: handlers
+read :attr:`AgentLock.now` and never the clock::
 
-    lock = AgentLock(clock=time.monotonic, deliver=lambda address, frame, what: link.send(address, frame))
+    lock = AgentLock(clock=time.monotonic, deliver=lambda address, frame, what: link.send(address, frame),
+                     execute=runtime.execute)
     with lock:
-        lock.send("tcp://10.0.0.2:17600", frame, "Welcome")     # queued
+        lock.send("tcp://10.0.0.2:17600", frame, "Welcome")                    # queued
+        lock.act(CallBackend(kind=CallKind.RELEASE, args=(handle,)))            # queued
         started = lock.now
-    # sent here, after the lock was released
+    # sent and called here, after the lock was released
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.backends.calls import CallKind
 
 Deliver = Callable[[str, bytes, str], None]
+Then = Callable[[Any, "BaseException | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SendFrame:
+    """Hand an encoded control frame to the link."""
+
+    address: str
+    frame: bytes
+    what: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallBackend:
+    """Call the backend (``kind`` with ``args``, through the agent's one call seam); ``then(result, error)`` runs
+    under the lock after the batch (None: an error is logged). A call not made by ``not_after`` (the agent's clock;
+    a write lease's end) is not made at all: ``then`` gets :class:`Lapsed`. ``then_send`` (a Welcome after the
+    peer was added) leaves in the batch's order, and only when the call succeeded."""
+
+    kind: CallKind
+    args: tuple[Any, ...]
+    then: Then | None = None
+    not_after: float = math.inf
+    then_send: SendFrame | None = None      # sent right after the call succeeded, in the batch's order
+
+
+class Lapsed(Exception):
+    """A backend call's deadline passed before the runtime could make it (it was not made)."""
+
+
+Action = SendFrame | CallBackend
+Execute = Callable[[CallBackend], "Callable[[], None] | None"]
 
 
 class AgentLock:
     """A re-entrant lock that runs the handlers' sends after its outermost release (see the module)."""
 
-    def __init__(self, *, clock: Callable[[], float], deliver: Deliver) -> None:
+    def __init__(self, *, clock: Callable[[], float], deliver: Deliver, execute: Execute | None = None) -> None:
         self._lock = threading.RLock()
         self._clock = clock
         self._deliver = deliver
+        self._execute = execute                 # runs a backend call; returns what must run under the lock after
         self._depth = 0                         # written only by the holder
         self._owner: int | None = None
-        self._outbox: list[tuple[str, bytes, str]] = []
+        self._outbox: list[Action] = []
         # batches leave in the order of their holds without holding the agent lock: each takes a ticket when its
         # hold ends and waits for its turn; a send from inside a delivery (a link that delivers synchronously
         # into this agent) goes at once
@@ -69,23 +112,46 @@ class AgentLock:
             self._next_ticket += 1
             return ticket
 
-    def _send_batch(self, batch: list[tuple[str, bytes, str]], ticket: int | None) -> None:
+    def _send_batch(self, batch: list[Action], ticket: int | None) -> None:
         if ticket is None:                      # inside a delivery of this thread: its turn is now
-            for address, frame, what in batch:
-                self._deliver(address, frame, what)
+            self._run(batch)
             return
         with self._turns:
             while self._serving != ticket:
                 self._turns.wait()
         self._delivering.active = True
         try:
-            for address, frame, what in batch:
-                self._deliver(address, frame, what)
+            self._run(batch)
         finally:
             self._delivering.active = False
             with self._turns:
                 self._serving += 1
                 self._turns.notify_all()
+
+    def _run(self, batch: list[Action]) -> None:
+        """Run one batch in order; then, under the lock, what the backend calls gave (their actions, in turn, run
+        at once: this thread's turn is now)."""
+        results: list[Callable[[], None]] = []
+        for action in batch:
+            if type(action) is SendFrame:
+                self._deliver(action.address, action.frame, action.what)
+                continue
+            assert isinstance(action, CallBackend)
+            if self._execute is None:
+                raise AssertionError(f"{action.kind.value}: this lock runs no backend calls (no execute=)")
+            result = self._execute(action)
+            if result is not None:
+                results.append(result)
+        if results:
+            first: BaseException | None = None
+            with self:
+                for result in results:          # every one runs: a lost result would leave its write hanging
+                    try:
+                        result()
+                    except BaseException as exc:  # noqa: BLE001 - raised below (strict mode's illegal events)
+                        first = first or exc
+            if first is not None:
+                raise first
 
     def held_here(self) -> bool:
         """Whether the calling thread holds the lock."""
@@ -93,12 +159,16 @@ class AgentLock:
 
     def send(self, address: str, frame: bytes, what: str) -> None:
         """Send ``frame`` to ``address`` once the lock is released (now, when the caller does not hold it)."""
+        self.act(SendFrame(address, frame, what))
+
+    def act(self, action: Action) -> None:
+        """Run ``action`` once the lock is released (now, when the caller does not hold it)."""
         if self.held_here():
-            self._outbox.append((address, frame, what))
+            self._outbox.append(action)
             return
-        self._send_batch([(address, frame, what)], None if self._inside_delivery() else self._take_ticket())
+        self._send_batch([action], None if self._inside_delivery() else self._take_ticket())
 
     @property
     def queued(self) -> int:
-        """Frames waiting for the lock's release (call with the lock held)."""
+        """Actions waiting for the lock's release (call with the lock held)."""
         return len(self._outbox)

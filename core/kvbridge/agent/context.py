@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from kvbridge.agent.actions import AgentLock
+from kvbridge.agent.actions import AgentLock, CallBackend, Lapsed
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
 from kvbridge.agent.lateness import OwnLateness
 from kvbridge.backends.base import TransferBackend
-from kvbridge.backends.calls import BackendCalls
+from kvbridge.backends.calls import BackendCalls, CallKind
 from kvbridge.errors import KVBridgeError
 from kvbridge.geometry import PoolLayout, Rank
 from kvbridge.links import Link
 from kvbridge.protocol.events import RoomEvents
+from kvbridge.protocol.states import record_illegal, strict
 from kvbridge.protocol.wire import Codec, KVPoll, Message, Role
 from kvbridge.registry import Registry
 from kvbridge.state.base import StateType
 
 log = logging.getLogger("kvbridge.agent")
+
+# backend calls a handler still makes under the agent lock: the decode's fence asks the backend whether a writer is
+# provably gone while it judges a room (a query; every other call is an action run after the lock's release)
+INLINE_CALLS = frozenset({CallKind.WRITER_GONE})
+
+
+class CallUnderLock(AssertionError):
+    """A backend call made while the agent lock was held (strict mode: handlers queue calls as actions)."""
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -56,8 +66,10 @@ class AgentContext:
 
     def __post_init__(self) -> None:
         self.lateness = OwnLateness(self.config.heartbeat_interval_s)
-        self.lock = AgentLock(clock=self.clock, deliver=self._deliver)
+        self.lock = AgentLock(clock=self.clock, deliver=self._deliver, execute=self._execute)
         self.state_by_name = {c.state_type: st for c, st in zip(self.layout.components, self.state_types)}
+        if strict():
+            self.calls.guard = self._refuse_under_lock
 
     @property
     def now(self) -> float:
@@ -79,6 +91,39 @@ class AgentContext:
     def send_frame(self, address: str, frame: bytes, what: str = "frame") -> None:
         """Queue an encoded frame (see :meth:`post`)."""
         self.lock.send(address, frame, what)
+
+    def act(self, action: CallBackend) -> None:
+        """Queue a backend call: it runs when the lock is released, and what it gave comes back to ``action.then``
+        under the lock (:mod:`kvbridge.agent.actions`)."""
+        self.lock.act(action)
+
+    def _execute(self, action: CallBackend) -> Callable[[], None] | None:
+        """Make one queued backend call (outside the lock); its result or error is handed to ``then`` under it."""
+        result: object = None
+        error: BaseException | None = None
+        if action.not_after < math.inf and (now := self.clock()) > action.not_after:
+            error = Lapsed(f"{action.kind.value} not made: its deadline passed {now - action.not_after:.3f} s before")
+        else:
+            try:
+                result = self.calls.invoke(action.kind, *action.args)
+            except Exception as exc:  # noqa: BLE001 - handed to the handler that asked for the call
+                error = exc
+            else:
+                if action.then_send is not None:
+                    self._deliver(action.then_send.address, action.then_send.frame, action.then_send.what)
+        then = action.then
+        if then is None:
+            if error is not None:
+                log.error("%s: backend %s failed: %s: %s", self.name, action.kind.value, type(error).__name__, error)
+            return None
+        return lambda: then(result, error)
+
+    def _refuse_under_lock(self, kind: CallKind) -> None:
+        if kind not in INLINE_CALLS and self.lock.held_here():
+            what = (f"{self.name}: backend {kind.value} called under the agent lock (a handler must queue it as an "
+                    "action)")
+            record_illegal(what)
+            raise CallUnderLock(what)
 
     def _deliver(self, address: str, frame: bytes, what: str) -> None:
         try:

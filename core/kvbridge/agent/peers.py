@@ -9,12 +9,14 @@ The decode side sends Hellos from ``connect()``; each call owns one :class:`Hand
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvbridge.agent.actions import CallBackend, SendFrame
 from kvbridge.agent.config import GOODBYE_GRACE_S
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.handshake import (
@@ -28,6 +30,7 @@ from kvbridge.agent.handshake import (
 from kvbridge.agent.lateness import Since
 from kvbridge.agent.liveness import LivenessWatch
 from kvbridge.agent.plans import PlanCache
+from kvbridge.backends.calls import CallKind
 from kvbridge.errors import IncompatiblePeer, ProtocolError
 from kvbridge.geometry import PoolLayout
 from kvbridge.handshake import check_compatible
@@ -324,10 +327,7 @@ class PeerTable:
         ctx = self._ctx
         self._plans.forget(peer.agent)
         if peer.info is not None:
-            try:
-                ctx.calls.remove_peer(peer.agent)
-            except Exception:
-                log.exception("%s: removing peer %s from the backend failed", ctx.name, peer.agent)
+            ctx.act(CallBackend(kind=CallKind.REMOVE_PEER, args=(peer.agent,)))    # a failure is logged
         if peer.state is not PeerState.RETIRED:
             peer.step(PeerEvent.RETIRE)
         if self.liveness is not None and not keep_watch:
@@ -549,13 +549,28 @@ class PeerTable:
                          else f"handshook again in protocol {env.version}" if old.version != env.version
                          else "handshook again with other buffers")
         self._lease_epochs = epoch
-        ctx.calls.add_peer(info)
         # read before the Welcome leaves: the decode counts the lease from its arrival
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
                           endpoint=hello.endpoint, info=info, last_seen=now, seen=ctx.lateness.since(now),
                           version=env.version, writer_lease_s=lease,
                           lease_until=now + lease if lease else math.inf, lease_epoch=epoch))
-        ctx.post(env.address, welcome, incarnation=env.incarnation)
+        # the backend learns the peer after the lock's release; the Welcome follows it only if it could
+        frame = ctx.codec.encode(welcome, to=env.address, to_incarnation=env.incarnation)
+        ctx.act(CallBackend(kind=CallKind.ADD_PEER, args=(info,), then_send=SendFrame(env.address, frame, "Welcome"),
+                            then=functools.partial(self._added, hello.agent, env.incarnation)))
+
+    def _added(self, agent: str, incarnation: int, _result: object, error: BaseException | None) -> None:
+        """The backend added a decode we welcomed, or could not: then it is refused, saying why (lock held)."""
+        peer = self.peers.get(agent)
+        if error is None or peer is None or peer.incarnation != incarnation:
+            return
+        reason = f"the prefill's backend could not add this decode: {type(error).__name__}: {error}"
+        log.error("%s: refused %s: %s", self._ctx.name, agent, reason)
+        peer.info = None                        # nothing to remove from the backend
+        self._retire(peer, reason)
+        self._refuse(peer.address, Welcome(version=PROTOCOL_VERSION, agent=self._ctx.name,
+                                           address=self._ctx.link.address, accepted=False, reason=reason),
+                     incarnation, peer.version)
 
     def refuse_handshake(self, exc: RefusedHandshake) -> None:
         """A Hello we cannot use (above a bound, impossible geometry) is answered with the reason, within the
@@ -605,6 +620,11 @@ class PeerTable:
                 peer.alive and now - peer.last_seen < self._ctx.config.peer_timeout_s):
             return Lease.UNCONFIRMED
         return Lease.EXPIRED
+
+    def lease_until(self, agent: str) -> float:
+        """Prefill side: the instant (our clock) our write lease to decode ``agent`` runs until (inf without one)."""
+        peer = self.peers.get(agent)
+        return math.inf if peer is None else peer.lease_until
 
     def lease_left(self, agent: str, now: float) -> float:
         """Prefill side: seconds our write lease to decode ``agent`` still runs (inf without a lease)."""

@@ -7,32 +7,37 @@ the items and layers it completes: the gather of piece k+1 runs while piece k is
 decode scatters piece k when it lands. On CUDA the gathers run on the agent's own stream, after the work the
 engine had queued on its current stream when it called ``send``; a write is posted once its gather's event
 completed (polled from the progress loop, never waited for). Plain writes of CUDA memory likewise wait for
-the engine's event.
+the engine's event. Posting is deciding: the backend call itself is an action the runtime makes after the agent
+lock's release (:mod:`kvbridge.agent.actions`), never past our write lease; the write is ``posting`` until the
+backend's answer comes back (:meth:`Poster._posted`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvbridge.agent.actions import CallBackend, Lapsed
 from kvbridge.agent.context import AgentContext
 from kvbridge.agent.peers import Lease, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache, StagePlan
 from kvbridge.agent.send_room import InFlight, Pending, Piece, SendRoom, StagingRing
 from kvbridge.agent.unconfirmed import Unconfirmed
 from kvbridge.backends.base import ComponentTransfer
+from kvbridge.backends.calls import CallKind
 from kvbridge.errors import GeometryError, KVBridgeError, RegionError
 from kvbridge.geometry import Component, IndexKind
 from kvbridge.planner import TransferPlan, check_indices, plan_transfer
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.protocol.states import WriteEvent, WriteState
-from kvbridge.protocol.wire import Notice
+from kvbridge.protocol.wire import KVPoll, Notice
 from kvbridge.repaging import Repaging, sub_pages
 from kvbridge.slicing import ComponentSlice
 from kvbridge.staging import STAGING, gather_rows, source_index
@@ -128,8 +133,10 @@ def _coverage_start(dst_all: np.ndarray, d_idx: np.ndarray, where: str) -> int |
 class Poster:
     """Turns a chunk of a send room into validated writes, then posts them (lock held by the caller)."""
 
-    def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
+    def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache,
+                 on_post_error: Callable[[SendRoom, BaseException], None]) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
+        self.on_post_error = on_post_error      # a queued post the backend refused: the prefill side fails the room
         self._no_staging: set[str] = set()      # peers whose staging area the engine cannot reach
         self.unconfirmed = Unconfirmed()        # notices the backend took, sent again ahead of our Goodbye
 
@@ -238,11 +245,15 @@ class Poster:
         self._send(room, transfer, peer.agent, notice, frame, None)
 
     def _send(self, room: SendRoom, transfer: ComponentTransfer, agent: str, notice: Notice, frame: bytes,
-              staging: tuple[int, int] | None) -> None:
-        ctx = self._ctx
+              staging: tuple[int, int] | None, piece: Pending | None = None) -> None:
+        """Queue the post of one write: an action the runtime runs after the lock's release (never past our write
+        lease); the write is in flight from now, and what the backend said comes back to :meth:`_posted`."""
         self._check_lease(agent)
-        handle = ctx.calls.send_component(transfer)
-        room.inflight.append(InFlight(handle=handle, peer=agent, notice=notice, frame=frame, staging=staging))
+        item = InFlight(handle=None, peer=agent, notice=notice, frame=frame, staging=staging, state=WriteState.POSTING)
+        room.inflight.append(item)
+        self._ctx.act(CallBackend(kind=CallKind.SEND_COMPONENT, args=(transfer,),
+                                  not_after=self._peers.lease_until(agent),
+                                  then=functools.partial(self._posted, room, item, transfer, piece)))
         trace = room.traces.get(agent) if room.traces else None
         if trace is not None:
             trace.start(("write", notice.component, notice.chunk), "write", {
@@ -250,8 +261,43 @@ class Poster:
                 "kvbridge.bytes": transfer.plan.total_nbytes, "kvbridge.descriptors": len(transfer.plan),
                 "kvbridge.staged": staging is not None, "kvbridge.layer_first": notice.layer_first,
                 "kvbridge.layer_count": notice.layer_count})
-        room.nbytes += transfer.plan.total_nbytes
-        room.descriptors += len(transfer.plan)
+
+    def _posted(self, room: SendRoom, item: InFlight, transfer: ComponentTransfer, piece: Pending | None,
+                handle: Any, error: BaseException | None) -> None:
+        """What the backend said to a queued post (lock held): the handle to poll, or why it took nothing."""
+        ctx = self._ctx
+        if error is None:
+            item.handle = handle
+            item.step(WriteEvent.ACCEPTED)
+            room.nbytes += transfer.plan.total_nbytes
+            room.descriptors += len(transfer.plan)
+            return
+        room.inflight.remove(item)
+        if isinstance(error, Lapsed):        # our lease ran out before it went: queued again, judged by the pump
+            item.step(WriteEvent.LAPSED)
+            room.pending.appendleft(Pending(peer=item.peer, notice=item.notice, frame=item.frame, transfer=transfer,
+                                            local=item.staging, state=WriteState.READY))
+            return
+        item.step(WriteEvent.ERROR)
+        trace = room.traces.get(item.peer) if room.traces else None
+        if trace is not None:
+            trace.finish(("write", item.notice.component, item.notice.chunk),
+                         f"{ctx.backend_name}: {type(error).__name__}: {error}")
+        peer = self._peers.get(item.peer)
+        if (piece is not None and isinstance(error, RegionError) and peer is not None
+                and room.status is not KVPoll.Failed):
+            # the engine cannot reach the peer's staging area: descriptors from now on
+            log.warning("%s: staging to %s refused (%s); using plain descriptors for this peer", ctx.name,
+                        peer.agent, error)
+            self._no_staging.add(peer.agent)
+            try:
+                self._unstage(room, peer, piece)
+            except Exception as exc:  # noqa: BLE001 - the room fails with the reason
+                self.on_post_error(room, exc)
+            return
+        if item.staging is not None and ctx.buffers.staging is not None:
+            ctx.buffers.staging.free(*item.staging)
+        self.on_post_error(room, error)
 
     def _check_lease(self, agent: str) -> None:
         """Raise when our write lease to ``agent`` ran out and a read of our inbox since brought no echo."""
@@ -480,8 +526,8 @@ class Poster:
                 ctx.buffers.staging.free(*p.local)
             return                     # the peer is gone: its death already failed the room
         p.step(WriteEvent.POST)
-        if p.transfer is not None:
-            self._send(room, p.transfer, p.peer, p.notice, p.frame, None)
+        if p.transfer is not None:            # a plain write (or a staged piece queued again: it holds its space)
+            self._send(room, p.transfer, p.peer, p.notice, p.frame, p.local)
             return
         piece, staging, reg = p.piece, ctx.buffers.staging, ctx.buffers.staging_registration
         assert piece is not None and p.local is not None and staging is not None and reg is not None
@@ -494,13 +540,15 @@ class Poster:
                                 np.array([nbytes], u64), np.zeros(1, np.int32))
             transfer = ComponentTransfer(room=room.room, component=STAGING, peer=peer.agent, chunk=p.notice.chunk,
                                          last=p.notice.last, src=reg, dst=remote, plan=plan, notice=p.frame)
-            try:
-                self._send(room, transfer, peer.agent, p.notice, p.frame, p.local)
-                return
-            except RegionError as exc:   # the engine cannot reach the peer's staging area: descriptors from now on
-                log.warning("%s: staging to %s refused (%s); using plain descriptors for this peer", ctx.name,
-                            peer.agent, exc)
-                self._no_staging.add(peer.agent)
+            self._send(room, transfer, peer.agent, p.notice, p.frame, p.local, piece=p)
+            return
+        self._unstage(room, peer, p)
+
+    def _unstage(self, room: SendRoom, peer: Peer, p: Pending) -> None:
+        """Post a gathered piece as plain descriptors instead (its staging space is given back)."""
+        ctx = self._ctx
+        piece, staging = p.piece, ctx.buffers.staging
+        assert piece is not None and p.local is not None and staging is not None
         staging.free(*p.local)
         p.local = None
         comp = ctx.layout.components[piece.comp_index]
@@ -516,10 +564,18 @@ class Poster:
         backend took is kept until it cannot matter (:mod:`kvbridge.agent.unconfirmed`): our Goodbye must not
         overtake it."""
         ctx = self._ctx
-        if ctx.calls.notify_completion(peer.agent, frame):
-            self.unconfirmed.keep(peer.agent, peer.incarnation, room, frame, ctx.codec.last_seq(peer.address))
-        else:
-            ctx.send_frame(peer.address, frame, "notice")
+        # kept when queued (a Goodbye queued meanwhile must find it); one the backend could not take goes by the
+        # link (then the copy before our Goodbye is a replay the decode drops)
+        self.unconfirmed.keep(peer.agent, peer.incarnation, room, frame, ctx.codec.last_seq(peer.address))
+        ctx.act(CallBackend(kind=CallKind.NOTIFY_COMPLETION, args=(peer.agent, frame),
+                            then=functools.partial(self._notified, peer.agent, peer.address, frame)))
+
+    def _notified(self, agent: str, address: str, frame: bytes, took: Any, error: BaseException | None) -> None:
+        if error is not None:
+            log.warning("%s: notify_completion to %s raised %s: %s (sent by the control link)", self._ctx.name,
+                        agent, type(error).__name__, error)
+        if error is not None or not took:
+            self._ctx.send_frame(address, frame, "notice")
 
 
 def _ready(p: Pending, room: SendRoom) -> bool:

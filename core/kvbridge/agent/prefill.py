@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvbridge import tracing
+from kvbridge.agent.actions import CallBackend
 from kvbridge.agent.config import EARLY_BYTES, EARLY_ROOMS, TICK_S, TOMBSTONES
 from kvbridge.agent.context import AgentContext, RoomTable, Tombstones
 from kvbridge.agent.lateness import Since
 from kvbridge.agent.peers import Dropped, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.posting import Poster, StateIndices
-from kvbridge.agent.send_room import HeldChunk, InFlight, OpenChunk, SendRoom
-from kvbridge.backends.base import HandleState, Poll
+from kvbridge.agent.send_room import HeldChunk, InFlight, OpenChunk, SendRoom, WriteEnded
+from kvbridge.backends.base import HandleState
+from kvbridge.backends.calls import CallKind
 from kvbridge.errors import Draining, GeometryError, KVBridgeError, ProtocolError, TransferError
 from kvbridge.planner import check_indices
 from kvbridge.protocol.events import RoomEventKind
@@ -37,7 +41,9 @@ log = logging.getLogger("kvbridge.agent")
 
 class PrefillSide(RoomTable[SendRoom]):
     """Every send room of a prefill rank. Public methods take the agent lock themselves; ``on_*`` and
-    ``poll_inflight``/``tick`` are called by the progress loop with the lock held."""
+    ``poll_inflight``/``tick`` are called by the progress loop with the lock held, ``poll_writes`` without it (the
+    backend's answers are applied under it). Posts, notices and releases are actions run after the lock's release
+    (:mod:`kvbridge.agent.actions`)."""
 
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
@@ -51,7 +57,8 @@ class PrefillSide(RoomTable[SendRoom]):
         self._active: set[int] = set()          # rooms with writes in flight or an acknowledgement owed
         self._next_timeouts = 0.0
         self._tombstones = Tombstones()
-        self._poster = Poster(ctx, peers, plans)
+        self._poster = Poster(ctx, peers, plans, self._post_failed)
+        self._engine_call = threading.local()   # .errors: posts the backend refused during this thread's send()
         self._buffer_names = {(c.name, b.name) for c in ctx.layout.components for b in c.buffers}
         self.draining = ""                      # why new rooms are refused (TransferAgent.drain), "" when not
         # rooms that failed while a decode was judged dead by silence, by agent: told when it speaks again
@@ -90,8 +97,18 @@ class PrefillSide(RoomTable[SendRoom]):
 
     def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None = None,
              *, from_start: bool = False) -> None:
-        ctx = self._ctx
         after = self._engine_event()           # outside the lock: only the engine's own stream is touched
+        self._engine_call.errors = []
+        try:
+            self._send(room, pages, last, state, layers, from_start, after)
+        finally:
+            refused, self._engine_call.errors = self._engine_call.errors, None
+        if refused:       # the posts ran at the lock's release, in this thread: the engine hears the backend's error
+            raise refused[0]
+
+    def _send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None,
+              from_start: bool, after: Any) -> None:
+        ctx = self._ctx
         with ctx.lock:
             record = self.get(room)
             if record.status is KVPoll.Failed:
@@ -509,16 +526,36 @@ class PrefillSide(RoomTable[SendRoom]):
         next piece is posted only when it looks)."""
         return any(room.pending for room_id in self._active if (room := self.rooms.get(room_id)) is not None)
 
-    def poll_inflight(self) -> None:
-        """Poll the writes of rooms that have any (cost: the active rooms, not all of them), and move their
-        queued writes on."""
+    def posted_writes(self) -> list[tuple[SendRoom, InFlight]]:
+        """The writes the backend holds (lock held): the progress loop polls them outside the lock."""
+        return [(room, item) for room_id in self._active if (room := self.rooms.get(room_id)) is not None
+                for item in room.inflight if item.state is WriteState.POSTED]
+
+    def poll_writes(self, writes: list[tuple[SendRoom, InFlight]]) -> list[WriteEnded]:
+        """Poll ``writes`` (without the lock: a backend call); those that ended, with how."""
+        calls, ended = self._ctx.calls, []
+        for room, item in writes:
+            try:
+                result = calls.poll(item.handle)
+            except Exception as exc:  # noqa: BLE001 - engine errors become Failed with their text
+                ended.append(WriteEnded(room, item, False, f"{type(exc).__name__}: {exc}"))
+                continue
+            if result.state is not HandleState.PENDING:
+                ended.append(WriteEnded(room, item, result.state is HandleState.DONE, result.reason))
+        return ended
+
+    def poll_inflight(self, ended: Sequence[WriteEnded] = ()) -> None:
+        """Apply the writes that ended (polled outside the lock), move the rooms' queued writes on, and end the rooms
+        whose writes all ended (cost: the active rooms, not all of them)."""
+        for end in ended:
+            if end.item.state is WriteState.POSTED and end.item in end.room.inflight:
+                end.room.inflight.remove(end.item)
+                self._finished(end.room, end.item, end.done, end.reason)
         for room_id in list(self._active):
             room = self.rooms.get(room_id)
             if room is None:
                 self._active.discard(room_id)
                 continue
-            if room.inflight:
-                room.inflight = [item for item in room.inflight if not self._finished(room, item)]
             if room.pending:
                 self._pump(room)
             if room.busy:
@@ -533,37 +570,36 @@ class PrefillSide(RoomTable[SendRoom]):
             room.must_confirm.clear()
             self._active.discard(room_id)
 
-    def _finished(self, room: SendRoom, item: InFlight) -> bool:
-        """Poll one write; when it ended, release it, free its staging and notify or fail the room."""
+    def _finished(self, room: SendRoom, item: InFlight, done: bool, reason: str) -> None:
+        """A write ended: release its handle, free its staging, and notify or fail the room."""
         ctx = self._ctx
-        result: Poll | None
-        try:
-            result = ctx.calls.poll(item.handle)
-        except Exception as exc:  # noqa: BLE001 - engine errors become Failed with their text
-            result, reason = None, f"{type(exc).__name__}: {exc}"
-        else:
-            reason = result.reason
-        if result is not None and result.state is HandleState.PENDING:
-            return False
-        try:
-            ctx.calls.release(item.handle)
-        except Exception:
-            log.exception("%s: releasing a transfer handle failed", ctx.name)
+        ctx.act(CallBackend(kind=CallKind.RELEASE, args=(item.handle,)))
         if item.staging is not None and ctx.buffers.staging is not None:
             ctx.buffers.staging.free(*item.staging)
         peer = self._peers.get(item.peer)
-        item.step(WriteEvent.COMPLETE if result is not None and result.state is HandleState.DONE else WriteEvent.ERROR)
+        item.step(WriteEvent.COMPLETE if done else WriteEvent.ERROR)
         trace = room.traces.get(item.peer) if room.traces else None
         if trace is not None:
-            trace.finish(("write", item.notice.component, item.notice.chunk), "" if item.state is WriteState.DONE
+            trace.finish(("write", item.notice.component, item.notice.chunk), "" if done
                          else f"{self._ctx.backend_name}: {reason}")
-        if result is not None and result.state is HandleState.DONE:
+        if done:
             if room.status is not KVPoll.Failed and peer is not None:
                 self._poster.notify(peer, item.frame, room.room)
         else:
             self._fail(room, f"{ctx.backend_name} write of {item.notice.component} chunk {item.notice.chunk} to "
                              f"{item.peer} failed: {reason}")
-        return True
+
+    def _post_failed(self, room: SendRoom, error: BaseException) -> None:
+        """A queued post the backend refused or could not make (lock held): the room fails with its words, and an
+        engine's send() that queued it raises the error."""
+        what = str(error) if isinstance(error, KVBridgeError) else (f"{self._ctx.backend_name} send_component raised "
+                                                                    f"{type(error).__name__}: {error}")
+        log.error("%s: room %d: posting a write failed: %s", self._ctx.name, room.room, what)
+        self._fail(room, what)
+        self._poster.drop(room)
+        errors = getattr(self._engine_call, "errors", None)
+        if errors is not None:
+            errors.append(error)
 
     def _pump(self, room: SendRoom) -> None:
         """Post the room's queued writes that became ready (from the progress loop: errors fail the room)."""

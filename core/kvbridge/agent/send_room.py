@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,11 +24,20 @@ class InFlight:
     notice: Notice
     frame: bytes                               # the notice, encoded once
     staging: tuple[int, int] | None = None     # (offset, bytes) of our staging area to free when done
-    state: WriteState = WriteState.POSTED      # changed only through ``WRITE``
+    state: WriteState = WriteState.POSTING     # changed only through ``WRITE``
 
     def step(self, event: WriteEvent) -> None:
         self.state = WRITE.step(self.state, event, f"write of {self.notice.component} chunk {self.notice.chunk} "
                                                    f"to {self.peer}")
+
+
+class WriteEnded(NamedTuple):
+    """A posted write the backend reported ended (polled outside the lock; applied under it)."""
+
+    room: SendRoom
+    item: InFlight
+    done: bool                                 # every byte landed; else it failed with ``reason``
+    reason: str
 
 
 @dataclass(slots=True, kw_only=True)

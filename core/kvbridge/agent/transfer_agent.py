@@ -23,6 +23,7 @@ from kvbridge.agent.liveness import LivenessListener, host_of
 from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
+from kvbridge.agent.send_room import WriteEnded
 from kvbridge.backends.base import RegisteredBuffers, TransferBackend
 from kvbridge.digests import readable
 from kvbridge.errors import IncompatiblePeer, InsecureSetup, KVBridgeError, ProtocolError
@@ -326,6 +327,7 @@ class TransferAgent:
             self.handle_frame(frame)
         for _peer, blob in notices:
             self.handle_frame(blob)
+        ended = self._poll_writes()
         with ctx.lock:
             # drained again under the lock, right before the liveness check: frames that queued up while
             # another thread held the lock (a long send) must count before a peer is judged silent; small
@@ -345,12 +347,20 @@ class TransferAgent:
             if self._liveness is not None:
                 self._liveness.poll()
             if self.prefill is not None:
-                self.prefill.poll_inflight()
+                self.prefill.poll_inflight(ended)
             self.peers.tick(now, HELLO_RESEND_S)
             if self.prefill is not None:
                 self.prefill.tick(now)
             if self.decode is not None:
                 self.decode.tick(now)
+
+    def _poll_writes(self) -> list[WriteEnded]:
+        """Poll the backend for the writes it holds, outside the lock (the list of them is taken under it)."""
+        if self.prefill is None:
+            return []
+        with self.context.lock:
+            writes = self.prefill.posted_writes()
+        return self.prefill.poll_writes(writes) if writes else []
 
     def _drain_notify_failures(self) -> list[tuple[str, bytes]]:
         """Optional backend method ``drain_notify_failures() -> [obj with .peer, .notice]``, called only when
@@ -601,7 +611,7 @@ class TransferAgent:
                 if again:
                     log.debug("%s: sent %d notices again over the control link before its goodbye", self.name, again)
             self.peers.say_goodbye()
-            self.buffers.deregister_all(self.name)
+        self.buffers.deregister_all(self.name)     # after the lock's release: the goodbyes left first
         ctx.calls.close()
         ctx.link.close()
         if self._liveness is not None:

@@ -44,8 +44,9 @@ class IllegalTransition(ProtocolError):
 _ILLEGAL: deque[str] = deque(maxlen=256)
 
 
-def record_illegal(exc: IllegalTransition) -> None:
-    """Remember an illegal event of this process (tests assert none happened; bounded)."""
+def record_illegal(exc: IllegalTransition | str) -> None:
+    """Remember an illegal event (or another broken rule of the protocol core, named) of this process (tests assert
+    none happened; bounded)."""
     _ILLEGAL.append(str(exc))
 
 
@@ -210,7 +211,8 @@ class WriteState(enum.Enum):
     ALLOCATED = "allocated"    # a staged piece holds its staging space, its gather not started
     GATHERING = "gathering"    # its gather runs (on our CUDA stream; on the host it ends at once)
     READY = "ready"            # gathered, or the engine's work done: may be posted (a ring piece: needs a slot)
-    POSTED = "posted"          # handed to the backend
+    POSTING = "posting"        # its post is an action queued for the runtime (after the agent lock's release)
+    POSTED = "posted"          # the backend took it
     DONE = "done"              # the backend completed it; the notice went out (unless the room failed)
     FAILED = "failed"          # the backend reported an error or raised
     DROPPED = "dropped"        # never posted: the room failed or the peer left
@@ -221,6 +223,8 @@ class WriteEvent(enum.Enum):
     GATHER = "gather"
     READY = "ready"
     POST = "post"
+    ACCEPTED = "accepted"      # the backend's send_component returned a handle
+    LAPSED = "lapsed"          # our write lease ran out before the runtime posted it: queued again, re-judged
     COMPLETE = "complete"
     ERROR = "error"
     DROP = "drop"
@@ -229,13 +233,16 @@ class WriteEvent(enum.Enum):
 WRITE: Machine[WriteState, WriteEvent] = Machine("write", {
     (WriteState.QUEUED, WriteEvent.ALLOCATE): WriteState.ALLOCATED,
     (WriteState.QUEUED, WriteEvent.READY): WriteState.READY,           # a plain write whose CUDA event fired
-    (WriteState.QUEUED, WriteEvent.POST): WriteState.POSTED,           # a plain write with nothing to wait for
+    (WriteState.QUEUED, WriteEvent.POST): WriteState.POSTING,          # a plain write with nothing to wait for
     (WriteState.QUEUED, WriteEvent.DROP): WriteState.DROPPED,
     (WriteState.ALLOCATED, WriteEvent.GATHER): WriteState.GATHERING,
     (WriteState.ALLOCATED, WriteEvent.DROP): WriteState.DROPPED,
     (WriteState.GATHERING, WriteEvent.READY): WriteState.READY,
-    (WriteState.READY, WriteEvent.POST): WriteState.POSTED,
+    (WriteState.READY, WriteEvent.POST): WriteState.POSTING,
     (WriteState.READY, WriteEvent.DROP): WriteState.DROPPED,
+    (WriteState.POSTING, WriteEvent.ACCEPTED): WriteState.POSTED,
+    (WriteState.POSTING, WriteEvent.ERROR): WriteState.FAILED,         # send_component raised: nothing was taken
+    (WriteState.POSTING, WriteEvent.LAPSED): WriteState.DROPPED,       # not posted; a new write record is queued
     (WriteState.POSTED, WriteEvent.COMPLETE): WriteState.DONE,
     (WriteState.POSTED, WriteEvent.ERROR): WriteState.FAILED,
     # a gathering piece is never dropped: its gather still reads and writes memory (kept until READY)
