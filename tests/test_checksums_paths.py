@@ -137,7 +137,8 @@ def plant_src(monkeypatch: pytest.MonkeyPatch, planted: Planted) -> None:
                 planted.done, planted.where = True, (comp.name, b, item)
                 return
 
-    def send(self: Any, room: Any, transfer: Any, agent: str, notice: Any, frame: bytes, staging: Any) -> None:
+    def send(self: Any, room: Any, transfer: Any, agent: str, notice: Any, frame: bytes, staging: Any,
+             **kw: Any) -> None:
         if (not planted.done and room.room == planted.room and transfer.component != STAGING
                 and len(transfer.src_items)):
             comp_index = self._ctx.layout.component_names.index(transfer.component)
@@ -146,7 +147,7 @@ def plant_src(monkeypatch: pytest.MonkeyPatch, planted: Planted) -> None:
                 else self._plans.layers(comp_index).all
             flip(self, peer, comp_index, int(transfer.src_items[-1]),
                  self._plans.sliced_buffers(peer, comp_index, group))
-        real_send(self, room, transfer, agent, notice, frame, staging)
+        real_send(self, room, transfer, agent, notice, frame, staging, **kw)
 
     def gather(self: Any, room: Any, p: Any) -> None:
         if not planted.done and room.room == planted.room and p.piece is not None and len(p.piece.src):
@@ -163,7 +164,8 @@ def plant_transfer(monkeypatch: pytest.MonkeyPatch, planted: Planted, how: str) 
     """Bend the plan of one write (the backend then moves the wrong bytes): ``short`` or ``misdirect``."""
     real_send = posting_module.Poster._send
 
-    def send(self: Any, room: Any, transfer: Any, agent: str, notice: Any, frame: bytes, staging: Any) -> None:
+    def send(self: Any, room: Any, transfer: Any, agent: str, notice: Any, frame: bytes, staging: Any,
+             **kw: Any) -> None:
         if not planted.done and room.room == planted.room and len(transfer.plan):
             plan = transfer.plan
             if transfer.component == STAGING:
@@ -191,7 +193,7 @@ def plant_transfer(monkeypatch: pytest.MonkeyPatch, planted: Planted, how: str) 
                 plan = posting_module.plan_transfer(pairs, transfer.src_items, d_idx)
             transfer = dataclasses.replace(transfer, plan=plan)
             planted.done = True
-        real_send(self, room, transfer, agent, notice, frame, staging)
+        real_send(self, room, transfer, agent, notice, frame, staging, **kw)
 
     monkeypatch.setattr(posting_module.Poster, "_send", send)
 

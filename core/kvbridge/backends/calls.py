@@ -124,18 +124,14 @@ class BackendCalls:
         # checked before every call when set (strict mode: no call from inside a protocol handler, see
         # kvbridge.agent.context); None costs one attribute read
         self.guard: Callable[[CallKind], None] | None = None
-        self._by_kind: dict[CallKind, Callable[..., Any]] = {
-            CallKind.ADD_PEER: self.add_peer, CallKind.REMOVE_PEER: self.remove_peer,
-            CallKind.SEND_COMPONENT: self.send_component, CallKind.POLL: self.poll, CallKind.RELEASE: self.release,
-            CallKind.NOTIFY_COMPLETION: self.notify_completion, CallKind.WRITER_GONE: self.writer_gone}
 
     @property
     def endpoint(self) -> bytes:
         return self.backend.endpoint
 
     def invoke(self, kind: CallKind, *args: Any) -> Any:
-        """The call of ``kind`` with ``args`` (the runtime's way to run a queued action)."""
-        return self._by_kind[kind](*args)
+        """The call of ``kind`` with ``args`` (the runtime's way to run a queued action): the method of that name."""
+        return getattr(self, kind.value)(*args)
 
     def _run(self, kind: CallKind, fn: Callable[..., Any], *args: Any) -> Any:
         if self.guard is not None:
