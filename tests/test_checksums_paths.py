@@ -149,12 +149,12 @@ def plant_src(monkeypatch: pytest.MonkeyPatch, planted: Planted) -> None:
                  self._plans.sliced_buffers(peer, comp_index, group))
         real_send(self, room, transfer, agent, notice, frame, staging, **kw)
 
-    def gather(self: Any, room: Any, p: Any) -> None:
-        if not planted.done and room.room == planted.room and p.piece is not None and len(p.piece.src):
+    def gather(self: Any, p: Any) -> Any:     # decided under the lock; the copy runs after it, from the flipped byte
+        if not planted.done and p.notice.room == planted.room and p.piece is not None and len(p.piece.src):
             peer = self._peers[p.peer]
             flip(self, peer, p.piece.comp_index, int(p.piece.src[-1]),
                  self._plans.sliced_buffers(peer, p.piece.comp_index, p.piece.layers))
-        real_gather(self, room, p)
+        return real_gather(self, p)
 
     monkeypatch.setattr(posting_module.Poster, "_send", send)
     monkeypatch.setattr(posting_module.Poster, "_gather", gather)

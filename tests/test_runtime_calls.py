@@ -25,14 +25,31 @@ from kvbridge.registry import Registry
 
 
 @pytest.mark.parametrize("staging", ["always", "never"])
-def test_no_rank_calls_its_backend_while_holding_its_lock(staging: str) -> None:
+def test_no_rank_calls_its_backend_or_copies_memory_while_holding_its_lock(staging: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Handshake, a TP 2 -> 1 room byte-exact (staged pieces or plain descriptors), an abort, a decode restarted
     under its name (its old record removed from the backend, the new one added) and closes, threaded: every
-    backend call of every rank is made outside that rank's lock, and each kind a transfer needs was made."""
+    backend call of every rank is made outside that rank's lock, and each kind a transfer needs was made; so is
+    every gather and scatter of a staged piece (host copies here; launches on the CUDA stream on a GPU)."""
+    from kvbridge.agent import decode, posting
+
     hub, registry = LocalHub(), Registry.build()
     agents: dict[str, TransferAgent] = {}
     under: list[str] = []
     made: set[CallKind] = set()
+    copies: list[str] = []
+
+    def watched(name: str, inner: Any) -> Any:
+        def copy(*args: Any, **kwargs: Any) -> Any:
+            copies.append(name)
+            held = [a.name for a in agents.values() if a.context.lock.held_here()]
+            if held:
+                under.append(f"{name} under the lock of {held}")
+            return inner(*args, **kwargs)
+        return copy
+
+    monkeypatch.setattr(posting, "gather_rows", watched("gather", posting.gather_rows))
+    monkeypatch.setattr(decode, "scatter_rows", watched("scatter", decode.scatter_rows))
 
     def before(call: BackendCall) -> None:
         agent = agents.get(call.agent)
@@ -90,6 +107,8 @@ def test_no_rank_calls_its_backend_while_holding_its_lock(staging: str) -> None:
             agent.close()
         undo()
     assert under == [], under[:5]
+    if staging == "always":
+        assert {"gather", "scatter"} <= set(copies), copies
     assert {CallKind.ADD_PEER, CallKind.REMOVE_PEER, CallKind.SEND_COMPONENT, CallKind.POLL, CallKind.RELEASE,
             CallKind.NOTIFY_COMPLETION} <= made, sorted(k.value for k in made)
 

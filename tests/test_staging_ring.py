@@ -95,9 +95,14 @@ def test_a_prefill_writing_into_a_busy_slot_fails_the_room(make_world: Callable[
     real = decode_module.DecodeSide._scatter
 
     def slow(self: Any, room: Any, notice: Any, layers: range) -> Any:
-        real(self, room, notice, layers)          # the bytes move now; the 'event' says not yet
-        stuck.append(_Stuck())
-        return stuck[-1], []
+        work = real(self, room, notice, layers)
+
+        def run() -> Any:
+            work()                                # the bytes move now; the 'event' says not yet
+            stuck.append(_Stuck())
+            return stuck[-1], []
+
+        return run
 
     def greedy(self: StagingRing, chunk: int) -> int:
         return 0                                  # every piece into slot 0, credits or not

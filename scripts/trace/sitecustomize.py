@@ -53,7 +53,7 @@ def _patch(bench: ModuleType) -> None:
     from kvbridge.agent import decode, posting, prefill
 
     _wrap(prefill.PrefillSide, "send")
-    _wrap(posting.Poster, "_gather", lambda _s, _room, p: f"chunk={p.notice.chunk}")
+    _wrap(posting.Poster, "_gather", lambda _s, p: f"chunk={p.notice.chunk}")   # decides; the copy runs after
     _wrap(posting.Poster, "_send", lambda _s, _room, _t, _agent, notice, *_a: f"chunk={notice.chunk}")
     _wrap(posting.Poster, "_posted", lambda _s, _room, item, *_a: f"chunk={item.notice.chunk}")   # the backend took it
     _wrap(prefill.PrefillSide, "_finished", lambda _s, _room, item, done, _reason: f"chunk={item.notice.chunk} "

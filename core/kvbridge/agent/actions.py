@@ -1,13 +1,15 @@
 """The agent lock, and the actions the protocol handlers queue while they hold it.
 
 A handler (a frame received, an engine call, a timer, a backend completion) runs under the lock and decides; it
-does not do the I/O. What it wants done is an **action** queued on the lock: a frame to send (:class:`SendFrame`)
-or a backend call (:class:`CallBackend`: post a write, notify, release a handle, add or remove a peer). When the
+does not do the I/O. What it wants done is an **action** queued on the lock: a frame to send (:class:`SendFrame`),
+a backend call (:class:`CallBackend`: post a write, notify, release a handle, add or remove a peer) or memory work
+(:class:`Work`: a staged piece's gather or scatter, on the host or launched on our CUDA stream). When the
 outermost holder releases the lock, its actions run in the order they were queued, outside the lock (a slow socket
 or post never stalls the engine's calls or the other peers), and in that order across threads (the next holder's
 actions wait until these ran). What a backend call gave comes back as an event: its ``then`` runs under the lock
-once the batch ran. The instant of the event is read once, when the outermost holder takes the lock: handlers
-read :attr:`AgentLock.now` and never the clock::
+once the batch ran (what a piece of work gave, right after it ran: a gathered piece is posted before the next
+gather is launched). The instant of the event is read once, when the outermost holder takes the lock: handlers read
+:attr:`AgentLock.now` and never the clock::
 
     lock = AgentLock(clock=time.monotonic, deliver=lambda address, frame, what: link.send(address, frame),
                      execute=runtime.execute)
@@ -55,12 +57,23 @@ class CallBackend:
     then_send: SendFrame | None = None      # sent right after the call succeeded, in the batch's order
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Work:
+    """Memory work a handler decided on: a staged piece's gather or scatter (a host copy, or a launch on our CUDA
+    stream). ``run()`` runs outside the lock and reads only what the handler captured for it (never a room or peer
+    table); ``then(result, error)`` runs under the lock after the batch."""
+
+    what: str
+    run: Callable[[], Any]
+    then: Then
+
+
 class Lapsed(Exception):
     """A backend call's deadline passed before the runtime could make it (it was not made)."""
 
 
-Action = SendFrame | CallBackend
-Execute = Callable[[CallBackend], "Callable[[], None] | None"]
+Action = SendFrame | CallBackend | Work
+Execute = Callable[["CallBackend | Work"], "Callable[[], None] | None"]
 
 
 class AgentLock:
@@ -132,26 +145,34 @@ class AgentLock:
         """Run one batch in order; then, under the lock, what the backend calls gave (their actions, in turn, run
         at once: this thread's turn is now)."""
         results: list[Callable[[], None]] = []
+        failed: list[BaseException] = []
         for action in batch:
-            if type(action) is SendFrame:
+            if isinstance(action, SendFrame):
                 self._deliver(action.address, action.frame, action.what)
                 continue
-            assert isinstance(action, CallBackend)
             if self._execute is None:
-                raise AssertionError(f"{action.kind.value}: this lock runs no backend calls (no execute=)")
+                raise AssertionError(f"{action}: this lock runs no backend calls or work (no execute=)")
             result = self._execute(action)
             if result is not None:
                 results.append(result)
-        if results:
-            first: BaseException | None = None
-            with self:
-                for result in results:          # every one runs: a lost result would leave its write hanging
-                    try:
-                        result()
-                    except BaseException as exc:  # noqa: BLE001 - raised below (strict mode's illegal events)
-                        first = first or exc
-            if first is not None:
-                raise first
+            if type(action) is Work:        # a gathered piece may be posted before the next gather is launched
+                self._apply(results, failed)
+        self._apply(results, failed)
+        if failed:
+            raise failed[0]
+
+    def _apply(self, results: list[Callable[[], None]], failed: list[BaseException]) -> None:
+        """Run what the actions so far gave, in order, under the lock (and what they queue, at once)."""
+        if not results:
+            return
+        batch = results[:]
+        results.clear()
+        with self:
+            for result in batch:                # every one runs: a lost result would leave its write hanging
+                try:
+                    result()
+                except BaseException as exc:  # noqa: BLE001 - raised by _run (strict mode's illegal events)
+                    failed.append(exc)
 
     def held_here(self) -> bool:
         """Whether the calling thread holds the lock."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from kvbridge.agent.actions import AgentLock, CallBackend, Lapsed
+from kvbridge.agent.actions import AgentLock, CallBackend, Lapsed, Work
 from kvbridge.agent.buffers import LocalBuffers
 from kvbridge.agent.config import TOMBSTONES, AgentConfig
 from kvbridge.agent.lateness import OwnLateness
@@ -97,10 +97,22 @@ class AgentContext:
         under the lock (:mod:`kvbridge.agent.actions`)."""
         self.lock.act(action)
 
-    def _execute(self, action: CallBackend) -> Callable[[], None] | None:
-        """Make one queued backend call (outside the lock); its result or error is handed to ``then`` under it."""
+    def work(self, what: str, run: Callable[[], object], then: Callable[[object, BaseException | None], None]) -> None:
+        """Queue memory work (a gather or scatter): ``run()`` after the lock's release, ``then`` under it after."""
+        self.lock.act(Work(what=what, run=run, then=then))
+
+    def _execute(self, action: CallBackend | Work) -> Callable[[], None] | None:
+        """Make one queued backend call or piece of memory work (outside the lock); its result or error is handed
+        to ``then`` under it."""
         result: object = None
         error: BaseException | None = None
+        if isinstance(action, Work):
+            try:
+                result = action.run()
+            except Exception as exc:  # noqa: BLE001 - handed to the handler that asked for the work
+                error = exc
+            work_then = action.then
+            return lambda: work_then(result, error)
         if action.not_after < math.inf and (now := self.clock()) > action.not_after:
             error = Lapsed(f"{action.kind.value} not made: its deadline passed {now - action.not_after:.3f} s before")
         else:

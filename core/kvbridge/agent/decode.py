@@ -8,6 +8,7 @@ last write, or the backend proves the writer gone; silence proves nothing (a sto
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Mapping
@@ -100,12 +101,18 @@ class Coverage:
 
 @dataclass(slots=True, kw_only=True)
 class Scatter:
-    """A staged piece whose scatter runs on our CUDA stream: it counts once ``event`` completed."""
+    """A staged piece whose scatter was decided: queued as work (run after the agent lock's release), then on our
+    CUDA stream until ``event`` completed (None: done on the host, or failed). It counts once finished."""
 
     key: Key
     notice: Notice
-    event: Any
-    keep: list[Any]
+    event: Any = None
+    keep: list[Any] = field(default_factory=list)
+    ran: bool = False                          # the work ran (a CUDA scatter may still run on our stream)
+
+    @property
+    def finished(self) -> bool:
+        return self.ran and (self.event is None or bool(self.event.query()))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -139,7 +146,7 @@ class RecvRoom:
     indices: dict[str, np.ndarray] = field(default_factory=dict)
     # ``indices`` on our CUDA device (with the pinned copies they came from): uploaded by the first staged
     # piece of a component, sliced by the others (one upload a request, not one a piece)
-    indices_on_device: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    indices_on_device: dict[str, list[Any]] = field(default_factory=dict)   # component -> [its items on device]
     staged: dict[Key, tuple[int, int, StagePlan]] = field(default_factory=dict)     # reservation, layout
     rings: set[Key] = field(default_factory=set)       # reservations smaller than the slice: credits free slots
     nonce: int = field(default_factory=lambda: secrets.randbits(63))   # TransferRequest.nonce, in credits
@@ -378,7 +385,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                              f"ring slot of piece {busy}, whose scatter had not finished (no credit was sent)")
             return
         try:
-            pending = self._scatter(room, notice, layers) if notice.staged else None
+            work = self._scatter(room, notice, layers) if notice.staged else None
         except ProtocolError as exc:           # a piece outside the reservation: this room cannot complete
             self._fail(room, str(exc))
             return
@@ -387,17 +394,17 @@ class DecodeSide(RoomTable[RecvRoom]):
             room.trace.event("notice", {"kvbridge.prefill_rank": notice.sender, "kvbridge.component": notice.component,
                                         "kvbridge.chunk": notice.chunk, "kvbridge.items": notice.count,
                                         "kvbridge.staged": notice.staged})
-            if pending is not None:
+            if work is not None:
                 room.trace.start(("scatter", key, notice.chunk), "scatter", {
                     "kvbridge.prefill_rank": notice.sender, "kvbridge.component": notice.component,
                     "kvbridge.chunk": notice.chunk})
         self._step(room, RecvEvent.NOTICE)
-        if pending is not None:
-            room.scattering.append(Scatter(key=key, notice=notice, event=pending[0], keep=pending[1]))
+        if work is not None:                   # counted (and its ring slot credited) once the scatter finished
+            item = Scatter(key=key, notice=notice)
+            room.scattering.append(item)
             self._scattering.add(room.room)
+            self._ctx.work("scatter", work, functools.partial(self._scattered, room.room, item))
             return
-        if notice.staged and key in room.rings:
-            self._credit(room, notice)
         self._count(room, key, notice, layers)
 
     def _verified(self, room: RecvRoom, notice: Notice, layers: range) -> bool:
@@ -510,9 +517,10 @@ class DecodeSide(RoomTable[RecvRoom]):
         writer = room.writers.get(env.sender)
         return writer is not None and writer.incarnation == env.incarnation
 
-    def _scatter(self, room: RecvRoom, notice: Notice, layers: range) -> tuple[Any, list[Any]] | None:
-        """Move a staged piece from our staging area into its items (validated against the reservation): at
-        once for host memory (None), or queued on our CUDA stream (its event and the tensors it reads)."""
+    def _scatter(self, room: RecvRoom, notice: Notice, layers: range) -> Callable[[], tuple[Any, list[Any]]]:
+        """The work that moves a staged piece from our staging area into its items, validated against the reservation
+        now (under the lock); run after the lock's release: a host copy (gives ``(None, [])``), or a launch on our
+        CUDA stream (gives its event and the tensors it reads)."""
         ctx = self._ctx
         reserved = room.staged.get((notice.sender, notice.component))
         dst = room.indices.get(notice.component)
@@ -526,38 +534,62 @@ class DecodeSide(RoomTable[RecvRoom]):
             raise ProtocolError(f"room {room.room}: staged piece [{notice.first}, +{notice.count}) x layers "
                                 f"[{layers.start}, {layers.stop}) at {notice.offset} is outside the {nbytes} B "
                                 "reserved")
-        items = dst[notice.first: notice.first + notice.count]
+        first, count = notice.first, notice.count
+        items = dst[first: first + count]
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(notice.component) else None
         batched = ctx.buffers.batched(notice.component, plan.layers.buffers(layers), plan.uniform, "dst")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
-            uploaded = room.indices_on_device.get(notice.component)
-            if uploaded is None:
-                uploaded = room.indices_on_device[notice.component] = stager.to_device(dst)
-            where = uploaded[0][notice.first: notice.first + notice.count]
+            # the room's items on the device, uploaded by its first scatter (works run one at a time, in order)
+            holder = room.indices_on_device.setdefault(notice.component, [])
             staged = staging.view(offset + notice.offset, 1, size).view(-1)
-            return stager.run(lambda: batched.scatter(where, staged)), [uploaded, batched]
+
+            def batched_scatter() -> tuple[Any, list[Any]]:
+                if not holder:
+                    holder.append(stager.to_device(dst))
+                uploaded = holder[0]
+                where = uploaded[0][first: first + count]
+                return stager.run(lambda: batched.scatter(where, staged)), [uploaded, batched]
+
+            return batched_scatter
         views = ctx.buffers.views[notice.component]
         parts, cursor = [], offset + notice.offset
         for b in plan.layers.buffers(layers):
             r = plan.rows[b]
-            parts.append((b, staging.view(cursor, notice.count, r.nbytes)))
-            cursor += notice.count * r.nbytes
+            parts.append((views[b], r, staging.view(cursor, count, r.nbytes)))
+            cursor += count * r.nbytes
         if stager is None:
-            for b, part in parts:
-                scatter_rows(views[b], plan.rows[b], items, part)
-            return None
-        indices: dict[tuple[bool, int], Any] = {}
-        for b, _ in parts:
-            r = plan.rows[b]
-            if (r.dst_contiguous, r.rows) not in indices:
-                indices[r.dst_contiguous, r.rows] = stager.to_device(dest_index(r, items))
+            def host_scatter() -> tuple[Any, list[Any]]:
+                for view, r, part in parts:
+                    scatter_rows(view, r, items, part)
+                return None, []
 
-        def work() -> None:
-            for b, part in parts:
-                r = plan.rows[b]
-                scatter_rows(views[b], r, items, part, index=indices[r.dst_contiguous, r.rows][0])
+            return host_scatter
 
-        return stager.run(work), list(indices.values())
+        def indexed_scatter() -> tuple[Any, list[Any]]:
+            indices: dict[tuple[bool, int], Any] = {}
+            for _view, r, _part in parts:
+                if (r.dst_contiguous, r.rows) not in indices:
+                    indices[r.dst_contiguous, r.rows] = stager.to_device(dest_index(r, items))
+
+            def work() -> None:
+                for view, r, part in parts:
+                    scatter_rows(view, r, items, part, index=indices[r.dst_contiguous, r.rows][0])
+
+            return stager.run(work), list(indices.values())
+
+        return indexed_scatter
+
+    def _scattered(self, room_id: int, item: Scatter, result: Any, error: BaseException | None) -> None:
+        """A scatter's work ran (lock held): count it now when it is done (host), or once its event fired."""
+        item.ran = True
+        room = self.rooms.get(room_id)
+        if error is not None:
+            if room is not None:
+                self._fail(room, f"the scatter of {item.notice.component} piece {item.notice.chunk} from prefill rank "
+                                 f"{item.notice.sender} raised {type(error).__name__}: {error}")
+        else:
+            item.event, item.keep = result
+        self.poll_scatters()
 
     @property
     def queued_work(self) -> bool:
@@ -565,13 +597,14 @@ class DecodeSide(RoomTable[RecvRoom]):
         return bool(self._scattering)
 
     def poll_scatters(self) -> None:
-        """Count the staged pieces whose scatter finished on our CUDA stream (called by the progress loop)."""
+        """Count the staged pieces whose scatter finished (on the host, or on our CUDA stream; called by the progress
+        loop and when a scatter's work ran)."""
         for room_id in list(self._scattering):
             room = self.rooms.get(room_id)
             if room is None:
                 self._scattering.discard(room_id)
                 continue
-            finished = [item.event.query() for item in room.scattering]
+            finished = [item.finished for item in room.scattering]
             done = [item for item, f in zip(room.scattering, finished) if f]
             room.scattering = [item for item, f in zip(room.scattering, finished) if not f]
             for item in done:

@@ -399,7 +399,8 @@ class Poster:
 
     def pump(self, room: SendRoom) -> None:
         """Move the room's queued writes on: allocate staging for pieces (in order, while there is room),
-        start their gathers, and post from the head of the queue what is ready. Never waits.
+        queue their gathers (work run after the lock's release), and post from the head of the queue what is
+        ready. Never waits.
 
         The head is posted as soon as its gather is done, between the launches of the later gathers: a
         launch costs ~0.15-0.5 ms of host time, and posting only after all of them kept the wire idle that
@@ -425,8 +426,7 @@ class Poster:
                     trace.start(("gather", p.notice.component, p.notice.chunk), "gather", {
                         "kvbridge.component": p.notice.component, "kvbridge.chunk": p.notice.chunk,
                         "kvbridge.bytes": p.piece.nbytes if p.piece is not None else 0})
-                self._gather(room, p)
-                self._post_ready(room)
+                self._ctx.work("gather", self._gather(p), functools.partial(self._gathered, room, p))
 
     def _post_ready(self, room: SendRoom) -> None:
         """Post from the head of the room's queue while its writes are ready (their gathers done)."""
@@ -472,7 +472,10 @@ class Poster:
                 staging.free(*p.local)
         room.pending = kept
 
-    def _gather(self, room: SendRoom, p: Pending) -> None:
+    def _gather(self, p: Pending) -> Callable[[], tuple[Any, list[Any]]]:
+        """The work that gathers a staged piece into our staging space (decided under the lock; run after its
+        release): a host copy (gives ``(True, [])``), or a launch on our CUDA stream after the engine's work
+        (gives its event and the device tensors it reads)."""
         ctx = self._ctx
         piece, staging = p.piece, ctx.buffers.staging
         assert piece is not None and p.local is not None and staging is not None
@@ -481,41 +484,62 @@ class Poster:
         plan = self._plans.stage_plan_for(peer, piece.comp_index, self._plans.slice_for(peer, piece.comp_index),
                                           ctx.layout, peer.layout)
         assert plan is not None
-        n = len(piece.src)
+        n, src, after = len(piece.src), piece.src, p.after
         stager = ctx.buffers.stager() if ctx.buffers.is_cuda(comp.name) else None
         batched = ctx.buffers.batched(comp.name, piece.buffers, plan.uniform, "src")
         if stager is not None and batched is not None:     # one kernel for every buffer of the piece
-            if not piece.src_on_device:
-                piece.src_on_device.append(stager.to_device(piece.src))
-            items = piece.src_on_device[0]
-            staged = staging.view(p.local[0], 1, piece.nbytes).view(-1)
-            p.keep = [items, batched]
-            p.gathered = stager.run(lambda: batched.gather(items[0], staged), after=p.after)
-            return
+            # the pieces of one write share their items on the device; works run one at a time, in order
+            holder, staged = piece.src_on_device, staging.view(p.local[0], 1, piece.nbytes).view(-1)
+
+            def batched_gather() -> tuple[Any, list[Any]]:
+                if not holder:
+                    holder.append(stager.to_device(src))
+                items = holder[0]
+                return stager.run(lambda: batched.gather(items[0], staged), after=after), [items, batched]
+
+            return batched_gather
         views = ctx.buffers.views[comp.name]
         outs, cursor = [], p.local[0]
         for b in piece.buffers:
             size = plan.rows[b].nbytes
-            outs.append((b, staging.view(cursor, n, size)))
+            outs.append((views[b], plan.rows[b], staging.view(cursor, n, size)))
             cursor += n * size
         if stager is None:
-            for b, out in outs:
-                gather_rows(views[b], plan.rows[b], piece.src, out)
-            p.gathered = True
+            def host_gather() -> tuple[Any, list[Any]]:
+                for view, rows, out in outs:
+                    gather_rows(view, rows, src, out)
+                return True, []
+
+            return host_gather
+
+        def indexed_gather() -> tuple[Any, list[Any]]:
+            indices: dict[Any, Any] = {}
+            for _view, r, _out in outs:
+                if (r.src_contiguous, r.rows) not in indices:
+                    indices[r.src_contiguous, r.rows] = stager.to_device(source_index(r, src))
+
+            def work() -> None:
+                for view, r, out in outs:
+                    gather_rows(view, r, src, out, index=indices[r.src_contiguous, r.rows][0])
+
+            return stager.run(work, after=after), list(indices.values())
+
+        return indexed_gather
+
+    def _gathered(self, room: SendRoom, p: Pending, result: Any, error: BaseException | None) -> None:
+        """A gather ran (lock held): the piece is ready once its event fired; post from the head what is ready."""
+        if error is not None:
+            p.gathered = True                  # nothing of it runs any more: the room fails and drops it
+            self.on_post_error(room, KVBridgeError(f"room {room.room}: the gather of {p.notice.component} piece "
+                                                   f"{p.notice.chunk} raised {type(error).__name__}: {error}"))
             return
-        indices: dict[Any, Any] = {}
-        for b, _ in outs:
-            key = plan.rows[b].src_contiguous, plan.rows[b].rows
-            if key not in indices:
-                indices[key] = stager.to_device(source_index(plan.rows[b], piece.src))
-
-        def work() -> None:
-            for b, out in outs:
-                r = plan.rows[b]
-                gather_rows(views[b], r, piece.src, out, index=indices[r.src_contiguous, r.rows][0])
-
-        p.keep = list(indices.values())
-        p.gathered = stager.run(work, after=p.after)
+        p.gathered, p.keep = result
+        if room.status is KVPoll.Failed:
+            return
+        try:
+            self._post_ready(room)
+        except Exception as exc:  # noqa: BLE001 - the room fails with the reason
+            self.on_post_error(room, exc)
 
     def _post_pending(self, room: SendRoom, p: Pending) -> None:
         ctx = self._ctx
@@ -583,7 +607,8 @@ def _ready(p: Pending, room: SendRoom) -> bool:
     if p.state is WriteState.READY:
         return True
     if p.piece is not None:
-        done = p.state is WriteState.GATHERING and (p.gathered is True or bool(p.gathered.query()))
+        done = p.state is WriteState.GATHERING and p.gathered is not None and (p.gathered is True
+                                                                           or bool(p.gathered.query()))
     else:
         done = p.after is None or bool(p.after.query())
     if done:
