@@ -430,10 +430,29 @@ def test_the_request_length_tells_a_missing_page_from_padding() -> None:
         sender = world.prefill[1][0].agent.sender(2)
         opened = Room(world, 1, 1, 2, [sender], [receiver])
         wait_until(lambda: sender.poll() >= KVPoll.WaitingForInput, 10.0, opened.describe)
-        sender.send(_pages(rng, world.prefill[1][0].pool, 9), last=True)        # 144 tokens of 176: 2 pages short
-        wait_until(lambda: receiver.poll() is KVPoll.Failed, 10.0, opened.describe)
-        assert "sent 9 of 12" in receiver.failure_reason, receiver.failure_reason
+        # 144 tokens of 176, 2 pages short: the length travels (protocol 9), so the prefill refuses its own last
+        # chunk too (before it, the decode failed and the prefill reported Success: a split verdict)
+        with pytest.raises(GeometryError, match="ends at 9 pages of 16 tokens.*176 tokens .prefix 0. needs 11"):
+            sender.send(_pages(rng, world.prefill[1][0].pool, 9), last=True)
+        wait_until(lambda: receiver.poll() is KVPoll.Failed and sender.poll() is KVPoll.Failed, 10.0, opened.describe)
+        assert "needs 11" in receiver.failure_reason, receiver.failure_reason
         opened.settle(10.0)
+        for room, (count, chunks) in enumerate(((12, 2), (13, 1)), start=3):    # one page too many, in one or two
+            receiver = dec.agent.receiver(room, world.instance(1))
+            receiver.send_metadata({k.name: _pages(rng, dec.pool, 3) for k in KINDS}, tokens=176)
+            sender = world.prefill[1][0].agent.sender(room)
+            opened = Room(world, 1, 1, room, [sender], [receiver])
+            wait_until(lambda s=sender: s.poll() >= KVPoll.WaitingForInput, 10.0, opened.describe)  # type: ignore[misc]
+            cuts = np.array_split(_pages(rng, world.prefill[1][0].pool, count), chunks)
+            for cut in cuts[:-1]:
+                sender.send(cut, last=False)
+            with pytest.raises(GeometryError, match=f"ends at {count} pages"):
+                sender.send(cuts[-1], last=True)
+            wait_until(lambda r=receiver, s=sender: r.poll() is KVPoll.Failed and s.poll() is KVPoll.Failed,  # type: ignore[misc]
+                       10.0, opened.describe)
+            opened.settle(10.0)
+        for mode, prefix in (("layerwise", 17), ("held", 70), ("whole", 64)):   # honest, every way of sending
+            run_request(world, 1, 1, 10 + prefix, 16, 64, 176, prefix, 2, rng, mode=mode, length=True)
     finally:
         world.close()
     world = _world([(1, 1)], 64, 16, rng)

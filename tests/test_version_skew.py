@@ -45,9 +45,10 @@ from kvbridge.zmq_link import BootstrapServer, ZmqLink
 REPO = Path(__file__).resolve().parents[1]
 PREVIOUS = "3dddad1"                  # the oldest release spoken: end of wave 2, protocol 5
 PREVIOUS_VERSION = 5                  # its PROTOCOL_VERSION: this release's MIN_PROTOCOL_VERSION
-RELEASES = {5: PREVIOUS, 6: "0d4eb88", 7: "5a536b5"}    # every older protocol this release speaks -> a release
-                                      # that spoke it (0d4eb88: 0.2.0, protocol 6, whose Abort names no request;
-                                      # 5a536b5: wave 3 session 9, protocol 7, whose request carries no trace)
+RELEASES = {5: PREVIOUS, 6: "0d4eb88", 7: "5a536b5", 8: "5af126c"}   # every older protocol this release speaks
+                                      # -> a release that spoke it (0d4eb88: 0.2.0, protocol 6, whose Abort names no
+                                      # request; 5a536b5: wave 3 session 9, protocol 7, whose request carries no
+                                      # trace; 5af126c: wave 3 session 12, protocol 8, whose request has no length)
 CHILD = Path(kid.__file__).resolve()
 TIMEOUT_S = 20.0
 
@@ -266,11 +267,13 @@ def _until(predicate: Any, what: str, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.002)
 
 
-# protocol 5 (wave 2) over loopback with a secret and over NIXL; protocols 6 (0.2.0) and 7 over loopback with a secret
+# protocol 5 (wave 2) over loopback with a secret and over NIXL; protocols 6 (0.2.0), 7 and 8 over loopback with a
+# secret
 @pytest.mark.parametrize("version, backend, secret",
                          [pytest.param(5, *p.values, id=f"5-{p.id}", marks=p.marks) for p in BACKENDS]
                          + [pytest.param(6, "loopback", b"skew-secret", id="6-loopback-secret"),
-                            pytest.param(7, "loopback", b"skew-secret", id="7-loopback-secret")],
+                            pytest.param(7, "loopback", b"skew-secret", id="7-loopback-secret"),
+                            pytest.param(8, "loopback", b"skew-secret", id="8-loopback-secret")],
                          indirect=["secret"])
 def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[str], Path], bootstrap: str,
                                                       cleanup: list[Any], version: int, backend: str,
@@ -300,7 +303,8 @@ def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[st
     decode.connect(a, timeout_s=TIMEOUT_S)
     assert decode.peer_versions() == {old_prefill: version}
     receiver = decode.receiver(77, a)
-    receiver.send_metadata({"kv": np.asarray(DST_PAGES)})
+    # the request's length (protocol 9) is left out of what an older prefill reads
+    receiver.send_metadata({"kv": np.asarray(DST_PAGES)}, tokens=len(DST_PAGES) * kid.TOKENS)
     _until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), "the new decode's room ended")
     assert receiver.poll() is KVPoll.Success, receiver.failure_reason
     assert old.wait("done", old_prefill)["status"] == "Success"
@@ -587,6 +591,27 @@ def test_an_abort_names_its_request_only_to_a_peer_of_this_release() -> None:
         assert raw[0] == version
         assert ("nonce" in raw[-1]) is (version >= 7), (version, raw[-1])
         assert raw[-1]["room"] == 4 and raw[-1]["quiesced"] is True
+
+
+def test_a_request_carries_its_length_only_to_a_peer_of_protocol_9() -> None:
+    """9 added the request's length in tokens to the TransferRequest; a prefill that negotiated 5 to 8 gets the
+    request without it, and a frame of 8 that names one is refused, as is a length shorter than the prefix."""
+    codec = wire.Codec(sender="d0", address="d0", incarnation=3)
+    request = wire.TransferRequest(room=4, agent="d0", dst_rank=0, dst_size=1, indices={}, nonce=5, prefix_len=16,
+                                   tokens=176)
+    for version in range(wire.MIN_PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 1):
+        raw = msgspec.msgpack.decode(codec.encode(request, to="p0", version=version))
+        assert raw[-1].get("tokens") == (176 if version >= 9 else None), (version, raw[-1])
+        assert raw[-1]["room"] == 4 and raw[-1]["prefix_len"] == 16
+    reader = wire.Codec(sender="p0", address="p0", incarnation=1)
+    assert reader.decode(codec.encode(request, to="p0")).tokens == 176
+    frame = msgspec.msgpack.decode(wire.Codec(sender="d0", address="d0", incarnation=3).encode(request, to="p0"))
+    frame[0] = 8
+    with pytest.raises(KVBridgeError, match="names its length"):
+        reader.decode(msgspec.msgpack.encode(frame))
+    short = msgspec.structs.replace(request, tokens=8)
+    with pytest.raises(KVBridgeError, match="a 8-token request with a prefix of 16 tokens"):
+        reader.decode(wire.Codec(sender="d0", address="d0", incarnation=3).encode(short, to="p0"))
 
 
 def test_a_request_carries_its_trace_only_to_a_peer_of_this_release() -> None:

@@ -338,7 +338,8 @@ class DecodeSide(RoomTable[RecvRoom]):
         request = TransferRequest(room=room.room, agent=ctx.name, dst_rank=ctx.layout.tp_rank,
                                   dst_size=ctx.layout.tp_size, indices=dict(indices), prefix_len=prefix_len,
                                   staging=staging, staging_bytes=rings, digests=ctx.config.checksums,
-                                  nonce=room.nonce, trace=room.trace.traceparent() if room.trace is not None else "")
+                                  nonce=room.nonce, trace=room.trace.traceparent() if room.trace is not None else "",
+                                  tokens=room.tokens or 0)
         room.metadata_at = self._ctx.now
         room.waiting = self._ctx.lateness.since(room.metadata_at)
         if room.trace is not None:

@@ -103,7 +103,9 @@ class Receiver:
         ``tokens``: the request's length, when the engine knows it. The KV page lists are then checked against it
         (``ceil(tokens / page) - prefix_len // page`` pages each), and with a prefill of another page size the
         room succeeds only once every token up to it landed; without it, a list off by less than one page of the
-        larger side cannot be told from the padding of a last page."""
+        larger side cannot be told from the padding of a last page. It travels to the prefill ranks (protocol 9),
+        which refuse a last chunk that does not end in the request's last page (``send()`` raises, both sides
+        fail)."""
         packed: dict[str, PackedIndices] = {}
         for comp in self._layout.components:
             if comp.name not in indices:

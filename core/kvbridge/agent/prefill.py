@@ -464,6 +464,8 @@ class PrefillSide(RoomTable[SendRoom]):
         post: a bad index anywhere refuses the whole chunk before any byte moves."""
         ctx = self._ctx
         completes, open_chunk = self._layer_group(room, pages, last, layers)
+        if last and completes:
+            self._check_length(room, room.cursor + len(pages))
         writes = [w for comp_index in range(len(ctx.layout.components))
                   for w in self._poster.prepare(room, comp_index, pages, last, state)]
         for write in writes:
@@ -480,6 +482,18 @@ class PrefillSide(RoomTable[SendRoom]):
         if last:
             room.last_sent = True
         self._poster.pump(room)
+
+    def _check_length(self, room: SendRoom, sent: int) -> None:
+        """The last chunk: ``sent`` pages from the one holding the decode's prefix end must end in the request's last
+        page, for every decode that said the request's length (protocol 9), whatever its page size."""
+        page = self._ctx.layout.page_size
+        for agent, req in room.requests.items():
+            if req.tokens:
+                want = max(-(-req.tokens // page) - req.prefix_len // page, 0)
+                if sent != want:
+                    raise GeometryError(f"room {room.room}: the last chunk ends at {sent} pages of {page} tokens from "
+                                        f"the decode's prefix page; decode {agent}'s request of {req.tokens} tokens "
+                                        f"(prefix {req.prefix_len}) needs {want}")
 
     def _layer_group(self, room: SendRoom, pages: np.ndarray, last: bool,
                      layers: range | None) -> tuple[bool, OpenChunk | None]:

@@ -20,10 +20,11 @@ from kvbridge.geometry import MAX_COMPONENTS, MAX_ITEM_DIMS, MAX_LAYOUT_BUFFERS,
 from kvbridge.protocol.records import RemoteBuffers
 from kvbridge.sealing import TAG_BYTES, tag
 
-# 8: TransferRequest carries the decode room's trace context; 7: Abort names the request's nonce, Welcome the
+# 9: TransferRequest carries the request's length in tokens, when the decode's engine knows it; 8: TransferRequest
+# carries the decode room's trace context; 7: Abort names the request's nonce, Welcome the
 # writer's lease; 6: Welcome names the writer's liveness listener (0.2.0); 5: digests, credits name the request
 # (3dddad1, the end of wave 2); 4: staging rings; 3: layers, offsets
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 #: the oldest version this release still speaks (the releases before it: 0.2.0's 6 and wave 2's 5): an agent
 #: negotiates the highest version both speak at the handshake and refuses anything older, naming both versions
 #: (docs/integrity.md, "Version skew")
@@ -131,9 +132,10 @@ def noted_version(reason: str) -> int:
 
 def spoken_as(message: Message, version: int) -> msgspec.Struct:
     """``message`` as protocol ``version`` spells it (a Hello's or Welcome's own ``version`` field says it too).
-    Versions 5 to 7 differ from 8 in the TransferRequest, which has no ``trace`` before 8; 5 and 6 differ from 7
-    in the Abort, which has no ``nonce`` before 7, and in the Welcome, which has no ``writer_lease_s`` before 7 and
-    no ``liveness`` before 6 (their decoders refuse unknown fields); every other message is the same at 5 to 8."""
+    Versions 5 to 8 differ from 9 in the TransferRequest, which has no ``tokens`` before 9 and no ``trace`` before
+    8; 5 and 6 differ from 7 in the Abort, which has no ``nonce`` before 7, and in the Welcome, which has no
+    ``writer_lease_s`` before 7 and no ``liveness`` before 6 (their decoders refuse unknown fields); every other
+    message is the same at 5 to 9."""
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise ProtocolError(f"cannot speak protocol version {version} (this side speaks {MIN_PROTOCOL_VERSION} "
                             f"to {PROTOCOL_VERSION})")
@@ -145,6 +147,8 @@ def spoken_as(message: Message, version: int) -> msgspec.Struct:
         return _WelcomeV6(**{**fields, "version": version})
     if version < 8 and isinstance(message, TransferRequest):
         return _TransferRequestV7(**{f: getattr(message, f) for f in _TransferRequestV7.__struct_fields__})
+    if version < 9 and isinstance(message, TransferRequest):
+        return _TransferRequestV8(**{f: getattr(message, f) for f in _TransferRequestV8.__struct_fields__})
     if version < 7 and isinstance(message, Abort):
         return _AbortV6(**{f: getattr(message, f) for f in _AbortV6.__struct_fields__})
     if isinstance(message, (Hello, Welcome)) and message.version != version:
@@ -173,6 +177,9 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True, tag="request", 
     nonce: int = 0
     #: the W3C ``traceparent`` of the decode room's span (protocol 8; "" when not traced): kvbridge.tracing
     trace: Annotated[str, msgspec.Meta(max_length=MAX_TRACEPARENT)] = ""
+    #: the request's length in tokens, cached prefix included (protocol 9; 0: the decode's engine did not say): the
+    #: prefill checks that its last chunk ends in the request's last page, on every rank of either page size
+    tokens: int = 0
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True, tag="notice", forbid_unknown_fields=True):
@@ -232,7 +239,8 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unkno
     nonce: int = 0
 
 
-_TransferRequestV7 = _without(TransferRequest, "_TransferRequestV7", frozenset({"trace"}), "request")
+_TransferRequestV7 = _without(TransferRequest, "_TransferRequestV7", frozenset({"trace", "tokens"}), "request")
+_TransferRequestV8 = _without(TransferRequest, "_TransferRequestV8", frozenset({"tokens"}), "request")
 
 
 class _AbortV6(msgspec.Struct, frozen=True, kw_only=True, tag="abort", forbid_unknown_fields=True):
@@ -547,6 +555,8 @@ class Codec:
                 raise ProtocolError(f"Welcome of protocol {envelope.version} names a writer lease (a field of 7)")
             if envelope.version < 8 and isinstance(envelope.body, TransferRequest) and envelope.body.trace:
                 raise ProtocolError(f"TransferRequest of protocol {envelope.version} names a trace (a field of 8)")
+            if envelope.version < 9 and isinstance(envelope.body, TransferRequest) and envelope.body.tokens:
+                raise ProtocolError(f"TransferRequest of protocol {envelope.version} names its length (a field of 9)")
             if isinstance(envelope.body, (Hello, Welcome)) and envelope.body.version != envelope.version:
                 raise ProtocolError(f"{type(envelope.body).__name__} says version {envelope.body.version} in a "
                                     f"frame of version {envelope.version}")
@@ -607,6 +617,9 @@ def _check_ranges(message: Message) -> None:
                                 f"{message.dst_size}")
         if message.prefix_len < 0:
             raise ProtocolError(f"request for room {message.room}: negative prefix length {message.prefix_len}")
+        if message.tokens < 0 or (message.tokens and message.prefix_len > message.tokens):
+            raise ProtocolError(f"request for room {message.room}: a {message.tokens}-token request with a prefix of "
+                                f"{message.prefix_len} tokens")
     if isinstance(message, Notice) and min(message.chunk, message.sender, message.nbytes, message.first,
                                            message.count, message.offset, message.layer_first,
                                            message.layer_count) < 0:
