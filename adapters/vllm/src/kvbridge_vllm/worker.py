@@ -38,6 +38,7 @@ from kvbridge_vllm.settings import Settings
 
 log = logging.getLogger("kvbridge.vllm")
 _FINISHED_EARLY = 4096      # finished request ids remembered in case their save comes after (odd order)
+_SWEEP_S = 1.0              # every request is looked at this often, events or not (a missed one is logged)
 
 __all__ = ["LoadSpec", "SaveSpec", "WorkerSide"]
 
@@ -104,6 +105,14 @@ class WorkerSide:
         self._finished_early: OrderedDict[str, None] = OrderedDict()   # named finished before any save of theirs
         self._shakes: dict[str, tuple[Handshake, float]] = {}    # prefill instance -> (handshake, deadline)
         self._load_errors: set[int] = set()
+        # each step looks only at the requests whose room had an event (agent.events()), vLLM finished, or that
+        # wait on something no event announces (a send not made yet, a handshake under way); all once a second
+        self._send_rooms: dict[int, str] = {}    # room -> request, prefill side
+        self._recv_rooms: dict[int, str] = {}    # room -> request, decode side
+        self._send_watch: set[str] = set()       # sends not made yet (held for a layer group, the delay hook)
+        self._recv_watch: set[str] = set()       # loads still bootstrapping (their handshake may fail) or failed
+        self._sweep_at = 0.0
+        self.missed_events = 0                   # requests the sweep ended that no event had pointed at
         self._lock = threading.Lock()      # vLLM's calls against close()
         self.prefill: TransferAgent | None = None
         self.decode: TransferAgent | None = None
@@ -137,9 +146,21 @@ class WorkerSide:
             if req_id not in self._sending and req_id not in self._unsendable:
                 sender = self._open_sender(req_id, spec)
                 if sender is not None:
-                    self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s, computed=False,
-                                                     blocks=np.asarray(spec.block_ids, dtype=np.int64),
-                                                     finished=self._was_finished(req_id))
+                    self._track_send(req_id, _Sending(sender=sender, delay_s=spec.delay_s, computed=False,
+                                                      blocks=np.asarray(spec.block_ids, dtype=np.int64),
+                                                      finished=self._was_finished(req_id)))
+
+    def _track_send(self, req_id: str, state: _Sending) -> _Sending:
+        self._sending[req_id] = state
+        self._send_rooms[state.sender.room] = req_id
+        self._send_watch.add(req_id)
+        return state
+
+    def _track_load(self, req_id: str, recv: _Receiving) -> None:
+        self._receiving[req_id] = recv
+        if recv.receiver is not None:
+            self._recv_rooms[recv.receiver.room] = req_id
+        self._recv_watch.add(req_id)
 
     def _was_finished(self, req_id: str) -> bool:
         """vLLM already named this request finished (before its first save: not vLLM's order, but then it will
@@ -200,9 +221,9 @@ class WorkerSide:
                 sender = None if req_id in self._unsendable else self._open_sender(req_id, spec)
                 if sender is None:
                     return
-                state = self._sending[req_id] = _Sending(sender=sender, delay_s=spec.delay_s,
-                                                         blocks=np.asarray(spec.block_ids, dtype=np.int64),
-                                                         finished=self._was_finished(req_id))
+                state = self._track_send(req_id, _Sending(sender=sender, delay_s=spec.delay_s,
+                                                          blocks=np.asarray(spec.block_ids, dtype=np.int64),
+                                                          finished=self._was_finished(req_id)))
             elif state.computed:
                 return
             state.computed = True
@@ -254,10 +275,10 @@ class WorkerSide:
         except (KVBridgeError, TimeoutError) as exc:
             log.warning("kvbridge: request %s (room %d) from %r cannot load: %s", req_id, spec.room,
                         spec.instance, exc)
-            self._receiving[req_id] = _Receiving(receiver=None, blocks=blocks, failed=str(exc))
+            self._track_load(req_id, _Receiving(receiver=None, blocks=blocks, failed=str(exc)))
             return
-        self._receiving[req_id] = _Receiving(receiver=receiver, blocks=blocks, instance=spec.instance,
-                                             flip_layer=spec.flip_layer)
+        self._track_load(req_id, _Receiving(receiver=receiver, blocks=blocks, instance=spec.instance,
+                                            flip_layer=spec.flip_layer))
 
     def _handshake(self, instance: str) -> None:
         """Start a handshake with ``instance`` unless one is under way or done. It never blocks vLLM's step:
@@ -292,19 +313,39 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ every step
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """(requests whose source blocks vLLM may free, requests whose load ended, well or not)."""
+        """(requests whose source blocks vLLM may free, requests whose load ended, well or not). Looks at the
+        requests whose room had an event since the last step, those vLLM finished, and those waiting on
+        something no event announces; at every request once a second (logging any that ended unannounced)."""
         finished_req_ids = set(finished_req_ids)
+        now = time.monotonic()
+        sweep = now >= self._sweep_at
+        if sweep:
+            self._sweep_at = now + _SWEEP_S
+        sends = self._touched(self.prefill, self._send_rooms)
+        loads = self._touched(self.decode, self._recv_rooms)
         with self._lock:
-            done_sending = self._finished_sends(finished_req_ids)
+            done_sending = self._finished_sends(finished_req_ids, sends, sweep)
         for req_id in finished_req_ids:      # aborted while loading: tell the prefill, free once nothing lands
             recv = self._receiving.get(req_id)
             if recv is not None and recv.receiver is not None and not recv.abandoned:
                 recv.abandoned = True
                 if recv.receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
                     recv.receiver.abort("vLLM finished the request before its KV arrived")
-        return done_sending, self._finished_loads()
+        return done_sending, self._finished_loads(loads | (finished_req_ids & self._receiving.keys()), sweep)
 
-    def _finished_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
+    @staticmethod
+    def _touched(agent: TransferAgent | None, rooms: Mapping[int, str]) -> set[str]:
+        """The requests whose room had an event since the last step."""
+        if agent is None:
+            return set()
+        return {req for event in agent.events() if (req := rooms.get(event.room)) is not None}
+
+    def _missed(self, req_id: str, room: int, side: str) -> None:
+        self.missed_events += 1
+        log.warning("kvbridge: %s request %s (room %d) ended with no room event pointing at it (found by the "
+                    "once-a-second sweep)", side, req_id, room)
+
+    def _finished_sends(self, finished_req_ids: Iterable[str], touched: set[str], sweep: bool) -> set[str]:
         done_sending: set[str] = set()
         for req_id in finished_req_ids:
             if req_id in self._sending:      # saves are posted in the step that completes the prompt,
@@ -316,25 +357,36 @@ class WorkerSide:
                 self._finished_early[req_id] = None
                 while len(self._finished_early) > _FINISHED_EARLY:
                     self._finished_early.popitem(last=False)
-        for req_id, state in list(self._sending.items()):
+        pointed = touched | set(finished_req_ids) | self._send_watch
+        for req_id in list(self._sending) if sweep else [r for r in pointed if r in self._sending]:
+            state = self._sending[req_id]
             self._advance_send(req_id, state)
+            if state.sent:
+                self._send_watch.discard(req_id)
             status = state.sender.poll()
             if state.finished and status in (KVPoll.Success, KVPoll.Failed) and state.sender.safe_to_reuse:
                 if status == KVPoll.Failed:
                     log.warning("kvbridge: request %s (room %d) not delivered: %s", req_id, state.sender.room,
                                 state.sender.failure_reason)
+                if req_id not in pointed:
+                    self._missed(req_id, state.sender.room, "prefill")
                 state.sender.clear()
                 del self._sending[req_id]
+                self._send_rooms.pop(state.sender.room, None)
+                self._send_watch.discard(req_id)
                 done_sending.add(req_id)
         return done_sending
 
-    def _finished_loads(self) -> set[str]:
+    def _finished_loads(self, touched: set[str], sweep: bool) -> set[str]:
         done_recving: set[str] = set()
-        for req_id, recv in list(self._receiving.items()):
+        pointed = touched | self._recv_watch
+        for req_id in list(self._receiving) if sweep else [r for r in pointed if r in self._receiving]:
+            recv = self._receiving[req_id]
             if recv.receiver is None:
                 self._load_errors.update(int(b) for b in recv.blocks)
                 done_recving.add(req_id)
                 del self._receiving[req_id]
+                self._recv_watch.discard(req_id)
                 continue
             status = recv.receiver.poll()
             if status == KVPoll.Bootstrapping:
@@ -342,6 +394,8 @@ class WorkerSide:
                 if reason:
                     recv.receiver.abort(reason)
                     status = recv.receiver.poll()
+            else:
+                self._recv_watch.discard(req_id)     # its room's events announce what comes next
             if status == KVPoll.Success:
                 log.debug("kvbridge: request %s (room %d): loaded", req_id, recv.receiver.room)
                 self.dump(f"decode-room{recv.receiver.room}", recv.blocks)
@@ -358,8 +412,12 @@ class WorkerSide:
                     self._load_errors.update(int(b) for b in recv.blocks)
             else:
                 continue
+            if req_id not in pointed:
+                self._missed(req_id, recv.receiver.room, "decode")
             recv.receiver.clear()
             del self._receiving[req_id]
+            self._recv_rooms.pop(recv.receiver.room, None)
+            self._recv_watch.discard(req_id)
             done_recving.add(req_id)
         return done_recving
 
