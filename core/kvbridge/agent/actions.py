@@ -146,13 +146,17 @@ class AgentLock:
         at once: this thread's turn is now)."""
         results: list[Callable[[], None]] = []
         failed: list[BaseException] = []
-        for action in batch:
-            if isinstance(action, SendFrame):
-                self._deliver(action.address, action.frame, action.what)
+        for action in batch:                    # every one runs: a lost action would leave its write hanging
+            try:
+                if isinstance(action, SendFrame):
+                    self._deliver(action.address, action.frame, action.what)
+                    continue
+                if self._execute is None:
+                    raise AssertionError(f"{action}: this lock runs no backend calls or work (no execute=)")
+                result = self._execute(action)
+            except BaseException as exc:  # noqa: BLE001 - raised once the batch ran
+                failed.append(exc)
                 continue
-            if self._execute is None:
-                raise AssertionError(f"{action}: this lock runs no backend calls or work (no execute=)")
-            result = self._execute(action)
             if result is not None:
                 results.append(result)
             if type(action) is Work:        # a gathered piece may be posted before the next gather is launched

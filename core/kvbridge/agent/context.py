@@ -109,8 +109,8 @@ class AgentContext:
         if isinstance(action, Work):
             try:
                 result = action.run()
-            except Exception as exc:  # noqa: BLE001 - handed to the handler that asked for the work
-                error = exc
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler (KeyboardInterrupt too: its send
+                error = exc               # raises it, once the work is accounted for)
             work_then = action.then
             return lambda: work_then(result, error)
         if action.not_after < math.inf and (now := self.clock()) > action.not_after:
@@ -118,8 +118,8 @@ class AgentContext:
         else:
             try:
                 result = self.calls.invoke(action.kind, *action.args)
-            except Exception as exc:  # noqa: BLE001 - handed to the handler that asked for the call
-                error = exc
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler that asked for the call (an
+                error = exc               # interrupt too: the write is accounted for, the engine's send raises it)
             else:
                 if action.then_send is not None:
                     self._deliver(action.then_send.address, action.then_send.frame, action.then_send.what)

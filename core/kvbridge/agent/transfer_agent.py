@@ -105,6 +105,7 @@ class TransferAgent:
         # Hellos/Welcomes are decoded outside the agent lock, within a byte budget checked before decoding
         self._handshake_bytes = HelloBudget(HANDSHAKE_BYTES_PER_S, HANDSHAKE_BYTES_BURST, clock, locked=True)
         self._deferred: deque[bytes] = deque()      # frames left for the next progress step (see progress())
+        self._poll_gate = threading.Lock()          # held by the thread polling the backend (see progress())
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._busy_until = 0.0          # the progress thread polls fast until then (see start())
@@ -327,7 +328,19 @@ class TransferAgent:
             self.handle_frame(frame)
         for _peer, blob in notices:
             self.handle_frame(blob)
-        ended = self._poll_writes()
+        # one thread at a time polls the backend for writes, from its list through the releases that its results
+        # queue (they run when its hold below ends): a handle is never polled after another thread released it
+        polling = self._poll_gate.acquire(blocking=False)
+        try:
+            self._progress_step(self._poll_writes() if polling else [], undelivered)
+        finally:
+            if polling:
+                self._poll_gate.release()
+
+    def _progress_step(self, ended: list[WriteEnded], undelivered: list[tuple[str, bytes]]) -> None:
+        """The part of a progress step under the agent lock: frames that queued meanwhile, notices to resend, the
+        writes that ended, heartbeats and timers."""
+        ctx = self.context
         with ctx.lock:
             # drained again under the lock, right before the liveness check: frames that queued up while
             # another thread held the lock (a long send) must count before a peer is judged silent; small
