@@ -27,9 +27,8 @@ from kvbridge.state.base import StateType
 
 log = logging.getLogger("kvbridge.agent")
 
-# backend calls a handler still makes under the agent lock: the decode's fence asks the backend whether a writer is
-# provably gone while it judges a room (a query; every other call is an action run after the lock's release)
-INLINE_CALLS = frozenset({CallKind.WRITER_GONE})
+# backend calls a handler still makes under the agent lock: none (every call is an action run after its release)
+INLINE_CALLS: frozenset[CallKind] = frozenset()
 
 
 class CallUnderLock(AssertionError):

@@ -174,6 +174,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         self._next_fence = 0.0
         self.draining = ""                  # why new rooms are refused (TransferAgent.drain), "" when not
         peers.on_death(self._peer_died)
+        peers.on_proven_gone(self._writer_proven_gone)
         peers.on_in_use(self._refers_to)
 
     # ---------------------------------------------------------------- engine-facing (Receiver)
@@ -605,6 +606,7 @@ class DecodeSide(RoomTable[RecvRoom]):
             if room is None:
                 self._scattering.discard(room_id)
                 continue
+            was_over = room.state in (RecvState.SUCCESS, RecvState.FAILED)   # else a transition below announces it
             finished = [item.finished for item in room.scattering]
             done = [item for item, f in zip(room.scattering, finished) if f]
             room.scattering = [item for item, f in zip(room.scattering, finished) if not f]
@@ -620,7 +622,7 @@ class DecodeSide(RoomTable[RecvRoom]):
                     self._count(room, item.key, item.notice, layers)
             if not room.scattering:
                 self._scattering.discard(room_id)
-                if room.state in (RecvState.SUCCESS, RecvState.FAILED):
+                if was_over and room.state in (RecvState.SUCCESS, RecvState.FAILED):
                     self._ctx.events.emit(room.room, RoomEventKind.SAFE_TO_REUSE)
 
     def _release_staging(self, room: RecvRoom) -> None:
@@ -751,6 +753,13 @@ class DecodeSide(RoomTable[RecvRoom]):
                     and lateness.running(room.waiting, now, waiting) > waiting):
                 self._fail(room, f"waiting timeout: no complete transfer after {waiting} s"
                                  f"{lateness.unobserved(room.waiting, waiting)}")
+
+    def _writer_proven_gone(self, peer: Peer) -> None:
+        """The backend proved a dead writer can write no more: fence the unsafe rooms it wrote to again."""
+        for room_id in list(self._unsafe):
+            room = self.rooms.get(room_id)
+            if room is not None and room.writers.get(peer.agent) is peer:
+                self._fence(room, room.reason)
 
     def _peer_died(self, peer: Peer, reason: str) -> None:
         gone = self._peers.writer_gone(peer)

@@ -59,6 +59,7 @@ from kvbridge.protocol.wire import (
     noted_version,
     speaks_note,
 )
+from kvbridge.specs import Capability
 
 log = logging.getLogger("kvbridge.agent")
 
@@ -126,6 +127,8 @@ class Peer:
     lease_until: float = math.inf          # prefill side: posting to this decode is allowed until then (our clock)
     lease_epoch: int = 0                   # the prefill's count of leases granted, as of this record's Welcome
     lease_over: bool = False               # decode side: silent past its lease: this record can write no more
+    backend_gone: bool = False             # decode side: the backend proved it can write no more (writer_gone)
+    gone_asked: bool = False               # ... a writer_gone call about it is queued or running
     seen: Since = Since(at=0.0, mark=0.0)  # last_seen as a timer of the rank's own lateness (agent/lateness.py):
     #                                        time this rank itself was not running is not the peer's silence
 
@@ -168,6 +171,7 @@ class PeerTable:
         self._in_use: list[InUse] = []
         self._on_revive: list[Callable[[Peer], None]] = []
         self._on_lease_reset: list[PeerDied] = []
+        self._on_proven_gone: list[Callable[[Peer], None]] = []
         self._last_beat = 0.0
         self._beat_seq = 0
         self._hellos = HelloBudget(_NEW_PEERS_PER_S, _NEW_PEERS_BURST, ctx.clock)
@@ -205,6 +209,10 @@ class PeerTable:
     def on_revive(self, callback: Callable[[Peer], None]) -> None:
         """``callback(peer)`` when a peer judged dead by silence speaks again in the same incarnation."""
         self._on_revive.append(callback)
+
+    def on_proven_gone(self, callback: Callable[[Peer], None]) -> None:
+        """Decode: ``callback(peer)`` when the backend answered that a dead writer can write no more."""
+        self._on_proven_gone.append(callback)
 
     def on_in_use(self, callback: InUse) -> None:
         """``callback(agent)`` says whether rooms still refer to a peer (it is kept until they do not)."""
@@ -765,16 +773,27 @@ class PeerTable:
                 self._declared_gone.add((agent, incarnation))
 
     def writer_gone(self, peer: Peer) -> bool:
-        """Can ``peer`` no longer write into our memory? The engine declared it gone, or the backend proves
-        it (optional backend method ``writer_gone(endpoint) -> bool``, called only when the backend declares
-        ``Capability.WRITER_GONE``). Silence alone never proves it."""
-        if peer.lease_over or (peer.agent, peer.incarnation) in self._declared_gone:
+        """Can ``peer`` no longer write into our memory? Its lease ran out, the engine declared it gone, or the
+        backend proved it (optional backend method ``writer_gone(endpoint) -> bool``, declared by
+        ``Capability.WRITER_GONE``). The backend is asked by an action, after the lock's release; its answer comes
+        back through :meth:`on_proven_gone` (the fence then runs again). Silence alone never proves it."""
+        if peer.lease_over or peer.backend_gone or (peer.agent, peer.incarnation) in self._declared_gone:
             return True
-        try:
-            return self._ctx.calls.writer_gone(peer.endpoint)
-        except Exception:
-            log.exception("%s: writer_gone(%s) failed", self._ctx.name, peer.agent)
-            return False
+        ctx = self._ctx
+        if not peer.gone_asked and Capability.WRITER_GONE in ctx.calls.capabilities:
+            peer.gone_asked = True
+            ctx.act(CallBackend(kind=CallKind.WRITER_GONE, args=(peer.endpoint,),
+                                then=functools.partial(self._gone_answer, peer)))
+        return False
+
+    def _gone_answer(self, peer: Peer, gone: object, error: BaseException | None) -> None:
+        peer.gone_asked = False
+        if error is not None:
+            log.error("%s: writer_gone(%s) raised %s: %s", self._ctx.name, peer.agent, type(error).__name__, error)
+        elif gone:
+            peer.backend_gone = True
+            for callback in self._on_proven_gone:
+                callback(peer)
 
     def say_goodbye(self) -> None:
         ctx = self._ctx

@@ -589,16 +589,18 @@ class Poster:
         overtake it."""
         ctx = self._ctx
         # kept when queued (a Goodbye queued meanwhile must find it); one the backend could not take goes by the
-        # link (then the copy before our Goodbye is a replay the decode drops)
+        # link and is dropped from what is kept
         self.unconfirmed.keep(peer.agent, peer.incarnation, room, frame, ctx.codec.last_seq(peer.address))
         ctx.act(CallBackend(kind=CallKind.NOTIFY_COMPLETION, args=(peer.agent, frame),
-                            then=functools.partial(self._notified, peer.agent, peer.address, frame)))
+                            then=functools.partial(self._notified, peer.agent, peer.address, room, frame)))
 
-    def _notified(self, agent: str, address: str, frame: bytes, took: Any, error: BaseException | None) -> None:
+    def _notified(self, agent: str, address: str, room: int, frame: bytes, took: Any,
+                  error: BaseException | None) -> None:
         if error is not None:
             log.warning("%s: notify_completion to %s raised %s: %s (sent by the control link)", self._ctx.name,
                         agent, type(error).__name__, error)
         if error is not None or not took:
+            self.unconfirmed.drop(agent, room, frame)     # not to be sent again before our Goodbye
             self._ctx.send_frame(address, frame, "notice")
 
 

@@ -56,6 +56,13 @@ class Unconfirmed:
                 return
             rooms.popitem(last=False)
 
+    def drop(self, agent: str, room: int, frame: bytes) -> None:
+        """The backend did not take ``frame`` after all (it went by the control link, ordered before any Goodbye)."""
+        kept = self._by_agent.get(agent)
+        entry = kept.rooms.get(room) if kept is not None else None
+        if entry is not None and frame in entry[1]:
+            entry[1].remove(frame)
+
     def forget_room(self, agent: str, room: int) -> None:
         """The decode aborted ``room`` or asks for it again: its earlier notices must not be sent again."""
         kept = self._by_agent.get(agent)
