@@ -91,7 +91,7 @@ def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_a_prob
 
     address = f"tcp://127.0.0.1:{_free_port()}"
     server = subprocess.Popen([sys.executable, "-c", "import sys; from kvbridge_nixl.routes import serve; "
-                               f"serve({address!r}, 240, step_timeout_s=3)"],
+                               f"serve({address!r}, 240, step_timeout_s=30)"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert server.stdout is not None and "serving NIXL route probes" in _lines_until(server.stdout, "serving")[-1]
@@ -119,19 +119,14 @@ def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_a_prob
         sock.close(0)
         said = _lines_until(server.stdout, "dropped a probe")   # the server's lines among its children's logs
         assert "dropped a probe into cpu: the prober did not answer in time" in said[-1], said
-        # the server goes on serving. The first probe right after a dropped session sometimes fails to reach its new
-        # receiving child (UCX: connection refused, or the remote disconnected: seen in clean-clone runs 39 and 40,
-        # not understood, see the session 12 note); a user runs the doctor again, so the test asks twice
-        outputs = []
-        for _attempt in range(2):
-            probe = subprocess.run([sys.executable, "-m", "kvbridge_nixl.routes",
-                                    json.dumps([["cpu", f"cpu@{address}"]])],
-                                   capture_output=True, text=True, timeout=180)
-            result = json.loads(next(line for line in probe.stdout.splitlines() if line.startswith("{")))
-            outputs.append(probe.stdout[-2000:] + probe.stderr[-2000:])
-            if "error" not in result:
-                break
-        assert "error" not in result and result["gbps"] > 0, "\n---\n".join(outputs)
+        # the server goes on serving. The prober's turn after the metadata is its whole measurement (a NIXL agent,
+        # 6 writes of 64 MiB): a step timeout of 3 s here dropped that session and killed its receiving child under
+        # a loaded host's CPU starvation, and the probe then failed with "UCX connect refused" (clean-clone runs 39,
+        # 40 and 42; the server said "dropped a probe ... prober did not answer in time"), so 30 s
+        probe = subprocess.run([sys.executable, "-m", "kvbridge_nixl.routes", json.dumps([["cpu", f"cpu@{address}"]])],
+                               capture_output=True, text=True, timeout=180)
+        result = json.loads(next(line for line in probe.stdout.splitlines() if line.startswith("{")))
+        assert "error" not in result and result["gbps"] > 0, probe.stdout[-2000:] + probe.stderr[-2000:]
     finally:
         server.kill()
         server.wait(timeout=30)
