@@ -146,7 +146,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "kvbridge.logs", "kvbridge.tracing", "kvbridge.findings", "kvbridge.shmnames", "kvbridge.addresses",
               "kvbridge.pattern", "kvbridge.specs"),
     "plan": ("kvbridge.slicing", "kvbridge.planner", "kvbridge.staging", "kvbridge.spans", "kvbridge.digests",
-             "kvbridge.handshake", "kvbridge.repaging", "kvbridge.state"),
+             "kvbridge.device_digests", "kvbridge.handshake", "kvbridge.repaging", "kvbridge.state"),
     # the wire (control messages, the buffer records they carry), the state machines, and the two contracts a
     # backend meets: its methods (backends.base, whose records are the wire's) and the operation hooks
     "protocol": ("kvbridge.protocol", "kvbridge.backends.base", "kvbridge.hookspecs"),

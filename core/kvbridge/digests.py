@@ -152,18 +152,26 @@ def _tensor_weights(words: int, device: Any) -> tuple[Any, Any]:
 
 
 def _digest_tensor(view: Any, items: np.ndarray, runs: Runs) -> np.ndarray:
-    """:func:`digest_items` where a torch ``view`` lives: int64 products and sums wrap mod 2^64 as uint64 ones do;
-    the high halves are shifted logically (``>> 32`` then masked: torch's shift of a signed word is arithmetic).
-    Runs on the caller's current stream, after the work queued on it; returns once the digests are on the host."""
+    """:func:`digest_items` where a torch ``view`` lives (see :func:`_digest_tensor_on_device`); returns once the
+    digests are on the host."""
     import torch
 
-    n, size = len(items), runs.nbytes
-    if n == 0 or size == 0:
-        return np.zeros(n, np.uint64)
+    if len(items) == 0 or runs.nbytes == 0:
+        return np.zeros(len(items), np.uint64)
+    index = torch.as_tensor(np.ascontiguousarray(items, dtype=np.int64)).to(view.device, non_blocking=True)
+    return _digest_tensor_on_device(view, index, runs).cpu().numpy().view(np.uint64)
+
+
+def _digest_tensor_on_device(view: Any, index: Any, runs: Runs) -> Any:
+    """int64 digests (a tensor on ``view``'s device) of the runs of ``view[index]``: int64 products and sums wrap
+    mod 2^64 as uint64 ones do; the high halves are shifted logically (``>> 32`` then masked: torch's shift of a
+    signed word is arithmetic). Queued on the caller's current stream, after the work queued on it."""
+    import torch
+
+    n, size = int(index.shape[0]), runs.nbytes
     device = view.device
     words = -(-size // 8)
     lo, hi = _tensor_weights(words, device)
-    index = torch.as_tensor(np.ascontiguousarray(items, dtype=np.int64)).to(device, non_blocking=True)
     item = int(view.shape[1])
     per = max(1, BATCH_BYTES // max(1, item))
     out = torch.empty(n, dtype=torch.int64, device=device)
@@ -186,4 +194,4 @@ def _digest_tensor(view: Any, items: np.ndarray, runs: Runs) -> np.ndarray:
             data = torch.nn.functional.pad(data, (0, words * 8 - size))
         x = data.contiguous().view(torch.int64)
         out[a: a + per] = (x * lo).sum(1) + (((x >> 32) & 0xFFFFFFFF) * hi).sum(1)
-    return out.cpu().numpy().view(np.uint64)
+    return out

@@ -429,13 +429,16 @@ class DecodeSide(RoomTable[RecvRoom]):
             return False
         want = np.frombuffer(notice.digests, dtype="<u8")
         factor = self._plans.factor(peer, comp_index)        # items are sub-pages when the page sizes differ
+        if not buffers:
+            return True
+        got = self._plans.digests(peer, comp_index, buffers, items, "dst")
+        if got is None:
+            self._fail(room, f"checksums asked for, but {notice.component} buffer {comp.buffers[buffers[0]].name} has "
+                             "no host-readable view on this rank")
+            return False
         for k, b in enumerate(buffers):
-            got = self._plans.digest(peer, comp_index, b, items, "dst")
-            if got is None:
-                self._fail(room, f"checksums asked for, but {notice.component} buffer {comp.buffers[b].name} has no "
-                                 "host-readable view on this rank")
-                return False
-            bad = np.flatnonzero(got != want[k * len(items): (k + 1) * len(items)])
+            span = slice(k * len(items), (k + 1) * len(items))
+            bad = np.flatnonzero(got[span] != want[span])
             if bad.size:
                 self._fail(room, f"checksum mismatch: {notice.component} buffer {comp.buffers[b].name} "
                                  f"destination page {int(items[bad[0]]) // factor} ({bad.size} of {len(items)} items "

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvbridge.agent.layers import LayerMap, layer_map
-from kvbridge.digests import Runs, digest_items, readable, run_bytes
+from kvbridge.device_digests import digest_buffers
+from kvbridge.digests import Runs, readable, run_bytes
 from kvbridge.errors import GeometryError
 from kvbridge.geometry import Component, IndexKind, PoolLayout, Rank
 from kvbridge.handshake import is_partial, restricted
@@ -180,20 +182,23 @@ class PlanCache:
             self._spread[key] = found
         return found
 
-    def digest(self, peer: Peer, comp_index: int, buffer: int, items: np.ndarray, side: str) -> np.ndarray | None:
-        """Digests of ``items`` (this pair's items) of one of our buffers, over the runs of its slice on ``side``;
-        None when the buffer has no readable view."""
+    def digests(self, peer: Peer, comp_index: int, buffers: Sequence[int], items: np.ndarray, side: str
+                ) -> np.ndarray | None:
+        """Digests of ``items`` (this pair's items) of some of our buffers, each over the runs of its slice on
+        ``side``, buffer-major (``len(buffers) * len(items)``); None when the component has no readable view. On a
+        GPU computed where the pages live, the host waiting once for all of them."""
         views = self._ctx.buffers.views.get(self._ctx.layout.components[comp_index].name) or []
         if not views or not readable(views[0]):
             return None
-        runs = self.run_bytes(peer, comp_index, buffer, side)
+        runs = [self.run_bytes(peer, comp_index, b, side) for b in buffers]
         if not self.spread_out(peer, comp_index):
-            return digest_items(repaged_view(views[buffer], self.factor(peer, comp_index)), items, runs)
+            factor = self.factor(peer, comp_index)
+            return digest_buffers([repaged_view(views[b], factor) for b in buffers], items, runs)
         rp = self.repaging(peer)
         assert rp is not None
-        planes = self.planes(self._ctx.layout, comp_index)[buffer]
-        gathered = compact_items(views[buffer], items, planes, self._ctx.layout.page_size, rp.granule)
-        return digest_items(gathered, np.arange(len(items)), runs)
+        planes = self.planes(self._ctx.layout, comp_index)
+        gathered = [compact_items(views[b], items, planes[b], self._ctx.layout.page_size, rp.granule) for b in buffers]
+        return digest_buffers(gathered, np.arange(len(items)), runs)
 
     def slice_for(self, peer: Peer, comp_index: int) -> ComponentSlice:
         """What the prefill side of this pair writes for one component, per buffer of ours (a buffer a partial

@@ -373,13 +373,11 @@ class Poster:
         item in the order of the destination items the notice names (``kvbridge.digests``), where the pages live:
         on a GPU on the engine's current stream, after the work it queued (the source pages), which this call
         waits for. Raw regions without a view send none (the decode then fails the room saying so)."""
-        parts = []
-        for b in self._plans.sliced_buffers(peer, comp_index, layers):
-            digests = self._plans.digest(peer, comp_index, b, src_items, "src")
-            if digests is None:
-                return b""
-            parts.append(digests)
-        return np.concatenate(parts).astype("<u8").tobytes() if parts else b""
+        buffers = self._plans.sliced_buffers(peer, comp_index, layers)
+        if not buffers:
+            return b""
+        digests = self._plans.digests(peer, comp_index, buffers, src_items, "src")
+        return b"" if digests is None else digests.astype("<u8").tobytes()
 
     @staticmethod
     def _ring(room: SendRoom, agent: str, component: str, base: int, ring_bytes: int, limit: int,
