@@ -501,6 +501,25 @@ def test_a_decode_whose_pages_have_no_planes_is_refused_at_connect() -> None:
             dec.connect("i", timeout_s=5)
 
 
+def test_prefill_ranks_of_one_instance_with_different_page_sizes_are_refused_at_connect() -> None:
+    """A misconfigured prefill instance (TP 2, rank 0 with 16-token pages, rank 1 with 64): a decode rank reading
+    from both is refused at connect naming each rank's size (before: connect succeeded and every request failed
+    at the decode, the prefill ranks waiting out their bootstrap timeout); a decode rank reading from one rank only
+    (TP 2 -> 4) pairs with it as with any page size."""
+    rng = np.random.default_rng(5)
+
+    def pool(role: Role, tp: int, r: int) -> Pool:
+        return Pool(tp, r, (16, 64)[r] if role is Role.PREFILL else 32, rng)
+
+    config = AgentConfig(heartbeat_interval_s=0.1, peer_timeout_s=10.0, bootstrap_timeout_s=10.0)
+    with pytest.raises(IncompatiblePeer, match=r"different page sizes \(rank 0: 16, rank 1: 64 tokens\)"):
+        World(registry=Registry.build(), backend="loopback", pairs=[(2, 1)], make_pool=pool, config=config,
+              label="mixed-pages")
+    world = World(registry=Registry.build(), backend="loopback", pairs=[(2, 4)], make_pool=pool, config=config,
+                  label="mixed-pages-4")
+    world.close()
+
+
 # ---------------------------------------------------------------------------------------------------- SWA and NSA
 WINDOW = 100
 NSA_KEY, NSA_SCALE = 8, 4        # bytes per token: keys first, then scales (kvbridge_nsa's two planes)

@@ -464,3 +464,37 @@ def test_a_save_before_the_decode_asks_goes_without_another_prefill_step() -> No
         assert wait(lambda: rig.p.finished(["r"])[0], "the prefill's release") == {"r"}
     finally:
         rig.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_prompt_length_refuses_a_prefill_a_block_short() -> None:
+    """Promise: the decode gives kvbridge the prompt's length (``LoadSpec.tokens``, set by the connector from vLLM's
+    counts), so a prefill that sends fewer blocks than the prompt fills fails on both sides, naming the counts,
+    instead of the decode reporting a load of blocks that never came; a prefill sending the right count succeeds
+    with the length given, a prefix hit included."""
+    rig = Rig(peer_timeout_s=5.0, waiting_timeout_s=30.0)
+    try:
+        rig.p.save("short", SaveSpec(room=61, block_ids=(0, 1)))          # 8 tokens' worth of blocks
+        rig.d.load("short", LoadSpec(room=61, instance="p", block_ids=(3, 4, 5), prefix_len=0, tokens=3 * BLOCK - 1))
+        wait(lambda: "short" in rig.d.finished([])[1], "the decode to fail the short request")
+        assert rig.d.load_errors() == {3, 4, 5}
+        sender = rig.p._sending["short"].sender
+        wait(lambda: sender.poll() == KVPoll.Failed, "the prefill to refuse its short send")
+        assert "page" in sender.failure_reason and "3" in sender.failure_reason, sender.failure_reason
+        good = LoadSpec(room=62, instance="p", block_ids=(7, 8), prefix_len=0, tokens=2 * BLOCK)
+        rig.p.save("whole", SaveSpec(room=62, block_ids=(5, 6)))
+        rig.d.load("whole", good)
+        wait(lambda: "whole" in rig.d.finished([])[1], "the decode's load of a whole request")
+        assert rig.d.load_errors() == set()
+        for s, d in ((5, 7), (6, 8)):
+            assert_block_equal(rig.src, s, rig.dst, d)
+        # a prefix hit of one block and a half: the decode lists the blocks from the one holding the prefix end
+        rig.p.save("hit", SaveSpec(room=63, block_ids=(9, 10, 11)))
+        rig.d.load("hit", LoadSpec(room=63, instance="p", block_ids=(12, 13), prefix_len=BLOCK + 2,
+                                   tokens=3 * BLOCK))
+        wait(lambda: "hit" in rig.d.finished([])[1], "the decode's load after a prefix hit")
+        assert rig.d.load_errors() == set()
+        for s, d in ((10, 12), (11, 13)):
+            assert_block_equal(rig.src, s, rig.dst, d)
+    finally:
+        rig.close()

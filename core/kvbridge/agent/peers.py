@@ -465,8 +465,24 @@ class PeerTable:
                              lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
                 self.watch_exit(fresh, welcome.liveness)
+        for shake in self.handshakes:
+            if shake.done:
+                self._check_one_page_size(shake)
         for shake in [s for s in self.handshakes if s.done or s.refused is not None]:
             self.finish(shake)
+
+    def _check_one_page_size(self, shake: Handshake) -> None:
+        """The prefill ranks a decode rank reads one request from must share one page size (each pairs with ours
+        whatever it is, but a request's pages are one list for all of them): else every target is refused, naming
+        each rank's size, and ``connect()`` raises instead of every request failing later."""
+        sizes = {t.rank: p.layout.page_size for t in shake.targets.values()
+                 if (p := self.peers.get(t.agent)) is not None and p.layout is not None}
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"rank {rank}: {size}" for rank, size in sorted(sizes.items()))
+            reason = (f"the prefill ranks of {shake.instance!r} use different page sizes ({listed} tokens); the ranks "
+                      "of one instance must share one")
+            for target in shake.targets.values():
+                target.state, target.reason = HandshakeState.REFUSED, reason
 
     def _speak_older(self, targets: list[HandshakeTarget], welcome: Welcome, env: Envelope) -> bool:
         """A refusal in an older version we still speak, of a Hello we sent in a newer one: the prefill is of the

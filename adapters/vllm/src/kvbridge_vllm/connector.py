@@ -194,7 +194,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         try:
             flip = int(params.get("kvbridge_flip_layer", -1)) if self.settings.test_hooks else -1
             spec = LoadSpec(room=_room(params), instance=str(params["instance"]), block_ids=tuple(ids[first:end]),
-                            prefix_len=local, flip_layer=flip)
+                            prefix_len=local, flip_layer=flip, tokens=local + num_external_tokens)
         except (KeyError, KVBridgeError, ValueError, TypeError) as exc:
             spec = LoadSpec(room=1, instance="", block_ids=tuple(ids[first:end]), prefix_len=local)
             log.warning("kvbridge: request %s has bad kv_transfer_params %s: %s", request.request_id, params, exc)

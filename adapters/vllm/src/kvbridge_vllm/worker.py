@@ -55,13 +55,16 @@ class SaveSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadSpec:
-    """A decode request: receive blocks ``block_ids`` (positions from ``prefix_len // block_size``)."""
+    """A decode request: receive blocks ``block_ids`` (positions from ``prefix_len // block_size``) of a request of
+    ``tokens`` tokens (its prompt; 0: not given). With the length, a prefill that sends fewer or more blocks than
+    the prompt fills is refused on both sides, naming both counts."""
 
     room: int
     instance: str
     block_ids: tuple[int, ...]
     prefix_len: int
     flip_layer: int = -1         # test hook: corrupt this layer of the arrived blocks
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -271,7 +274,7 @@ class WorkerSide:
         try:
             self._handshake(spec.instance)
             receiver = self.decode.receiver(spec.room, spec.instance)
-            receiver.send_metadata({KV_COMPONENT: blocks}, prefix_len=spec.prefix_len)
+            receiver.send_metadata({KV_COMPONENT: blocks}, prefix_len=spec.prefix_len, tokens=spec.tokens or None)
         except (KVBridgeError, TimeoutError) as exc:
             log.warning("kvbridge: request %s (room %d) from %r cannot load: %s", req_id, spec.room,
                         spec.instance, exc)
