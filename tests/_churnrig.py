@@ -217,7 +217,7 @@ def _prefill(job: dict[str, Any]) -> None:
                     table = agent.peers
                     stats.update(
                         peers=len(table.peers), alive_peers=sum(p.alive for p in table.peers.values()),
-                        beat_targets=len(table.beat_targets), link_queues=len(link._queues),
+                        beat_targets=len(table.beat_targets()), link_queues=len(link._queues),
                         link_queued=sum(link.queued.values()), link_forgotten=len(link._forgotten),
                         backend_peers=len(getattr(agent.backend, "_peers", ()) or ()),
                         plan_slices=len(agent.peers._plans._slices),

@@ -190,3 +190,27 @@ def test_a_post_the_backend_refuses_fails_the_room_and_the_engine_send_raises() 
     finally:
         pre.close()
         dec.close()
+
+
+def test_the_role_objects_take_no_lock_and_refuse_a_caller_without_it(
+        pair: tuple[TransferAgent, TransferAgent, ManualClock]) -> None:
+    """The role objects decide with the agent lock held by the runtime (the handles take it): called directly
+    without it, a mutating method raises LockNotHeld in strict mode (a handler run without the lock would run its
+    actions in the middle of its decision); with the lock held it runs, and its actions wait for the release."""
+    from kvbridge.agent.context import LockNotHeld
+
+    pre, dec, clock = pair
+    assert pre.prefill is not None and dec.decode is not None
+    sender, receiver = _open(pre, dec, clock, 4, [1, 2])
+    for call in (lambda: pre.prefill.send(4, np.array([3, 4]), True, {}),          # type: ignore[union-attr]
+                 lambda: pre.prefill.abort(4, "no lock"), lambda: dec.decode.abort(4, "no lock"),  # type: ignore[union-attr]
+                 lambda: pre.prefill.open(99), lambda: dec.decode.clear(4, True)):  # type: ignore[union-attr]
+        with pytest.raises(LockNotHeld, match="without the agent lock"):
+            call()
+    assert sender.poll() is KVPoll.WaitingForInput and receiver.poll() is KVPoll.WaitingForInput
+    with pre.context.lock:
+        pre.prefill.send(4, np.array([3, 4]), True, {})
+        assert [w.state for w in pre.prefill.rooms[4].inflight] == [WriteState.POSTING]   # queued, not made
+    assert [w.state for w in pre.prefill.rooms[4].inflight] == [WriteState.POSTED]         # made at the release
+    _run(clock, 2.0, pre, dec, until=lambda: receiver.poll() is KVPoll.Success)
+    assert receiver.poll() is KVPoll.Success

@@ -327,7 +327,8 @@ def test_two_threads_in_progress_never_poll_a_handle_after_its_release() -> None
         while sender.poll() is not KVPoll.WaitingForInput and time.monotonic() < deadline:
             time.sleep(0.001)
         assert pre.prefill is not None
-        pre.prefill.send(1, np.array([4, 5]), True, {})        # the side's send: no progress step after it
+        with pre.context.lock:                                 # the side's send: no progress step after it
+            pre.prefill.send(1, np.array([4, 5]), True, {})
         assert [w.state for w in pre.prefill.rooms[1].inflight] == [WriteState.POSTED]
         assert pre.prefill is not None
         real = pre.prefill.posted_writes
@@ -771,8 +772,8 @@ def test_a_post_interrupted_by_a_base_exception_leaves_no_write_posting_forever(
 
     pre.context.calls.send_component = interrupted      # type: ignore[method-assign]
     with pytest.raises(_Interrupted):
-        pre.prefill.send(8, np.array([3, 4]), True, {})
-    pre.prefill.abort(8, "the engine gives up on the request")
+        sender.send(np.array([3, 4]), last=True)
+    sender.abort("the engine gives up on the request")
     _run(clock, 3.0, pre, dec, until=lambda: pre.prefill.safe_to_reuse(8) and receiver.safe_to_reuse, real_s=3.0)
     record = pre.prefill.rooms[8]
     assert pre.prefill.safe_to_reuse(8) and receiver.safe_to_reuse, (

@@ -275,15 +275,21 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             if rejected > counted:
                 m.rejected.labels(name).inc(rejected - counted)
                 counted = rejected
-            for peer in list(current.peers.peers.values()):
-                if peer.alive:
-                    m.silence.labels(name, peer.agent).set(max(0.0, now - peer.last_seen))
-                    m.version.labels(name, peer.agent).set(peer.version)
-                    if peer.rtt_s is not None:
-                        m.rtt.labels(name, peer.agent).set(peer.rtt_s)
-                    seen.add(peer.agent)
-            if current.decode is not None:
-                m.overdue.labels(name).set(current.decode.overdue_fences(now))
+            with current.context.lock:       # a snapshot of the tables; the gauges are set after the release
+                alive = [(peer.agent, now - peer.last_seen, peer.version, peer.rtt_s)
+                         for peer in current.peers.peers.values() if peer.alive]
+                overdue = current.decode.overdue_fences(now) if current.decode is not None else None
+                rooms = {role: Counter(room.status.name for room in side.rooms.values())
+                         for role, side in (("prefill", current.prefill), ("decode", current.decode))
+                         if side is not None}
+            for agent_name, silence, version, rtt in alive:
+                m.silence.labels(name, agent_name).set(max(0.0, silence))
+                m.version.labels(name, agent_name).set(version)
+                if rtt is not None:
+                    m.rtt.labels(name, agent_name).set(rtt)
+                seen.add(agent_name)
+            if overdue is not None:
+                m.overdue.labels(name).set(overdue)
             dropped, dead = (getattr(current.link, "dropped_frames", None),
                              getattr(current.link, "dropped_dead_frames", None))
             if isinstance(dropped, int) and isinstance(dead, int):
@@ -291,11 +297,9 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
                     if count > dropped_counted[reason]:       # the link's running counts, as counter increments
                         m.link_dropped.labels(name, reason).inc(count - dropped_counted[reason])
                         dropped_counted[reason] = count
-            for role, side in (("prefill", current.prefill), ("decode", current.decode)):
-                if side is not None:
-                    counts = Counter(room.status.name for room in list(side.rooms.values()))
-                    for state in _ROOM_STATES:
-                        m.agent_rooms.labels(name, role, state).set(counts.get(state, 0))
+            for role, counts in rooms.items():
+                for state in _ROOM_STATES:
+                    m.agent_rooms.labels(name, role, state).set(counts.get(state, 0))
             del current
             time.sleep(interval_s)
         for peer_name in seen:

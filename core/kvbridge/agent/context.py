@@ -35,6 +35,11 @@ class CallUnderLock(AssertionError):
     """A backend call made while the agent lock was held (strict mode: handlers queue calls as actions)."""
 
 
+class LockNotHeld(AssertionError):
+    """A role object's engine-facing method called without the agent lock (strict mode: the runtime's handles take
+    it; a handler run without it would run its actions in the middle of its decision)."""
+
+
 @dataclass(kw_only=True, slots=True, eq=False)
 class AgentContext:
     """One rank's shared dependencies; the role objects and the peer table hold a reference to it.
@@ -62,13 +67,22 @@ class AgentContext:
     lateness: OwnLateness = field(init=False)   # time this rank was not running: excused by every timer
     lock: AgentLock = field(init=False)
     state_by_name: dict[str, StateType] = field(init=False)   # our state types by name (the handshake's checks)
+    strict: bool = field(init=False)      # KVBRIDGE_STRICT_STATES: misuse raises (tests) instead of failing a room
 
     def __post_init__(self) -> None:
         self.lateness = OwnLateness(self.config.heartbeat_interval_s)
         self.lock = AgentLock(clock=self.clock, deliver=self._deliver, execute=self._execute)
         self.state_by_name = {c.state_type: st for c, st in zip(self.layout.components, self.state_types)}
-        if strict():
+        self.strict = strict()
+        if self.strict:
             self.calls.guard = self._refuse_under_lock
+
+    def holding(self, what: str) -> None:
+        """Strict mode: raise unless the calling thread holds the agent lock (the role objects' engine-facing
+        methods change rooms; the runtime's handles call them under it)."""
+        if self.strict and not self.lock.held_here():
+            raise LockNotHeld(f"{self.name}: {what} called without the agent lock (use the Sender/Receiver handle, "
+                              "or hold agent.context.lock)")
 
     @property
     def now(self) -> float:

@@ -158,8 +158,8 @@ class RecvRoom:
 
 
 class DecodeSide(RoomTable[RecvRoom]):
-    """Every receive room of a decode rank. Public methods take the agent lock themselves; ``on_*`` and
-    ``tick`` are called by the progress loop with the lock held."""
+    """Every receive room of a decode rank. It takes no lock: the engine-facing methods are called by the runtime's
+    handles with the agent lock held, ``on_*`` and ``tick`` by the progress loop with it held."""
 
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache,
                  reconnect: Callable[[str], None]) -> None:
@@ -177,27 +177,27 @@ class DecodeSide(RoomTable[RecvRoom]):
         peers.on_proven_gone(self._writer_proven_gone)
         peers.on_in_use(self._refers_to)
 
-    # ---------------------------------------------------------------- engine-facing (Receiver)
+    # ---------------------------------------------------------------- engine-facing (Receiver; lock held)
     def open(self, room: int, instance: str) -> None:
+        self._ctx.holding("open()")
         ctx = self._ctx
-        with ctx.lock:
-            if self.draining:
-                raise Draining(f"{ctx.name} is draining ({self.draining}): no new rooms; route room {room} to "
-                               "another decode instance")
-            if instance not in self._peers.instances:
-                raise KVBridgeError(f"not connected to prefill instance {instance!r}; call connect() first")
-            if room in self.rooms:
-                raise KVBridgeError(f"room {room} already has a receiver on {ctx.name}")
-            self._tombstones.revive(room)
-            state = self.rooms[room] = RecvRoom(room=room, instance=instance,
-                                                             created=self._ctx.lateness.since(self._ctx.now))
-            state.trace = tracing.receive_trace(room=room, instance=instance, attributes={
-                "kvbridge.agent": ctx.name, "kvbridge.role": "decode", "kvbridge.backend": ctx.backend_name,
-                "kvbridge.tp_rank": ctx.layout.tp_rank, "kvbridge.tp_size": ctx.layout.tp_size,
-                "kvbridge.instance": instance})
-            if not self._bind_targets(state):
-                self._waiting.add(room)           # a prefill rank is gone: reconnect, the room waits
-                self._reconnect(instance)
+        if self.draining:
+            raise Draining(f"{ctx.name} is draining ({self.draining}): no new rooms; route room {room} to "
+                           "another decode instance")
+        if instance not in self._peers.instances:
+            raise KVBridgeError(f"not connected to prefill instance {instance!r}; call connect() first")
+        if room in self.rooms:
+            raise KVBridgeError(f"room {room} already has a receiver on {ctx.name}")
+        self._tombstones.revive(room)
+        state = self.rooms[room] = RecvRoom(room=room, instance=instance,
+                                            created=self._ctx.lateness.since(self._ctx.now))
+        state.trace = tracing.receive_trace(room=room, instance=instance, attributes={
+            "kvbridge.agent": ctx.name, "kvbridge.role": "decode", "kvbridge.backend": ctx.backend_name,
+            "kvbridge.tp_rank": ctx.layout.tp_rank, "kvbridge.tp_size": ctx.layout.tp_size,
+            "kvbridge.instance": instance})
+        if not self._bind_targets(state):
+            self._waiting.add(room)           # a prefill rank is gone: reconnect, the room waits
+            self._reconnect(instance)
 
     def _bind_targets(self, room: RecvRoom) -> bool:
         """Take the instance's current ranks if every one is alive; then the room waits for metadata."""
@@ -215,24 +215,23 @@ class DecodeSide(RoomTable[RecvRoom]):
         return True
 
     def nbytes(self, room: int) -> int:
-        with self._ctx.lock:
-            return self.get(room).nbytes
+        return self.get(room).nbytes
 
     def send_metadata(self, room: int, indices: Mapping[str, PackedIndices], prefix_len: int,
                       tokens: int | None = None) -> None:
+        self._ctx.holding("send_metadata()")
         if tokens is not None:
             self._check_length(room, indices, prefix_len, tokens)
-        with self._ctx.lock:
-            state = self.get(room)
-            if state.status is KVPoll.Failed:
-                raise TransferError(room, state.reason)
-            if state.metadata_at is not None or state.pending is not None:
-                raise KVBridgeError(f"room {room}: send_metadata() was already called")
-            state.tokens = tokens
-            if state.status is KVPoll.Bootstrapping:
-                state.pending = (dict(indices), prefix_len)     # sent once the prefill ranks are back
-                return
-            self._request(state, indices, prefix_len)
+        state = self.get(room)
+        if state.status is KVPoll.Failed:
+            raise TransferError(room, state.reason)
+        if state.metadata_at is not None or state.pending is not None:
+            raise KVBridgeError(f"room {room}: send_metadata() was already called")
+        state.tokens = tokens
+        if state.status is KVPoll.Bootstrapping:
+            state.pending = (dict(indices), prefix_len)     # sent once the prefill ranks are back
+            return
+        self._request(state, indices, prefix_len)
 
     def _check_length(self, room: int, indices: Mapping[str, PackedIndices], prefix_len: int, tokens: int) -> None:
         """The request's length given: each chunked paged component must list exactly the pages from the one
@@ -251,34 +250,33 @@ class DecodeSide(RoomTable[RecvRoom]):
                                         f"{layout.page_size} tokens")
 
     def abort(self, room: int, reason: str) -> None:
-        with self._ctx.lock:
-            self._fail(self.get(room), reason)
+        self._ctx.holding("abort()")
+        self._fail(self.get(room), reason)
 
     def safe_to_reuse(self, room: int) -> bool:
         """True when no write into the room's destination items can still happen: the room succeeded,
         nothing was ever requested, or every writer is fenced (acknowledged, or proven gone)."""
-        with self._ctx.lock:
-            state = self.get(room)
-            if state.scattering:
-                return False                         # a scatter still writes into the room's items
-            return state.state in (RecvState.SUCCESS, RecvState.FAILED)     # FENCING: a writer may still write
+        state = self.get(room)
+        if state.scattering:
+            return False                         # a scatter still writes into the room's items
+        return state.state in (RecvState.SUCCESS, RecvState.FAILED)     # FENCING: a writer may still write
 
     def clear(self, room: int, safe: bool) -> None:
         """Forget the room. Its staging reservations are freed only when ``safe`` (no write can land)."""
+        self._ctx.holding("clear()")
         ctx = self._ctx
-        with ctx.lock:
-            state = self.rooms.pop(room, None)
-            self._waiting.discard(room)
-            self._unsafe.discard(room)
-            ctx.events.forget(room)
-            if state is not None:
-                end_trace(state, "cleared by the engine before it ended")
-                if safe:
-                    self._release_staging(state)
-                elif state.staged:
-                    log.warning("%s: room %d cleared before its senders confirmed quiescence; keeping its staging "
-                                "reservations", ctx.name, room)
-            self._tombstones.bury(room)
+        state = self.rooms.pop(room, None)
+        self._waiting.discard(room)
+        self._unsafe.discard(room)
+        ctx.events.forget(room)
+        if state is not None:
+            end_trace(state, "cleared by the engine before it ended")
+            if safe:
+                self._release_staging(state)
+            elif state.staged:
+                log.warning("%s: room %d cleared before its senders confirmed quiescence; keeping its staging "
+                            "reservations", ctx.name, room)
+        self._tombstones.bury(room)
 
     # ---------------------------------------------------------------- requests (lock held)
     def _request(self, room: RecvRoom, indices: Mapping[str, PackedIndices], prefix_len: int) -> None:
@@ -782,9 +780,8 @@ class DecodeSide(RoomTable[RecvRoom]):
         """Failed rooms still not safe to reuse longer than the peer timeout after they failed: a writer that
         neither acknowledged nor was proven gone (a partition, a dead host: the engine's declare_gone is due)."""
         limit = self._ctx.config.peer_timeout_s
-        with self._ctx.lock:
-            return sum(room.state is RecvState.FENCING and room.failed_at is not None and now - room.failed_at > limit
-                       for room in self.rooms.values())
+        return sum(room.state is RecvState.FENCING and room.failed_at is not None and now - room.failed_at > limit
+                   for room in self.rooms.values())
 
     def unsettled(self) -> int:
         """Rooms not yet over: live, fencing, or with a scatter still writing into their items."""

@@ -1,8 +1,13 @@
-"""``Sender`` and ``Receiver``: an engine's handles on one request, thin over the role objects."""
+"""``Sender`` and ``Receiver``: an engine's handles on one request, thin over the role objects.
+
+The handles are runtime: each call takes the agent lock around the role object's method (which takes none), and
+the actions it queued run at the lock's release, in the engine's thread."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -28,17 +33,20 @@ class Sender:
         sender.send(pages[:8]); sender.send(pages[8:], last=True, state={"mamba": slot})
     """
 
-    def __init__(self, side: PrefillSide, progress: Callable[[], None], room: int) -> None:
-        self._side, self._progress, self.room = side, progress, room
+    def __init__(self, side: PrefillSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
+                 room: int) -> None:
+        self._side, self._lock, self._progress, self.room = side, lock, progress, room
 
     def poll(self) -> KVPoll:
         self._progress()
-        return self._side.status(self.room)
+        with self._lock:
+            return self._side.status(self.room)
 
     @property
     def decode_prefix_len(self) -> int:
         """Tokens the decode side already holds (the first request's prefix length)."""
-        return self._side.prefix_len(self.room)
+        with self._lock:
+            return self._side.prefix_len(self.room)
 
     def send(self, pages: np.ndarray, last: bool = False, *, layers: range | None = None,
              state: Mapping[str, IndexArg] | None = None, from_start: bool = False) -> None:
@@ -60,30 +68,41 @@ class Sender:
             sender.send(all_pages, last=True, from_start=True)    # no need to wait for WaitingForInput
         """
         normalized = {k: _split(v) for k, v in (state or {}).items()}
-        self._side.send(self.room, np.asarray(pages), last, normalized, layers, from_start=from_start)
+        after = self._side.engine_event()      # before the lock: only the engine's own stream is touched
+        with self._side.refusals() as refused:
+            with self._lock:        # the posts it decides on run at the release, in this thread
+                self._side.send(self.room, np.asarray(pages), last, normalized, layers, from_start=from_start,
+                                after=after)
+        if refused:                 # the engine hears the backend's error
+            raise refused[0]
         self._progress()
 
     @property
     def failure_reason(self) -> str:
-        return self._side.reason(self.room)
+        with self._lock:
+            return self._side.reason(self.room)
 
     @property
     def stats(self) -> tuple[int, int]:
         """(bytes posted, descriptors posted) so far."""
-        return self._side.stats(self.room)
+        with self._lock:
+            return self._side.stats(self.room)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        self._side.abort(self.room, reason)
+        with self._lock:
+            self._side.abort(self.room, reason)
         self._progress()
 
     @property
     def safe_to_reuse(self) -> bool:
         """True once no write from this room's source pages is in flight (after Success or Failed)."""
         self._progress()
-        return self._side.safe_to_reuse(self.room)
+        with self._lock:
+            return self._side.safe_to_reuse(self.room)
 
     def clear(self) -> None:
-        self._side.clear(self.room)
+        with self._lock:
+            self._side.clear(self.room)
 
 
 class Receiver:
@@ -94,8 +113,9 @@ class Receiver:
         while receiver.poll() < KVPoll.Success: ...
     """
 
-    def __init__(self, side: DecodeSide, progress: Callable[[], None], layout: PoolLayout, room: int) -> None:
-        self._side, self._progress, self._layout, self.room = side, progress, layout, room
+    def __init__(self, side: DecodeSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
+                 layout: PoolLayout, room: int) -> None:
+        self._side, self._lock, self._progress, self._layout, self.room = side, lock, progress, layout, room
 
     def send_metadata(self, indices: Mapping[str, IndexArg], *, prefix_len: int = 0, tokens: int | None = None) -> None:
         """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``).
@@ -116,31 +136,39 @@ class Receiver:
         unknown = sorted(set(indices) - set(self._layout.component_names))
         if unknown:
             raise GeometryError(f"room {self.room}: indices for unknown components {unknown}")
-        self._side.send_metadata(self.room, packed, prefix_len, tokens)
+        with self._lock:
+            self._side.send_metadata(self.room, packed, prefix_len, tokens)
 
     def poll(self) -> KVPoll:
         self._progress()
-        return self._side.status(self.room)
+        with self._lock:
+            return self._side.status(self.room)
 
     @property
     def failure_reason(self) -> str:
-        return self._side.reason(self.room)
+        with self._lock:
+            return self._side.reason(self.room)
 
     @property
     def nbytes(self) -> int:
-        return self._side.nbytes(self.room)
+        with self._lock:
+            return self._side.nbytes(self.room)
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        self._side.abort(self.room, reason)
+        with self._lock:
+            self._side.abort(self.room, reason)
 
     @property
     def safe_to_reuse(self) -> bool:
         """True when no write into this room's destination items can still happen: the room succeeded,
         or every sender confirmed quiescence (or is dead) after a failure or abort."""
         self._progress()
-        return self._side.safe_to_reuse(self.room)
+        with self._lock:
+            return self._side.safe_to_reuse(self.room)
 
     def clear(self) -> None:
         """Forget the room. Its staging reservations are freed only once no write can still land in them."""
-        safe = self.safe_to_reuse if self.room in self._side.rooms else True
-        self._side.clear(self.room, safe)
+        self._progress()
+        with self._lock:        # judged and cleared in one hold: no write can be decided on in between
+            safe = self._side.safe_to_reuse(self.room) if self.room in self._side.rooms else True
+            self._side.clear(self.room, safe)

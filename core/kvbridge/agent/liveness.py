@@ -27,6 +27,7 @@ import errno
 import logging
 import selectors
 import socket
+import threading
 
 from kvbridge.logs import LineBudget
 
@@ -117,9 +118,13 @@ class LivenessListener:
 
 
 class LivenessWatch:
-    """A decode rank's connections to its writers, by key (e.g. (agent, incarnation))."""
+    """A decode rank's connections to its writers, by key (e.g. (agent, incarnation)). Thread-safe: the runtime
+    connects and forgets from the threads that run the agent's actions and polls from its progress step, none of
+    them under the agent lock (its own small lock serializes them)."""
 
     def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._open = True                       # False once closed: a watch queued before that connects nothing
         self._selector = selectors.DefaultSelector()
         self._keys: dict[WatchKey, socket.socket] = {}
         self._connecting: set[WatchKey] = set()
@@ -128,7 +133,13 @@ class LivenessWatch:
 
     def watch(self, key: WatchKey, address: str) -> None:
         """Connect to a writer's listener (non-blocking); a connect that fails proves nothing (``unproven``)."""
-        self.forget(key)
+        with self._mutex:
+            self._watch(key, address)
+
+    def _watch(self, key: WatchKey, address: str) -> None:
+        if not self._open:
+            return
+        self._forget(key)
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -145,8 +156,18 @@ class LivenessWatch:
         else:
             self._selector.register(sock, selectors.EVENT_READ, key)
 
+    def changes(self) -> tuple[list[WatchKey], list[tuple[WatchKey, str]]]:
+        """What happened since the last call: the keys whose connection the other side's kernel closed (each once),
+        and those whose connection could not be established, with the error. Never blocks."""
+        with self._mutex:
+            return self._closed_keys(), self._unproven_keys()
+
     def closed(self) -> list[WatchKey]:
         """Keys whose connection the other side's kernel closed or refused since the last call (each once)."""
+        with self._mutex:
+            return self._closed_keys()
+
+    def _closed_keys(self) -> list[WatchKey]:
         if self._keys:
             for sel_key, events in self._selector.select(0):
                 key, sock = sel_key.data, sel_key.fileobj
@@ -154,7 +175,7 @@ class LivenessWatch:
                 if key in self._connecting and events & selectors.EVENT_WRITE:
                     err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                     if err:                      # never established: no proof either way
-                        self.forget(key)
+                        self._forget(key)
                         self._unproven.append((key, errno.errorcode.get(err, str(err))))
                         continue
                     self._connecting.discard(key)
@@ -164,21 +185,29 @@ class LivenessWatch:
                     if state == "closed":
                         self._lost(key)
                     elif state == "data":        # a kvbridge listener never sends: not one, no proof either way
-                        self.forget(key)
+                        self._forget(key)
                         self._unproven.append((key, "the listener sent data: not a kvbridge liveness listener"))
         found, self._closed = self._closed, []
         return found
 
     def unproven(self) -> list[tuple[WatchKey, str]]:
         """Keys whose connection could not be established (with the error) since the last call."""
+        with self._mutex:
+            return self._unproven_keys()
+
+    def _unproven_keys(self) -> list[tuple[WatchKey, str]]:
         found, self._unproven = self._unproven, []
         return found
 
     def _lost(self, key: WatchKey) -> None:
-        self.forget(key)
+        self._forget(key)
         self._closed.append(key)
 
     def forget(self, key: WatchKey) -> None:
+        with self._mutex:
+            self._forget(key)
+
+    def _forget(self, key: WatchKey) -> None:
         sock = self._keys.pop(key, None)
         self._connecting.discard(key)
         if sock is not None:
@@ -186,10 +215,12 @@ class LivenessWatch:
             sock.close()
 
     def close(self) -> None:
-        for key in list(self._keys):
-            self.forget(key)
-        if self._selector.get_map() is not None:
-            self._selector.close()
+        with self._mutex:
+            self._open = False
+            for key in list(self._keys):
+                self._forget(key)
+            if self._selector.get_map() is not None:
+                self._selector.close()
 
 
 def _peer_state(sock: socket.socket) -> str:

@@ -12,6 +12,7 @@ import enum
 import functools
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,9 +148,29 @@ class Peer:
 
     def beat(self, *, agent: str, address: str, seq: int, now: float) -> Heartbeat:
         """Our next heartbeat to this peer, echoing the last one it sent us."""
-        sent_at, received_at = self.last_beat
-        held = now - received_at if sent_at else 0.0
-        return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=sent_at, echo_held=held)
+        return heartbeat(agent=agent, address=address, seq=seq, now=now, last_beat=self.last_beat)
+
+
+def heartbeat(*, agent: str, address: str, seq: int, now: float, last_beat: tuple[float, float]) -> Heartbeat:
+    """A heartbeat sent at ``now`` echoing the peer's last one (``last_beat``: its send time on its clock, and when
+    we read it on ours; (0, 0) when none came yet)."""
+    sent_at, received_at = last_beat
+    held = now - received_at if sent_at else 0.0
+    return Heartbeat(agent=agent, address=address, seq=seq, sent_at=now, echo=sent_at, echo_held=held)
+
+
+@dataclass(frozen=True, slots=True)
+class BeatTarget:
+    """What the heartbeat thread needs of one peer, kept apart from the peer table (it never takes the agent lock,
+    so that a long decision under it cannot make this rank look dead): where, which incarnation, the echo."""
+
+    address: str
+    incarnation: int
+    last_beat: tuple[float, float] = (0.0, 0.0)
+
+
+def _ignored(_result: object, _error: BaseException | None) -> None:
+    """A liveness connection closed: nothing to hand back (closing a socket does not fail in a way we act on)."""
 
 
 PeerDied = Callable[[Peer, str], None]
@@ -165,7 +186,8 @@ class PeerTable:
         self.peers: dict[str, Peer] = {}
         self.handshakes: list[Handshake] = []
         self.instances: dict[str, dict[int, str]] = {}        # prefill instance -> rank -> agent
-        self.beat_targets: dict[str, tuple[str, int]] = {}     # agent -> (address, incarnation), beat thread
+        self._beat_targets: dict[str, BeatTarget] = {}         # the heartbeat thread's, under _beat_lock
+        self._beat_lock = threading.Lock()
         self._windows: OrderedDict[tuple[str, int, bool], ReplayWindow] = OrderedDict()
         self._on_death: list[PeerDied] = []
         self._in_use: list[InUse] = []
@@ -272,6 +294,19 @@ class PeerTable:
             peer.step(PeerEvent.FRAME)
         return peer
 
+    def _beat_to(self, peer: Peer) -> None:
+        with self._beat_lock:
+            self._beat_targets[peer.agent] = BeatTarget(peer.address, peer.incarnation, peer.last_beat)
+
+    def _stop_beats(self, agent: str) -> None:
+        with self._beat_lock:
+            self._beat_targets.pop(agent, None)
+
+    def beat_targets(self) -> list[tuple[str, BeatTarget]]:
+        """The peers the heartbeat thread beats to, with their echoes (a snapshot; takes only the beat lock)."""
+        with self._beat_lock:
+            return list(self._beat_targets.items())
+
     def seen_up_to(self, agent: str, incarnation: int) -> int:
         """The highest sequence number admitted from that incarnation of ``agent``, notices or not (0: none). A
         sender numbers its frames to us in the order it makes them, so a frame numbered at most this was made
@@ -288,7 +323,7 @@ class PeerTable:
         peer.died_at = None
         for callback in self._on_revive:
             callback(peer)
-        self.beat_targets[peer.agent] = (peer.address, peer.incarnation)
+        self._beat_to(peer)
         self._link_up(peer.address)
 
     def _retire(self, old: Peer, why: str) -> None:
@@ -302,7 +337,7 @@ class PeerTable:
 
     def _insert(self, new: Peer) -> None:
         self.peers[new.agent] = new
-        self.beat_targets[new.agent] = (new.address, new.incarnation)
+        self._beat_to(new)
         self._link_up(new.address)
         self._ctx.codec.speak(new.address, new.incarnation, new.version)
         if new.version < PROTOCOL_VERSION:
@@ -339,11 +374,12 @@ class PeerTable:
         if peer.state is not PeerState.RETIRED:
             peer.step(PeerEvent.RETIRE)
         if self.liveness is not None and not keep_watch:
-            self.liveness.forget((peer.agent, peer.incarnation))
+            ctx.work("liveness forget", functools.partial(self.liveness.forget, (peer.agent, peer.incarnation)),
+                     _ignored)
         ctx.codec.forget(peer.address, peer.incarnation)
         if self.peers.get(peer.agent) is peer:
             del self.peers[peer.agent]
-            self.beat_targets.pop(peer.agent, None)
+            self._stop_beats(peer.agent)
         self._forget_address(peer.address)
 
     def _forget_address(self, address: str) -> None:
@@ -658,7 +694,7 @@ class PeerTable:
     def on_goodbye(self, peer: Peer | None) -> None:
         if peer is not None and peer.goodbye_at is None:
             peer.goodbye_at = self._ctx.now
-            self.beat_targets.pop(peer.agent, None)
+            self._stop_beats(peer.agent)
             if peer.state is PeerState.SILENT:       # judged dead by silence, then its goodbye arrived
                 peer.step(PeerEvent.GOODBYE)
             elif peer.state is PeerState.ALIVE:
@@ -670,6 +706,10 @@ class PeerTable:
             return
         now = self._ctx.clock()        # when this heartbeat was read (see admit): its echo must not predate it
         peer.last_beat = (beat.sent_at, now)
+        with self._beat_lock:
+            target = self._beat_targets.get(peer.agent)
+            if target is not None and target.incarnation == peer.incarnation:
+                self._beat_targets[peer.agent] = BeatTarget(target.address, target.incarnation, peer.last_beat)
         if beat.echo > 0 and peer.writer_lease_s and self._ctx.role is Role.PREFILL:
             # the decode got our heartbeat of ``echo`` (our clock) before it sent this one: it counts our lease
             # from then or later, so ours may run from ``echo``
@@ -708,7 +748,7 @@ class PeerTable:
                 # before last_seen), and what it posted before that had the fabric's flight bound to land
                 self._gone(peer, f"silent for {now - peer.last_seen:.1f} s, past its write lease of "
                                  f"{peer.writer_lease_s:.1f} s: it posts nothing more to us", PeerEvent.LEASE_OVER)
-        if self.liveness is not None:
+        if self._exits:
             self._check_exits(now)
         self._reap(now)
         if self._refused:
@@ -726,7 +766,7 @@ class PeerTable:
         planned = peer.state is PeerState.LEAVING       # it said goodbye first (a drain, a clean shutdown)
         peer.step(event)
         peer.died_at = self._ctx.now
-        self.beat_targets.pop(peer.agent, None)
+        self._stop_beats(peer.agent)
         self._link_down(peer)
         reason = f"peer {peer.agent} at {peer.address} is gone ({why})"
         log.log(logging.INFO if planned else logging.ERROR, "%s: %s", self._ctx.name, reason)
@@ -757,26 +797,35 @@ class PeerTable:
 
     # ---------------------------------------------------------------- proof of a writer's exit (decode side)
     def watch_exit(self, peer: Peer, address: str) -> None:
-        """Hold a liveness connection to a prefill rank (``Welcome.liveness``): its EOF proves its exit."""
+        """Hold a liveness connection to a prefill rank (``Welcome.liveness``): its EOF proves its exit. Connected
+        by an action, after the lock's release (a non-blocking connect; what became of it, :meth:`on_liveness`)."""
         if self.liveness is None or not address:
             return
-        try:
-            self.liveness.watch((peer.agent, peer.incarnation), address)
-        except (ValueError, OSError) as exc:
-            log.warning("%s: cannot watch %s's liveness listener %r (%s); its death needs declare_gone",
-                        self._ctx.name, peer.agent, address, exc)
+        ctx = self._ctx
 
-    def _check_exits(self, now: float) -> None:
-        """Writers whose liveness connection closed: gone once the grace for their last writes passed."""
-        if self.liveness is None:
-            return
-        for (agent, _incarnation), error in self.liveness.unproven():
+        def failed(_result: object, error: BaseException | None) -> None:
+            if error is not None:
+                log.warning("%s: cannot watch %s's liveness listener %r (%s); its death needs declare_gone",
+                            ctx.name, peer.agent, address, error)
+
+        key = (peer.agent, peer.incarnation)
+        ctx.work("liveness watch", functools.partial(self.liveness.watch, key, address), failed)
+
+    def on_liveness(self, closed: list[tuple[str, int]], unproven: list[tuple[tuple[str, int], str]],
+                    now: float) -> None:
+        """What the runtime's poll of the liveness connections found (outside the lock): connections that could not
+        be made (no proof either way) and connections the writer's kernel closed (its exit: gone once the grace
+        for its last writes passed, :meth:`_check_exits`)."""
+        for (agent, _incarnation), error in unproven:
             log.warning("%s: cannot reach %s's liveness listener (%s): its exit cannot be proven, only declare_gone "
                         "fences its rooms if it dies", self._ctx.name, agent, error)
-        for key in self.liveness.closed():
+        for key in closed:
             log.info("%s: peer %s (incarnation %#x): its process exited (its kernel closed our liveness "
                      "connection)", self._ctx.name, key[0], key[1])
             self._exits[key] = now
+
+    def _check_exits(self, now: float) -> None:
+        """Writers whose liveness connection closed: gone once the grace for their last writes passed."""
         grace = self._ctx.config.writer_exit_grace_s
         for (agent, incarnation), at in list(self._exits.items()):
             if now - at < grace:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,10 @@ from kvbridge.staging import STAGING
 log = logging.getLogger("kvbridge.agent")
 
 class PrefillSide(RoomTable[SendRoom]):
-    """Every send room of a prefill rank. Public methods take the agent lock themselves; ``on_*`` and
-    ``poll_inflight``/``tick`` are called by the progress loop with the lock held, ``poll_writes`` without it (the
-    backend's answers are applied under it). Posts, notices and releases are actions run after the lock's release
-    (:mod:`kvbridge.agent.actions`)."""
+    """Every send room of a prefill rank. It takes no lock: the engine-facing methods are called by the runtime's
+    handles with the agent lock held, ``on_*`` and ``poll_inflight``/``tick`` by the progress loop with it held,
+    ``poll_writes`` without it (the backend's answers are applied under it). Posts, notices and releases are actions
+    run after the lock's release (:mod:`kvbridge.agent.actions`)."""
 
     def __init__(self, ctx: AgentContext, peers: PeerTable, plans: PlanCache) -> None:
         self._ctx, self._peers, self._plans = ctx, peers, plans
@@ -68,70 +69,78 @@ class PrefillSide(RoomTable[SendRoom]):
         peers.on_revive(self._peer_revived)
         peers.on_in_use(self._refers_to)
 
-    # ---------------------------------------------------------------- engine-facing (Sender)
+    # ---------------------------------------------------------------- engine-facing (Sender; lock held)
+    # The runtime's handles (kvbridge.agent.handles) call these with the agent lock held; none takes it.
     def open(self, room: int) -> None:
-        with self._ctx.lock:
-            if self.draining:
-                raise Draining(f"{self._ctx.name} is draining ({self.draining}): no new rooms; route room {room} "
-                               "to another prefill instance")
-            if room in self.rooms:
-                raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
-            self._tombstones.revive(room)
-            state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.now),
-                                                 opened_ns=tracing.wall_ns())
-            for req in self._unqueue(room):
-                self._accept_request(state, req, self._peers.get(req.agent))
-            early_abort = self._early_aborts.pop(room, None)
-            if early_abort is not None:
-                self._fail(state, early_abort)
+        self._ctx.holding("open()")
+        if self.draining:
+            raise Draining(f"{self._ctx.name} is draining ({self.draining}): no new rooms; route room {room} "
+                           "to another prefill instance")
+        if room in self.rooms:
+            raise KVBridgeError(f"room {room} already has a sender on {self._ctx.name}")
+        self._tombstones.revive(room)
+        state = self.rooms[room] = SendRoom(room=room, created=self._ctx.lateness.since(self._ctx.now),
+                                             opened_ns=tracing.wall_ns())
+        for req in self._unqueue(room):
+            self._accept_request(state, req, self._peers.get(req.agent))
+        early_abort = self._early_aborts.pop(room, None)
+        if early_abort is not None:
+            self._fail(state, early_abort)
 
     def prefix_len(self, room: int) -> int:
-        with self._ctx.lock:
-            reqs = self.get(room).requests
-            return next(iter(reqs.values())).prefix_len if reqs else 0
+        reqs = self.get(room).requests
+        return next(iter(reqs.values())).prefix_len if reqs else 0
 
     def stats(self, room: int) -> tuple[int, int]:
-        with self._ctx.lock:
-            state = self.get(room)
-            return state.nbytes, state.descriptors
+        state = self.get(room)
+        return state.nbytes, state.descriptors
+
+    def engine_event(self) -> Any:
+        """An event after the CUDA work the engine queued so far (None when no component is on a GPU). The runtime
+        records it before taking the lock: only the engine's own stream is touched."""
+        buffers = self._ctx.buffers
+        if not any(buffers.is_cuda(c.name) for c in self._ctx.layout.components):
+            return None
+        stager = buffers.stager()
+        return stager.engine_event() if stager is not None else None
+
+    @contextlib.contextmanager
+    def refusals(self) -> Iterator[list[BaseException]]:
+        """Collects the posts the backend refuses while this thread runs its actions (at the lock's release, in
+        this thread): the runtime raises the first to the engine from ``send()``."""
+        errors: list[BaseException] = []
+        self._engine_call.errors = errors
+        try:
+            yield errors
+        finally:
+            self._engine_call.errors = None
 
     def send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None = None,
-             *, from_start: bool = False) -> None:
-        after = self._engine_event()           # outside the lock: only the engine's own stream is touched
-        self._engine_call.errors = []
-        try:
-            self._send(room, pages, last, state, layers, from_start, after)
-        finally:
-            refused, self._engine_call.errors = self._engine_call.errors, None
-        if refused:       # the posts ran at the lock's release, in this thread: the engine hears the backend's error
-            raise refused[0]
-
-    def _send(self, room: int, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None,
-              from_start: bool, after: Any) -> None:
-        ctx = self._ctx
-        with ctx.lock:
-            record = self.get(room)
-            if record.status is KVPoll.Failed:
-                raise TransferError(room, record.reason)
-            if record.from_start is not None and record.from_start != from_start:
-                raise KVBridgeError(f"room {room}: every chunk of a room is sent with the same from_start (the first "
-                                    f"had from_start={record.from_start})")
-            if from_start and layers is not None:
-                raise KVBridgeError(f"room {room}: from_start=True sends whole chunks; a layer-wise send (layers=) "
-                                    "starts at the decode's prefix: wait for WaitingForInput")
-            if record.last_sent or (record.held and record.held[-1].last):
-                raise KVBridgeError(f"room {room}: the last chunk was already sent")
-            if record.status is KVPoll.Bootstrapping:
-                if not from_start:
-                    raise KVBridgeError(f"room {room} is still bootstrapping: wait for WaitingForInput before send(), "
-                                        "or send(from_start=True) to have the chunk held until then")
-                record.from_start = True
-                record.held.append(HeldChunk(pages=np.array(pages, dtype=np.int64, copy=True), last=last,
-                                             state=state, after=after))
-                self._step(record, SendEvent.HOLD)
-                return
-            record.from_start = from_start
-            self._post_chunk(record, pages, last, state, layers, after)
+             *, from_start: bool = False, after: Any = None) -> None:
+        """One chunk of ``room`` (``after``: the engine's event the writes wait for, see :meth:`engine_event`)."""
+        self._ctx.holding("send()")
+        record = self.get(room)
+        if record.status is KVPoll.Failed:
+            raise TransferError(room, record.reason)
+        if record.from_start is not None and record.from_start != from_start:
+            raise KVBridgeError(f"room {room}: every chunk of a room is sent with the same from_start (the first "
+                                f"had from_start={record.from_start})")
+        if from_start and layers is not None:
+            raise KVBridgeError(f"room {room}: from_start=True sends whole chunks; a layer-wise send (layers=) "
+                                "starts at the decode's prefix: wait for WaitingForInput")
+        if record.last_sent or (record.held and record.held[-1].last):
+            raise KVBridgeError(f"room {room}: the last chunk was already sent")
+        if record.status is KVPoll.Bootstrapping:
+            if not from_start:
+                raise KVBridgeError(f"room {room} is still bootstrapping: wait for WaitingForInput before send(), "
+                                    "or send(from_start=True) to have the chunk held until then")
+            record.from_start = True
+            record.held.append(HeldChunk(pages=np.array(pages, dtype=np.int64, copy=True), last=last,
+                                         state=state, after=after))
+            self._step(record, SendEvent.HOLD)
+            return
+        record.from_start = from_start
+        self._post_chunk(record, pages, last, state, layers, after)
 
     def _post_chunk(self, record: SendRoom, pages: np.ndarray, last: bool, state: StateIndices,
                     layers: range | None, after: Any) -> None:
@@ -172,27 +181,26 @@ class PrefillSide(RoomTable[SendRoom]):
                 return
 
     def abort(self, room: int, reason: str) -> None:
-        with self._ctx.lock:
-            self._fail(self.get(room), reason)
+        self._ctx.holding("abort()")
+        self._fail(self.get(room), reason)
 
     def safe_to_reuse(self, room: int) -> bool:
         """A projection of the room's state (Success, or Failed and drained): its SAFE_TO_REUSE event was emitted
         by the transition that made it true."""
-        with self._ctx.lock:
-            return self.get(room).state in SAFE_SEND
+        return self.get(room).state in SAFE_SEND
 
     def clear(self, room: int) -> None:
-        with self._ctx.lock:
-            state = self.rooms.get(room)
-            if state is not None and state.busy:
-                raise KVBridgeError(f"room {room}: {len(state.inflight) + len(state.pending)} writes still in flight "
-                                    "or queued; wait for safe_to_reuse before clear()")
-            if state is not None:
-                _end_traces(state, "cleared by the engine before it ended")
-            self.rooms.pop(room, None)
-            self._active.discard(room)
-            self._tombstones.bury(room)
-            self._ctx.events.forget(room)
+        self._ctx.holding("clear()")
+        state = self.rooms.get(room)
+        if state is not None and state.busy:
+            raise KVBridgeError(f"room {room}: {len(state.inflight) + len(state.pending)} writes still in flight "
+                                "or queued; wait for safe_to_reuse before clear()")
+        if state is not None:
+            _end_traces(state, "cleared by the engine before it ended")
+        self.rooms.pop(room, None)
+        self._active.discard(room)
+        self._tombstones.bury(room)
+        self._ctx.events.forget(room)
 
     def end_traces(self, reason: str) -> None:
         """End the spans of every room still traced (the agent closes; call under the lock)."""
@@ -450,14 +458,6 @@ class PrefillSide(RoomTable[SendRoom]):
             room.traces[req.agent] = trace
 
     # ---------------------------------------------------------------- posting (lock held)
-    def _engine_event(self) -> Any:
-        """An event after the CUDA work the engine queued so far (None when no component is on a GPU)."""
-        buffers = self._ctx.buffers
-        if not any(buffers.is_cuda(c.name) for c in self._ctx.layout.components):
-            return None
-        stager = buffers.stager()
-        return stager.engine_event() if stager is not None else None
-
     def _send_chunk(self, room: SendRoom, pages: np.ndarray, last: bool, state: StateIndices, layers: range | None,
                     after: Any) -> None:
         """Validate and pair every component of the chunk (or of its layer group) for every decode rank, then

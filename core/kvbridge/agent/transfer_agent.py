@@ -20,7 +20,7 @@ from kvbridge.agent.decode import DecodeSide
 from kvbridge.agent.handles import Receiver, Sender
 from kvbridge.agent.handshake import HelloBudget
 from kvbridge.agent.liveness import LivenessListener, host_of
-from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable
+from kvbridge.agent.peers import Dropped, Handshake, Peer, PeerTable, heartbeat
 from kvbridge.agent.plans import PlanCache
 from kvbridge.agent.prefill import PrefillSide
 from kvbridge.agent.send_room import WriteEnded
@@ -267,14 +267,16 @@ class TransferAgent:
     def sender(self, room: int) -> Sender:
         if self.prefill is None:
             raise KVBridgeError("sender() is for prefill ranks")
-        self.prefill.open(room)
-        return Sender(self.prefill, self.poll_progress, room)
+        with self.context.lock:
+            self.prefill.open(room)
+        return Sender(self.prefill, self.context.lock, self.poll_progress, room)
 
     def receiver(self, room: int, instance: str) -> Receiver:
         if self.decode is None:
             raise KVBridgeError("receiver() is for decode ranks")
-        self.decode.open(room, instance)
-        return Receiver(self.decode, self.poll_progress, self.layout, room)
+        with self.context.lock:
+            self.decode.open(room, instance)
+        return Receiver(self.decode, self.context.lock, self.poll_progress, self.layout, room)
 
     def events(self) -> list[RoomEvent]:
         """Rooms that became ready (prefill: every decode request came), finished, failed or became safe to reuse
@@ -332,14 +334,24 @@ class TransferAgent:
         # queue (they run when its hold below ends): a handle is never polled after another thread released it
         polling = self._poll_gate.acquire(blocking=False)
         try:
-            self._progress_step(self._poll_writes() if polling else [], undelivered)
+            exits = self._poll_liveness() if polling else ([], [])
+            self._progress_step(self._poll_writes() if polling else [], undelivered, exits)
         finally:
             if polling:
                 self._poll_gate.release()
 
-    def _progress_step(self, ended: list[WriteEnded], undelivered: list[tuple[str, bytes]]) -> None:
+    def _poll_liveness(self) -> tuple[list[tuple[str, int]], list[tuple[tuple[str, int], str]]]:
+        """Outside the lock: accept the decodes' liveness connections (a prefill rank's listener) and read which of
+        ours to the prefill ranks closed (a decode rank's); the latter are handed to the peer table under it."""
+        if self._liveness is not None:
+            self._liveness.poll()
+        watch = self.peers.liveness
+        return watch.changes() if watch is not None else ([], [])
+
+    def _progress_step(self, ended: list[WriteEnded], undelivered: list[tuple[str, bytes]],
+                       exits: tuple[list[tuple[str, int]], list[tuple[tuple[str, int], str]]] = ([], [])) -> None:
         """The part of a progress step under the agent lock: frames that queued meanwhile, notices to resend, the
-        writes that ended, heartbeats and timers."""
+        writes that ended, the liveness connections that closed, heartbeats and timers."""
         ctx = self.context
         with ctx.lock:
             # drained again under the lock, right before the liveness check: frames that queued up while
@@ -357,8 +369,8 @@ class TransferAgent:
                 if peer is not None and peer.alive:
                     ctx.send_frame(peer.address, notice, "resent notice")
             now = self._clock()
-            if self._liveness is not None:
-                self._liveness.poll()
+            if exits[0] or exits[1]:
+                self.peers.on_liveness(*exits, now)
             if self.prefill is not None:
                 self.prefill.poll_inflight(ended)
             self.peers.tick(now, HELLO_RESEND_S)
@@ -517,16 +529,15 @@ class TransferAgent:
         seq = 0
         while not self._stop.wait(ctx.config.heartbeat_interval_s):
             seq += 1
-            for agent, (address, incarnation) in list(self.peers.beat_targets.items()):
-                peer = self.peers.peers.get(agent)
+            for _agent, target in self.peers.beat_targets():
                 now = ctx.clock()         # the clock our write leases are counted on (an echo comes back in it)
-                message = (peer.beat(agent=self.name, address=ctx.link.address, seq=seq, now=now) if peer is not None
-                           else Heartbeat(agent=self.name, address=ctx.link.address, seq=seq, sent_at=now))
-                beat = ctx.codec.encode(message, to=address, to_incarnation=incarnation)
+                message = heartbeat(agent=self.name, address=ctx.link.address, seq=seq, now=now,
+                                    last_beat=target.last_beat)
+                beat = ctx.codec.encode(message, to=target.address, to_incarnation=target.incarnation)
                 try:
-                    ctx.link.send(address, beat)
+                    ctx.link.send(target.address, beat)
                 except Exception:  # noqa: BLE001 - a gone peer is the liveness check's business
-                    log.debug("%s: heartbeat to %s not sent", self.name, address)
+                    log.debug("%s: heartbeat to %s not sent", self.name, target.address)
 
     def start(self, interval_s: float = 0.005, busy_interval_s: float = BUSY_INTERVAL_S) -> None:
         """Run progress() on a background thread (for processes whose engine polls rarely), and send
