@@ -140,3 +140,35 @@ def test_a_room_wait_excuses_at_most_its_own_bound(
     dec.progress()
     assert receiver.poll() is KVPoll.Failed
     assert "waiting timeout" in receiver.failure_reason and "while this rank was not running" in receiver.failure_reason
+
+
+def test_a_heartbeat_thread_that_ran_late_says_so(pair: tuple[TransferAgent, TransferAgent, ManualClock],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The rank's own side of a silence: when its heartbeat thread wakes far past its interval (the process got no
+    CPU, something held the GIL), it logs how late it ran and the peers' timeout, so a peer's "no message for
+    N s" can be matched with this rank's log (a clean-clone CI run judged a live vLLM prefill dead once, with
+    nothing in the prefill's log to say why). A thread that wakes on time says nothing."""
+    import logging
+    import threading
+    import time
+
+    pre, _dec, _clock = pair
+    waits: list[float] = []
+
+    class Stalls:
+        """The thread's stop event: the first wait is on time, the second stalls 1.3 s past it, then stop."""
+
+        def wait(self, timeout: float) -> bool:
+            waits.append(timeout)
+            time.sleep(timeout + (1.3 if len(waits) == 2 else 0.0))
+            return len(waits) >= 3
+
+    pre._stop = Stalls()            # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="kvbridge.agent"):
+        beats = threading.Thread(target=pre._beat_forever)
+        beats.start()
+        beats.join(10)
+    late = [r.getMessage() for r in caplog.records if "ran" in r.getMessage() and "late" in r.getMessage()]
+    assert len(late) == 1, late
+    assert "the heartbeat thread ran 1." in late[0] and "after 1.0 s of silence" in late[0], late[0]
+    pre._stop = threading.Event()   # type: ignore[assignment]

@@ -527,8 +527,16 @@ class TransferAgent:
         descriptors) must not make this rank look dead to its peers."""
         ctx = self.context
         seq = 0
-        while not self._stop.wait(ctx.config.heartbeat_interval_s):
+        interval = ctx.config.heartbeat_interval_s
+        late_after = max(1.0, ctx.config.peer_timeout_s / 3)
+        woke = time.monotonic()
+        while not self._stop.wait(interval):
             seq += 1
+            last, woke = woke, time.monotonic()
+            if woke - last - interval > late_after:     # the peers heard nothing from us meanwhile
+                log.warning("%s: the heartbeat thread ran %.1f s late (this process got no CPU, or something held "
+                            "the GIL that long); peers judge a rank dead after %.1f s of silence", self.name,
+                            woke - last - interval, ctx.config.peer_timeout_s)
             for _agent, target in self.peers.beat_targets():
                 now = ctx.clock()         # the clock our write leases are counted on (an echo comes back in it)
                 message = heartbeat(agent=self.name, address=ctx.link.address, seq=seq, now=now,
