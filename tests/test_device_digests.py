@@ -122,3 +122,9 @@ def test_numpy_views_take_the_host_path() -> None:
     runs = [run_bytes(_segments("token-rows"), "src")] * 3
     items = np.arange(10)[::-1].copy()
     assert np.array_equal(digest_buffers(hosts, items, runs), _expected(hosts, items, runs))
+
+
+def test_one_runs_per_view_or_a_clear_error() -> None:
+    views, _ = _pool("cpu", 2, 4)
+    with pytest.raises(ValueError, match="2 views but 1 runs"):
+        digest_buffers(views, np.arange(3), [run_bytes(Segments.whole(PAGE), "src")])

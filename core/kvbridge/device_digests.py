@@ -58,7 +58,7 @@ def _kernel() -> Any:
 
 def fused(view: Any, runs: Runs) -> bool:
     """Can the kernel read ``runs`` of ``view`` as 8-byte words: regular runs, everything a multiple of 8 bytes."""
-    return (_kernel() is not None and view.is_cuda and runs.regular and view.stride(1) == 1
+    return (_kernel() is not None and view.is_cuda and view.element_size() == 1 and runs.regular and view.stride(1) == 1
             and view.data_ptr() % 8 == 0 and view.stride(0) % 8 == 0 and runs.start % 8 == 0
             and runs.length % 8 == 0 and runs.stride % 8 == 0 and runs.length > 0
             and -(-runs.nbytes // 8 // BLOCK_WORDS) <= MAX_BLOCKS)
@@ -80,9 +80,10 @@ def _launch(views: Sequence[Any], items: np.ndarray, runs: Runs) -> Any:
     on_device = torch.from_numpy(table).to(device, non_blocking=True)
     blocks = -(-words // BLOCK_WORDS)
     partial = torch.empty(b * n, blocks, dtype=torch.int64, device=device)
-    _kernel()[(b * n, blocks)](on_device[:b], on_device[b: 2 * b], on_device[2 * b:], lo, hi, partial, n, words,
-                               runs.length // 8, runs.stride // 8, runs.start // 8, BLOCK=BLOCK_WORDS,
-                               num_warps=WARPS)
+    with torch.cuda.device(device):         # launched on the views' GPU, whichever is current
+        _kernel()[(b * n, blocks)](on_device[:b], on_device[b: 2 * b], on_device[2 * b:], lo, hi, partial, n, words,
+                                   runs.length // 8, runs.stride // 8, runs.start // 8, BLOCK=BLOCK_WORDS,
+                                   num_warps=WARPS)
     return partial.sum(1).view(b, n)
 
 
@@ -92,6 +93,8 @@ def digest_buffers(views: Sequence[Any], items: np.ndarray, runs: Sequence[Runs]
     their device, the host waiting once (on the caller's current stream, after the work queued on it)."""
     import sys
 
+    if len(views) != len(runs):
+        raise ValueError(f"digest_buffers: {len(views)} views but {len(runs)} runs (one each)")
     n = len(items)
     if n == 0 or not views:
         return np.zeros(n * len(views), np.uint64)

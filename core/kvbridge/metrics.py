@@ -270,7 +270,7 @@ def watch_agent(agent: Any, interval_s: float = 1.0) -> None:
             current = ref()
             if current is None or getattr(current, "_closed", False):
                 break
-            now = time.monotonic()
+            now = current.context.clock()       # the agent's clock: peers' last_seen and rooms' failed_at are on it
             rejected = int(getattr(current, "rejected_frames", 0))
             if rejected > counted:
                 m.rejected.labels(name).inc(rejected - counted)

@@ -200,9 +200,7 @@ class RoomTable(Generic[RoomT]):
         return state
 
     def status(self, room: int) -> KVPoll:
-        with self._ctx.lock:
-            return self.get(room).status
+        return self.get(room).status
 
     def reason(self, room: int) -> str:
-        with self._ctx.lock:
-            return self.get(room).reason
+        return self.get(room).reason

@@ -36,6 +36,7 @@ class HandshakeTarget:
     version: int = PROTOCOL_VERSION   # our Hello's protocol version: lowered once if the peer speaks an older one
     fell_back: bool = False  # lowered on a refusal in the older version
     restored: bool = False   # lowered, then raised again: the prefill said it speaks ours (the refusal was not its)
+    watching: bool = False   # accepted; its liveness connection is being made (an action): not done until tried
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,7 +53,8 @@ class Handshake:
 
     @property
     def done(self) -> bool:
-        return bool(self.targets) and all(t.state is HandshakeState.ACCEPTED for t in self.targets.values())
+        return bool(self.targets) and all(t.state is HandshakeState.ACCEPTED and not t.watching
+                                          for t in self.targets.values())
 
     @property
     def silent(self) -> list[str]:

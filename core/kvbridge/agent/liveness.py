@@ -144,7 +144,11 @@ class LivenessWatch:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
-        err = sock.connect_ex((host, port))
+        try:
+            err = sock.connect_ex((host, port))
+        except OSError:                 # e.g. a name that does not resolve: no socket left behind
+            sock.close()
+            raise
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
             sock.close()
             self._unproven.append((key, errno.errorcode.get(err, str(err))))

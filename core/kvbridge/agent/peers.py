@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvbridge.agent.actions import CallBackend, SendFrame
@@ -500,7 +500,11 @@ class PeerTable:
                              version=env.version, writer_lease_s=welcome.writer_lease_s,
                              lease_epoch=welcome.lease_epoch)
                 self._insert(fresh)
-                self.watch_exit(fresh, welcome.liveness)
+                self.watch_exit(fresh, welcome.liveness, targets)
+        self._finish_answered()
+
+    def _finish_answered(self) -> None:
+        """End the handshakes every target answered (accepted, its liveness connection tried) or one refused."""
         for shake in self.handshakes:
             if shake.done:
                 self._check_one_page_size(shake)
@@ -796,20 +800,27 @@ class PeerTable:
             callback(peer, f"peer {peer.agent} {why}")
 
     # ---------------------------------------------------------------- proof of a writer's exit (decode side)
-    def watch_exit(self, peer: Peer, address: str) -> None:
+    def watch_exit(self, peer: Peer, address: str, targets: Sequence[HandshakeTarget] = ()) -> None:
         """Hold a liveness connection to a prefill rank (``Welcome.liveness``): its EOF proves its exit. Connected
-        by an action, after the lock's release (a non-blocking connect; what became of it, :meth:`on_liveness`)."""
+        by an action, after the lock's release (a non-blocking connect; what became of it, :meth:`on_liveness`);
+        the handshake ``targets`` it answers are done only once it was tried, so a rank ``connect()`` returned for
+        can have its exit proven."""
         if self.liveness is None or not address:
             return
         ctx = self._ctx
+        for target in targets:
+            target.watching = True
 
-        def failed(_result: object, error: BaseException | None) -> None:
+        def tried(_result: object, error: BaseException | None) -> None:
             if error is not None:
                 log.warning("%s: cannot watch %s's liveness listener %r (%s); its death needs declare_gone",
                             ctx.name, peer.agent, address, error)
+            for target in targets:
+                target.watching = False
+            self._finish_answered()
 
         key = (peer.agent, peer.incarnation)
-        ctx.work("liveness watch", functools.partial(self.liveness.watch, key, address), failed)
+        ctx.work("liveness watch", functools.partial(self.liveness.watch, key, address), tried)
 
     def on_liveness(self, closed: list[tuple[str, int]], unproven: list[tuple[tuple[str, int], str]],
                     now: float) -> None:

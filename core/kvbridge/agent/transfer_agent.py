@@ -125,6 +125,8 @@ class TransferAgent:
         # a prefill rank's liveness listener: the decodes it writes to hold a connection its kernel closes
         # when this process ends (kvbridge.agent.liveness)
         self._liveness: LivenessListener | None = None
+        # what the decode's liveness poll read outside the lock, until a progress step hands it to the peer table
+        self._exits_read: deque[tuple[list[tuple[str, int]], list[tuple[tuple[str, int], str]]]] = deque()
         if role is Role.PREFILL and config.prove_writer_death:
             try:
                 self._liveness = LivenessListener(host_of(link.address))
@@ -334,22 +336,26 @@ class TransferAgent:
         # queue (they run when its hold below ends): a handle is never polled after another thread released it
         polling = self._poll_gate.acquire(blocking=False)
         try:
-            exits = self._poll_liveness() if polling else ([], [])
-            self._progress_step(self._poll_writes() if polling else [], undelivered, exits)
+            if polling:
+                self._poll_liveness()
+            self._progress_step(self._poll_writes() if polling else [], undelivered)
         finally:
             if polling:
                 self._poll_gate.release()
 
-    def _poll_liveness(self) -> tuple[list[tuple[str, int]], list[tuple[tuple[str, int], str]]]:
+    def _poll_liveness(self) -> None:
         """Outside the lock: accept the decodes' liveness connections (a prefill rank's listener) and read which of
-        ours to the prefill ranks closed (a decode rank's); the latter are handed to the peer table under it."""
+        ours to the prefill ranks closed (a decode rank's). What was read waits in ``_exits_read`` until a step
+        hands it to the peer table under the lock (a step that fails before that loses none of it)."""
         if self._liveness is not None:
             self._liveness.poll()
         watch = self.peers.liveness
-        return watch.changes() if watch is not None else ([], [])
+        if watch is not None:
+            closed, unproven = watch.changes()
+            if closed or unproven:
+                self._exits_read.append((closed, unproven))
 
-    def _progress_step(self, ended: list[WriteEnded], undelivered: list[tuple[str, bytes]],
-                       exits: tuple[list[tuple[str, int]], list[tuple[tuple[str, int], str]]] = ([], [])) -> None:
+    def _progress_step(self, ended: list[WriteEnded], undelivered: list[tuple[str, bytes]]) -> None:
         """The part of a progress step under the agent lock: frames that queued meanwhile, notices to resend, the
         writes that ended, the liveness connections that closed, heartbeats and timers."""
         ctx = self.context
@@ -369,8 +375,8 @@ class TransferAgent:
                 if peer is not None and peer.alive:
                     ctx.send_frame(peer.address, notice, "resent notice")
             now = self._clock()
-            if exits[0] or exits[1]:
-                self.peers.on_liveness(*exits, now)
+            while self._exits_read:
+                self.peers.on_liveness(*self._exits_read.popleft(), now)
             if self.prefill is not None:
                 self.prefill.poll_inflight(ended)
             self.peers.tick(now, HELLO_RESEND_S)
@@ -612,10 +618,10 @@ class TransferAgent:
             self._progress_or_wait(0.005)
         side = self._side()
         if not self.drained:
-            with self.context.lock:
-                live = [r for r, room in side.rooms.items() if room.status not in (KVPoll.Success, KVPoll.Failed)]
-            for room_id in live:
-                side.abort(room_id, f"drain timeout: {self.name} stopped after {timeout_s} s ({reason})")
+            with self.context.lock:         # the role object decides under the lock; the aborts leave at its release
+                for room_id in list(side.rooms):
+                    if side.status(room_id) not in (KVPoll.Success, KVPoll.Failed):
+                        side.abort(room_id, f"drain timeout: {self.name} stopped after {timeout_s} s ({reason})")
             settle = time.monotonic() + self.config.peer_timeout_s
             while not self.drained and time.monotonic() < settle:
                 self._progress_or_wait(0.005)
