@@ -167,7 +167,9 @@ class Receiver:
             return self._side.safe_to_reuse(self.room)
 
     def clear(self) -> None:
-        """Forget the room. Its staging reservations are freed only once no write can still land in them."""
+        """Forget the room. Its staging reservations are freed when it is safe to reuse at this call; a room cleared
+        before that keeps them for good (a write may still land there; a warning says so): wait for
+        ``safe_to_reuse`` first."""
         self._progress()
         with self._lock:        # judged and cleared in one hold: no write can be decided on in between
             safe = self._side.safe_to_reuse(self.room) if self.room in self._side.rooms else True
