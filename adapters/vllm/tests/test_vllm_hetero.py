@@ -46,7 +46,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     dumps = tmp / "dumps"
     dumps.mkdir()
     extra = {"backend": "loopback", "bootstrap": "tcp://127.0.0.1:17641", "test_hooks": True,
-             "dump_dir": str(dumps), "peer_timeout_s": 10.0, "connect_timeout_s": WAIT_S, "bootstrap_timeout_s": WAIT_S}
+             "dump_dir": str(dumps), "peer_timeout_s": 120, "connect_timeout_s": WAIT_S, "bootstrap_timeout_s": WAIT_S}
     base = {"model": str(model), "role": "kv_both"}
     instances: dict[str, Instance] = {}
     try:
