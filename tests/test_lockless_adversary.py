@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import test_liveness
 from test_agent import hand_pair, kv_buffers, kv_layout  # the agent tests' small dense-KV pool
 
 from kvbridge.agent import AgentConfig, TransferAgent
@@ -307,16 +308,7 @@ def test_a_writers_exit_read_by_a_failed_progress_step_is_not_lost() -> None:
         dec.close()
 
 
-LISTENER_CHILD = """
-import sys, time
-from kvbridge.agent.liveness import LivenessListener
-listener = LivenessListener("127.0.0.1")
-print(listener.address, flush=True)
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    listener.poll()
-    time.sleep(0.005)
-"""
+LISTENER_CHILD = test_liveness.CHILD         # a liveness listener in a process of its own
 
 
 @pytest.mark.timeout(60)
