@@ -179,6 +179,25 @@ def test_catches_a_state_change_without_its_event(plant: Callable[[object, str, 
     _first_failure(range(50), "without the event FINISHED")
 
 
+def test_catches_a_let_go_room_forgotten_before_it_is_safe(plant: Callable[[object, str, object], None]) -> None:
+    """clear_when_safe() forgets a decode room at once, fenced or not: its pages go back while a write may land."""
+    def at_once(self: DecodeSide, room: int) -> None:
+        if room in self.rooms:
+            self.clear(room, True)
+    plant(DecodeSide, "clear_when_safe", at_once)
+    _first_failure(range(0, 400, 5), "a free page")
+
+
+def test_catches_a_let_go_room_never_forgotten(plant: Callable[[object, str, object], None]) -> None:
+    """clear_when_safe() never clears a room that was not safe yet: the engine waits for its pages for good."""
+    def never(self: DecodeSide, room: int) -> None:
+        if room in self.rooms and self.safe_to_reuse(room):
+            self.clear(room, True)
+        self._ctx.events.mute(room)
+    plant(DecodeSide, "clear_when_safe", never)
+    _first_failure(range(0, 400, 5), "liveness")
+
+
 @pytest.mark.parametrize("bug", FIXED, ids=lambda b: f"seed{b.seed}")
 def test_a_fixed_bug_stays_fixed(bug: KnownBug) -> None:
     """The seeds that found the bugs fixed in wave 3 replay clean (each failed before its fix)."""

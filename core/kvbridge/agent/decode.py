@@ -170,6 +170,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         self._waiting: set[int] = set()      # rooms bootstrapping until their instance is reachable again
         self._scattering: set[int] = set()   # rooms with a scatter running on our CUDA stream
         self._unsafe: set[int] = set()       # failed rooms whose writers have not all been fenced
+        self._clear_when_safe: set[int] = set()   # rooms the engine let go before they were safe (cleared then)
         self._next_timeouts = 0.0
         self._next_fence = 0.0
         self.draining = ""                  # why new rooms are refused (TransferAgent.drain), "" when not
@@ -268,6 +269,7 @@ class DecodeSide(RoomTable[RecvRoom]):
         state = self.rooms.pop(room, None)
         self._waiting.discard(room)
         self._unsafe.discard(room)
+        self._clear_when_safe.discard(room)
         ctx.events.forget(room)
         if state is not None:
             end_trace(state, "cleared by the engine before it ended")
@@ -277,6 +279,27 @@ class DecodeSide(RoomTable[RecvRoom]):
                 log.warning("%s: room %d cleared before its senders confirmed quiescence; keeping its staging "
                             "reservations", ctx.name, room)
         self._tombstones.bury(room)
+
+    def clear_when_safe(self, room: int) -> None:
+        """The engine lets the room go: cleared now if it is safe to reuse, else by the progress step once it is (its
+        staging reservations are freed then, not kept for good as by ``clear()`` before it is safe); its events
+        stop now."""
+        self._ctx.holding("clear_when_safe()")
+        if room not in self.rooms:
+            return
+        if self.safe_to_reuse(room):
+            self.clear(room, True)
+            return
+        self._clear_when_safe.add(room)
+        self._ctx.events.mute(room)
+
+    def _clear_safe(self) -> None:
+        """Clear the rooms the engine let go that are safe now (progress step; a few rooms at most)."""
+        for room_id in list(self._clear_when_safe):
+            if room_id not in self.rooms or self.safe_to_reuse(room_id):
+                self._clear_when_safe.discard(room_id)
+                if room_id in self.rooms:
+                    self.clear(room_id, True)
 
     # ---------------------------------------------------------------- requests (lock held)
     def _request(self, room: RecvRoom, indices: Mapping[str, PackedIndices], prefix_len: int) -> None:
@@ -729,6 +752,8 @@ class DecodeSide(RoomTable[RecvRoom]):
     def tick(self, now: float) -> None:
         if self._scattering:
             self.poll_scatters()
+        if self._clear_when_safe:
+            self._clear_safe()
         if now >= self._next_fence and self._unsafe:     # writers not fenced yet: ask again
             self._next_fence = now + self._ctx.config.heartbeat_interval_s
             for room_id in list(self._unsafe):

@@ -101,8 +101,19 @@ class Sender:
             return self._side.safe_to_reuse(self.room)
 
     def clear(self) -> None:
+        """Forget the room; raises while a write still reads its pages (wait for ``safe_to_reuse``)."""
         with self._lock:
             self._side.clear(self.room)
+
+    def clear_when_safe(self) -> None:
+        """Forget the room now if it is over, else as soon as it is (the progress step clears it); no event of it
+        comes any more. For an engine that lets a request go once, whatever its state::
+
+            sender.abort("client went away"); sender.clear_when_safe()
+        """
+        with self._lock:
+            self._side.clear_when_safe(self.room)
+        self._progress()
 
 
 class Receiver:
@@ -174,3 +185,13 @@ class Receiver:
         with self._lock:        # judged and cleared in one hold: no write can be decided on in between
             safe = self._side.safe_to_reuse(self.room) if self.room in self._side.rooms else True
             self._side.clear(self.room, safe)
+
+    def clear_when_safe(self) -> None:
+        """Forget the room now if it is safe to reuse, else as soon as it is (the progress step clears it and frees
+        its staging reservations then); no event of it comes any more::
+
+            receiver.abort("request cancelled"); receiver.clear_when_safe()
+        """
+        with self._lock:
+            self._side.clear_when_safe(self.room)
+        self._progress()

@@ -56,6 +56,7 @@ class PrefillSide(RoomTable[SendRoom]):
         self.early_bytes = 0                    # ... all of them
         self.early_bytes_limit = EARLY_BYTES
         self._active: set[int] = set()          # rooms with writes in flight or an acknowledgement owed
+        self._clear_when_settled: set[int] = set()   # rooms the engine let go before they were over (cleared then)
         self._next_timeouts = 0.0
         self._tombstones = Tombstones()
         self._poster = Poster(ctx, peers, plans, self._post_failed)
@@ -199,8 +200,36 @@ class PrefillSide(RoomTable[SendRoom]):
             _end_traces(state, "cleared by the engine before it ended")
         self.rooms.pop(room, None)
         self._active.discard(room)
+        self._clear_when_settled.discard(room)
         self._tombstones.bury(room)
         self._ctx.events.forget(room)
+
+    def clear_when_safe(self, room: int) -> None:
+        """The engine lets the room go: cleared now if it is over (safe to reuse, nothing owed to a decode), else
+        by the progress step once it is; its events stop now. For engines that call ``clear()`` once, whatever
+        the room's state (SGLang): no thread of theirs has to come back for it."""
+        self._ctx.holding("clear_when_safe()")
+        state = self.rooms.get(room)
+        if state is None:
+            return
+        if self._settled(state):
+            self.clear(room)
+            return
+        self._clear_when_settled.add(room)
+        self._ctx.events.mute(room)
+
+    @staticmethod
+    def _settled(room: SendRoom) -> bool:
+        return room.state in SAFE_SEND and not room.busy and not room.must_confirm
+
+    def _clear_settled(self) -> None:
+        """Clear the rooms the engine let go that are over now (progress step; a few rooms at most)."""
+        for room_id in list(self._clear_when_settled):
+            state = self.rooms.get(room_id)
+            if state is None or self._settled(state):
+                self._clear_when_settled.discard(room_id)
+                if state is not None:
+                    self.clear(room_id)
 
     def end_traces(self, reason: str) -> None:
         """End the spans of every room still traced (the agent closes; call under the lock)."""
@@ -676,6 +705,8 @@ class PrefillSide(RoomTable[SendRoom]):
             self._step(room, SendEvent.DRAINED)
 
     def tick(self, now: float) -> None:
+        if self._clear_when_settled:
+            self._clear_settled()
         if now < self._next_timeouts:
             return
         self._next_timeouts = now + TICK_S

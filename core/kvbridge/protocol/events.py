@@ -42,11 +42,14 @@ class RoomEvents:
     def __init__(self) -> None:
         self._queued: OrderedDict[int, list[RoomEvent]] = OrderedDict()
         self._safe: set[int] = set()          # rooms that reported SAFE_TO_REUSE (once per room)
+        self._muted: set[int] = set()         # rooms the engine released: nothing of them is reported any more
         # its own lock: an emit racing a take (a callback thread without the agent lock) must not be lost
         self._lock = threading.Lock()
 
     def emit(self, room: int, kind: RoomEventKind, reason: str = "") -> None:
         with self._lock:
+            if room in self._muted:
+                return
             if kind is RoomEventKind.SAFE_TO_REUSE:
                 if room in self._safe:
                     return
@@ -69,6 +72,13 @@ class RoomEvents:
         with self._lock:
             self._queued.pop(room, None)
             self._safe.discard(room)
+            self._muted.discard(room)
+
+    def mute(self, room: int) -> None:
+        """The engine released the room (it is cleared once safe): its queued events go, and none come later."""
+        with self._lock:
+            self._queued.pop(room, None)
+            self._muted.add(room)
 
     def __len__(self) -> int:
         with self._lock:

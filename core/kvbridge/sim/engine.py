@@ -3,7 +3,10 @@
 A request has one side per rank. A prefill side opens a Sender, fills its source pages with the reference
 pattern, sends random chunks (the last with ``last=True``) and clears once safe. A decode side opens a
 Receiver, grants random destination pages, sends metadata, verifies every byte against the independent
-reference on Success, and clears (handing its pages back) only once ``safe_to_reuse``.
+reference on Success, and clears (handing its pages back) only once ``safe_to_reuse``. An engine that ``lets_go``
+(SGLang's way) instead hands a room to ``clear_when_safe()`` as soon as it is over or aborted, safe or not, and hands
+its pages back once kvbridge forgot the room: a write that lands or reads after that breaks the fence invariants, a
+room never forgotten breaks liveness.
 
 Every room state an engine observes must have been announced by its room event (``TransferAgent.events()``)
 by then: an engine that waits on events instead of polling would otherwise miss it. The engine looks twice per
@@ -26,7 +29,7 @@ from kvbridge.sim.cluster import INSTANCE, LAYERS, SPEC, UP, Cluster, Proc
 
 TIMEOUTS = ("waiting timeout", "bootstrap timeout")     # the reasons of a decode room that gave up waiting
 
-NEW, OPEN, META, TERMINAL, CLEARED, LOST = "new", "open", "meta", "terminal", "cleared", "lost"
+NEW, OPEN, META, TERMINAL, LET_GO, CLEARED, LOST = "new", "open", "meta", "terminal", "let go", "cleared", "lost"
 
 assert SPEC.layout == TOKEN_MAJOR and SPEC.head_axis is not None     # reference_pages builds token-major pages
 HEAD_AXIS: int = SPEC.head_axis
@@ -104,9 +107,11 @@ _PAST_BOOTSTRAP = (KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
 class Engine:
     """Every request of the world; ``act`` performs one engine action on one side."""
 
-    def __init__(self, cluster: Cluster, *, lossless: bool = False) -> None:
+    def __init__(self, cluster: Cluster, *, lossless: bool = False, lets_go: bool = False) -> None:
         #: no frame is lost, no process dies, pauses or is cut off: a room has no excuse to time out
         self.lossless = lossless
+        #: rooms are handed to clear_when_safe() once over or aborted (see the module's docstring)
+        self.lets_go = lets_go
         self.cluster = cluster
         self.world = cluster.world
         self.requests: list[Request] = []
@@ -209,6 +214,8 @@ class Engine:
         assert isinstance(sender, Sender) and side.pages is not None
         rooms = proc.agent.prefill
         assert rooms is not None
+        if side.state == LET_GO:
+            return self._forgotten(req, side, proc, req.room not in rooms.rooms)
         self.observe(proc, req.room, rooms.status(req.room), rooms.safe_to_reuse(req.room))
         # the quiet tail reads room state without a progress step per room (the loop progresses every agent)
         status = side.status = rooms.status(req.room) if polite else sender.poll()
@@ -218,6 +225,9 @@ class Engine:
                 side.terminal_at = self.world.now
             safe = rooms.safe_to_reuse(req.room) if polite else sender.safe_to_reuse
             self.observe(proc, req.room, status, safe)
+            if self.lets_go:
+                sender.clear_when_safe()
+                return self._let_go(req, side, proc, req.room not in rooms.rooms, f"({status.name})")
             if not safe:
                 return None
             sender.clear()
@@ -227,6 +237,9 @@ class Engine:
         self.observe(proc, req.room, status, False)
         if not polite and self.world.rng.random() < 0.03:
             sender.abort("sim: prefill aborts")
+            if self.lets_go:
+                sender.clear_when_safe()
+                return self._let_go(req, side, proc, req.room not in rooms.rooms, "(aborted)")
             return f"{proc.name} abort sender room={req.room}"
         # a third of the requests send from position 0 at once (from_start): the core holds them until asked
         early = req.pattern % 3 == 0
@@ -260,6 +273,8 @@ class Engine:
             return f"{proc.name} meta room={req.room} pages={pages.tolist()}"
         rooms = proc.agent.decode
         assert rooms is not None
+        if side.state == LET_GO:
+            return self._forgotten(req, side, proc, req.room not in rooms.rooms)
         self.observe(proc, req.room, rooms.status(req.room), rooms.safe_to_reuse(req.room))
         status = side.status = rooms.status(req.room) if polite else receiver.poll()
         if status in (KVPoll.Success, KVPoll.Failed):
@@ -272,6 +287,9 @@ class Engine:
                     self.planned_goodbye(req, proc, rooms.get(req.room).reason)
             safe = rooms.safe_to_reuse(req.room) if polite else receiver.safe_to_reuse
             self.observe(proc, req.room, status, safe)
+            if self.lets_go:
+                receiver.clear_when_safe()
+                return self._let_go(req, side, proc, req.room not in rooms.rooms, f"({status.name})")
             if not safe:
                 return None
             receiver.clear()
@@ -281,8 +299,25 @@ class Engine:
         self.observe(proc, req.room, status, False)
         if not polite and self.world.rng.random() < 0.03:
             receiver.abort("sim: decode aborts")
+            if self.lets_go:
+                receiver.clear_when_safe()
+                return self._let_go(req, side, proc, req.room not in rooms.rooms, "(aborted)")
             return f"{proc.name} abort receiver room={req.room}"
         return None
+
+    def _let_go(self, req: Request, side: Side, proc: Proc, forgotten: bool, why: str) -> str:
+        """The engine handed the room to ``clear_when_safe()``; its pages come back once kvbridge forgot it."""
+        side.state = LET_GO
+        text = f"{proc.name} let go room={req.room} {why}"
+        return text if not forgotten else f"{text}; {self._forgotten(req, side, proc, True)}"
+
+    def _forgotten(self, req: Request, side: Side, proc: Proc, forgotten: bool) -> str | None:
+        """A let-go room: once kvbridge forgot it, nothing more lands in or is read from its pages: handed back."""
+        if not forgotten:
+            return None
+        self._free(proc, side)
+        side.state = CLEARED
+        return f"{proc.name} room={req.room} forgotten by kvbridge: pages handed back"
 
     def watch_timeouts(self) -> None:
         """Take every live process's room events (see :meth:`take_events`)."""
