@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -98,6 +99,7 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
     reqs = [r for r in _reqs(sc) if r["dp"] == dp and (serve_all or (r["phase"] == 2) == (gen == 2))]
     out["gen"] = gen
     queue, inflight = [], []
+    let_go: list[int] = []          # rooms the scheduler let go (abort(), clear()): kvbridge forgets each once over
     for r in reqs:
         s = _guard(out, f"room {r['room']} k {r['k']} sender()", classes[KVClassType.SENDER], mgr=mgr,
                    bootstrap_addr=addr, bootstrap_room=r["room"], req_has_disagg_prefill_dp_rank=True)
@@ -106,6 +108,7 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
         r["sender"] = s
         if r["pre"].get("abort") == "before_init":
             _guard(out, f"k {r['k']} abort", s.abort)
+            let_go.append(r["room"])
         queue.append(r)
     deadline = time.monotonic() + sc.get("timeout", 120)
 
@@ -131,6 +134,7 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
                 _guard(out, f"k {r['k']} init", snd.init, num_pages, aux)
                 if r["pre"].get("abort") == "after_init":
                     _guard(out, f"k {r['k']} abort", snd.abort)
+                    let_go.append(r["room"])
                 start = prefix
                 bounds = [c for c in r["cuts"] if c > prefix] + [r["len"]]
                 time.sleep(float(sc.get("adv", {}).get("pre_delay", {}).get(str(r["k"]), 0.0)))
@@ -164,10 +168,12 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
             if poll == KVPoll.Success:
                 out["sent"].append(r["k"])
                 _guard(out, f"k {r['k']} clear", r["sender"].clear)
+                let_go.append(r["room"])
                 inflight.remove(r)
             elif poll is _RAISED or poll == KVPoll.Failed:
                 fail(r)
                 _guard(out, f"k {r['k']} clear", r["sender"].clear)
+                let_go.append(r["room"])
                 inflight.remove(r)
         time.sleep(0.002)
         D.flush(out)
@@ -177,6 +183,10 @@ def run_prefill(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[st
     stop_file = D.RESULT + ".stop"
     while time.monotonic() < end and not os.path.exists(stop_file):
         time.sleep(0.05)
+    with mgr.agent.context.lock:     # what is left of them in the agent by now (no thread of the adapter's clears)
+        out["let_go"], out["let_go_kept"] = sorted(set(let_go)), sorted(set(let_go) & set(mgr.agent.prefill.rooms))
+    out["threads"] = sorted(t.name for t in threading.enumerate())
+    D.flush(out)
     mgr.close()
     if server is not None:
         server.close()
@@ -349,8 +359,6 @@ def run_decode(sc: dict[str, Any], dp: int, pp: int, tp_rank: int, out: dict[str
 
 
 def _alive(agent: Any) -> bool:
-    import threading
-
     names = [t.name for t in threading.enumerate()]
     return bool(names)
 

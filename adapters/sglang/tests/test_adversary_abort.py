@@ -27,3 +27,8 @@ def test_abort_each_stage_each_side(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert not dec["late"], f"writes landed after is_abort_release_safe: {dec['late']}"
     assert not dec["errors"], dec["errors"][:10]
     assert not dec["mgr_safe_vs_rx"], dec["mgr_safe_vs_rx"]
+    for key, res in results.items():     # what the scheduler let go (clear(), abort()) kvbridge cleared once over
+        if key[0] == "prefill":
+            assert res["let_go"] and not res["let_go_kept"], (key, res["let_go_kept"])
+            ours = {t for t in res["threads"] if t.startswith("kvbridge-sglang")}
+            assert ours <= {"kvbridge-sglang-bootstrap"}, (key, res["threads"])    # the HTTP bootstrap server only

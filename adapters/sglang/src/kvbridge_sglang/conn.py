@@ -94,6 +94,9 @@ class _RefusedRoom:
     def clear(self) -> None:
         pass
 
+    def clear_when_safe(self) -> None:
+        pass
+
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender"]
 
 
@@ -235,7 +238,6 @@ class KVBridgeKVManager(BaseKVManager):
         self._lock = threading.RLock()
         self._closed = False
         self._shm: list[shared_memory.SharedMemory] = []
-        self._reap: list[KVBridgeKVSender] = []
         self._receivers: weakref.WeakValueDictionary[int, KVBridgeKVReceiver] = weakref.WeakValueDictionary()
         self.agent: TransferAgent | None = None
         self.agents: dict[tuple[str, int, int], TransferAgent] = {}   # decode: (bootstrap, dp, pp) -> agent
@@ -254,8 +256,6 @@ class KVBridgeKVManager(BaseKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.bootstrap_addr = _own_bootstrap(server_args)
             self.register_to_bootstrap()
-            self._reaper = threading.Thread(target=self._reap_loop, name="kvbridge-sglang-reap", daemon=True)
-            self._reaper.start()
         elif disaggregation_mode != DisaggregationMode.DECODE:
             raise ValueError(f"kvbridge-sglang: unsupported disaggregation mode {disaggregation_mode}")
 
@@ -305,28 +305,6 @@ class KVBridgeKVManager(BaseKVManager):
         bootstrap.register(self.bootstrap_addr, row, secret=s.secret)
         log.info("kvbridge-sglang: prefill rank dp %d pp %d tp %d/%d (layers %d..%d) on %s as %r", self.attn_dp_rank,
                  self.pp_rank, self.attn_tp_rank, self.attn_tp_size, start, end - 1, s.backend, instance)
-
-    def defer_clear(self, sender: KVBridgeKVSender) -> None:
-        with self._lock:
-            self._reap.append(sender)
-
-    def _reap_loop(self) -> None:
-        """Clear deferred senders once safe. One sender's error is logged and that sender dropped: the thread
-        never dies (it once did, silently, and deferred clears stopped for good)."""
-        while not self._closed:
-            time.sleep(0.2)
-            with self._lock:
-                pending, self._reap = self._reap, []
-            keep = []
-            for sender in pending:
-                try:
-                    if not sender._try_clear():
-                        keep.append(sender)
-                except Exception:
-                    log.exception("kvbridge-sglang: clearing room %s failed; dropped from the deferred clears",
-                                  getattr(sender, "bootstrap_room", "?"))
-            with self._lock:
-                self._reap.extend(keep)
 
     # ------------------------------------------------------------------ decode
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -580,12 +558,12 @@ class KVBridgeKVSender(BaseKVSender):
         self._num_pages: int | None = None
         self._aux_index: int | None = None
         self._sent = 0
-        self._queue: list[tuple[np.ndarray, bool, dict[str, Any]]] = []
         self._posted = False
         self._final: int | None = None      # cached once the kvbridge room was cleared
         self._reason = ""
         self._cleared = False
         self._prefix: int | None = None
+        self._from_start = False            # SGLang counts the chunks from position 0 (see pop_decode_prefix_len)
         self._t_first: float | None = None
         self._t_done: float | None = None
         self.conclude_state: int | None = None
@@ -602,13 +580,16 @@ class KVBridgeKVSender(BaseKVSender):
         self._aux_index = None if aux_index is None else int(aux_index)
 
     def pop_decode_prefix_len(self) -> int:
-        """The decode's cached prefix (tokens). Under PP only stage 0's poll gates bootstrap, so a later
-        stage may get here before the decode's request reached it: wait for it (bounded)."""
+        """The decode's cached prefix (tokens); SGLang sends the pages after it. Under PP only stage 0's poll gates
+        bootstrap, so a later stage may get here before the decode's request reached it: wait for it (bounded). If
+        it still has not come, the answer is 0 and SGLang sends the request from position 0: the chunks go as
+        ``from_start`` sends, held by kvbridge until the request comes, which then drops the prefix's pages."""
         if self._prefix is None:
             deadline = time.monotonic() + self.kv_mgr.settings.bootstrap_timeout_s
             while self._sender.poll() == KVBridgePoll.Bootstrapping and time.monotonic() < deadline:
                 time.sleep(0.001)
-            self._prefix = int(self._sender.decode_prefix_len)
+            self._from_start = self._sender.poll() == KVBridgePoll.Bootstrapping
+            self._prefix = 0 if self._from_start else int(self._sender.decode_prefix_len)
         return self._prefix
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -622,7 +603,6 @@ class KVBridgeKVSender(BaseKVSender):
             log.warning("kvbridge-sglang: room %d: bad kv_indices: %s", self.bootstrap_room, exc)
             self._sender.abort(f"bad kv_indices: {exc}")
             self._reason = self._reason or str(exc)
-            self._queue.clear()
             return
         if self._t_first is None:
             self._t_first = time.monotonic()
@@ -639,33 +619,19 @@ class KVBridgeKVSender(BaseKVSender):
             self._sender.abort(f"bad state indices: {exc}")
             self._reason = str(exc)
             raise
-        self._queue.append((pages, last, state))
-        self._flush()
-
-    def _flush(self) -> None:
-        if self._cleared:                  # aborted and released (the reaper cleared it): later chunks go nowhere
-            self._queue.clear()
-            return
-        while self._queue:
-            status = self._sender.poll()
-            if status == KVBridgePoll.Failed:
-                self._queue.clear()
-                return
-            if status < KVBridgePoll.WaitingForInput:
-                return                     # the decode's request has not reached this rank yet
-            pages, last, state = self._queue.pop(0)
-            self._posted = True
-            try:
-                self._sender.send(pages, last=last, state=state or None)
-            except KVBridgeError as exc:   # the room failed with the reason on both sides
-                log.warning("kvbridge-sglang: room %d: send failed: %s", self.bootstrap_room, exc)
-                self._queue.clear()
-                return
+        prefix = self.pop_decode_prefix_len()          # SGLang asked it first; 0 if the request never came
+        if self._cleared or self._sender.poll() == KVBridgePoll.Failed:
+            return                         # let go, or failed (with the reason on both sides): it goes nowhere
+        self._posted = True
+        try:                               # held by kvbridge while the decode's request is on its way
+            self._sender.send(pages, last=last, state=state or None, from_start=self._from_start)
+        except KVBridgeError as exc:       # the room failed with the reason on both sides
+            log.warning("kvbridge-sglang: room %d: send failed (decode prefix %d tokens): %s", self.bootstrap_room,
+                        prefix, exc)
 
     def poll(self) -> int:
         if self._final is not None:
             return self._final
-        self._flush()
         status = self._sender.poll()
         if status == KVBridgePoll.Failed:
             self._reason = self._sender.failure_reason or self._reason
@@ -675,7 +641,7 @@ class KVBridgeKVSender(BaseKVSender):
             if self._t_done is None:
                 self._t_done = time.monotonic()
             return int(KVPoll.Success)
-        if (self._queue or self._posted) and status < KVBridgePoll.Transferring:
+        if self._posted and status < KVBridgePoll.Transferring:
             return int(KVPoll.Transferring)
         return int(status)
 
@@ -698,29 +664,28 @@ class KVBridgeKVSender(BaseKVSender):
     def abort(self) -> None:
         if self._cleared:
             return
-        self._queue.clear()
         self._sender.abort(ABORTED)
         self._reason = self._reason or ABORTED
         self.conclude_state = int(KVPoll.Failed)
-        self.kv_mgr.defer_clear(self)
+        self._let_go()
 
     def clear(self) -> None:
-        if not self._try_clear():
-            self.kv_mgr.defer_clear(self)
+        self._let_go()
 
-    def _try_clear(self) -> bool:
-        """Forget the kvbridge room once no write from its pages is in flight (True when done). The scheduler's
-        clear() and the manager's reaper may both call it: one at a time, and the second sees it done."""
-        with self.kv_mgr._lock:
-            if self._cleared:
-                return True
-            if not self._sender.safe_to_reuse:
-                return False
-            self._final = self.poll()
-            self._reason = self._reason or self._sender.failure_reason
-            self._sender.clear()
-            self._cleared = True
-            return True
+    def _let_go(self) -> None:
+        """The scheduler is done with the request: its final status is kept here, and kvbridge forgets the room
+        once no write from its pages is in flight (``clear_when_safe``: no thread of ours comes back for it). A
+        room not over yet is aborted first (SGLang lets it go: nothing will send its remaining chunks)."""
+        if self._cleared:
+            return
+        status = self.poll()
+        if status not in (int(KVPoll.Success), int(KVPoll.Failed)):
+            self._sender.abort("released by SGLang before it ended")
+            status = self.poll()
+        self._final = status
+        self._reason = self._reason or self._sender.failure_reason
+        self._sender.clear_when_safe()
+        self._cleared = True
 
 
 class KVBridgeKVReceiver(BaseKVReceiver):
@@ -889,7 +854,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):
 
     def clear(self) -> None:
         for _, _, receiver in self._parts:
-            receiver.clear()
+            receiver.clear_when_safe()      # freed (staging too) once no write can land, not kept for good
         self._parts_cleared = True
         if self.kv_mgr._receivers.get(self.bootstrap_room) is self:
             del self.kv_mgr._receivers[self.bootstrap_room]
