@@ -110,6 +110,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     staging_piece_bytes: Annotated[int, _doc(
         "a staged write is cut into pieces of at most this much (gather, write and scatter overlap)",
         gt=0, le=_MAX_BYTES)] = 256 << 20
+    engine_progress_s: Annotated[Annotated[float, msgspec.Meta(ge=0, le=_MAX_S)] | None, _doc(
+        "beside the progress thread, the engine's own calls (handle polls, events()) run a progress step at most "
+        "this often: completions are handled as the engine calls instead of when the progress thread next gets "
+        "the GIL (lower latency, more of kvbridge's CPU in the engine's thread); unset: never (s)")] = None
     checksums: Annotated[bool, _doc(
         "decode: ask for per-destination digests of every write and verify them on arrival, where the pages live "
         "(host or GPU)")] = False
@@ -230,8 +234,8 @@ class AdapterSettings:
 
 #: Settings keys that are AgentConfig fields (the others: which backend, the exporter, the log level).
 AGENT_KEYS = ("heartbeat_interval_s", "peer_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s", "secret",
-              "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "checksums",
-              "prove_writer_death", "writer_exit_grace_s", "write_flight_bound_s", "min_protocol_version",
+              "staging_bytes", "staging", "staging_below_bytes", "staging_piece_bytes", "engine_progress_s",
+              "checksums", "prove_writer_death", "writer_exit_grace_s", "write_flight_bound_s", "min_protocol_version",
               "backend_options")
 
 

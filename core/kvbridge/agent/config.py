@@ -36,6 +36,11 @@ class AgentConfig:
     #                                        fabric, retransmissions across a partition included (unset: no bound
     #                                        known). Set, a prefill silent past its write lease plus this bound is
     #                                        fenced without its acknowledgement (stopped, partitioned, dead host)
+    engine_progress_s: float | None = None  # beside the progress thread, the engine's own calls (handle polls,
+    #                                        events()) run a progress step at most this often; unset: never. Set
+    #                                        (e.g. 0.002), completions are handled in the engine's thread as it
+    #                                        calls, not when the progress thread next gets the GIL: lower latency,
+    #                                        more of kvbridge's CPU in the engine's thread (docs/results)
     checksums: bool = False                # decode: ask every prefill rank for per-destination digests and
     #                                        verify each write against them (host memory; ``kvbridge.digests``)
     min_protocol_version: int = MIN_PROTOCOL_VERSION   # refuse peers below this protocol version (raise it to
@@ -63,6 +68,11 @@ class AgentConfig:
                                   or not 0 <= bound < float("inf")):
             raise ValueError(f"AgentConfig.write_flight_bound_s={bound!r} must be unset or a finite number of "
                              "seconds >= 0")
+        step = self.engine_progress_s
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                                 or not 0 <= step < float("inf")):
+            raise ValueError(f"AgentConfig.engine_progress_s={step!r} must be unset or a finite number of seconds "
+                             ">= 0")
         if not 0 <= self.writer_exit_grace_s < float("inf"):
             raise ValueError(f"AgentConfig.writer_exit_grace_s={self.writer_exit_grace_s} must be >= 0 and finite")
         if self.staging_piece_bytes <= 0:

@@ -109,6 +109,7 @@ class TransferAgent:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._busy_until = 0.0          # the progress thread polls fast until then (see start())
+        self._engine_step_at = 0.0      # the next instant an engine's call runs a progress step (see poll_progress)
         self._closed = False
         try:
             self.buffers.register(buffers)
@@ -291,10 +292,20 @@ class TransferAgent:
             return self.context.events.take()
 
     def poll_progress(self) -> None:
-        """What a handle's poll() runs first: nothing when the progress thread keeps room state current
-        (so polling N rooms costs N dictionary reads), else one progress step."""
+        """What a handle's poll() and ``events()`` run first: one progress step without a progress thread; beside
+        one, nothing (so polling N rooms costs N dictionary reads), or with ``engine_progress_s`` set one step
+        at most that often. The engine's thread holds the GIL while the progress thread waits for it, up to the
+        interpreter's switch interval (5 ms) for each completion, notice or scatter it would handle; with the
+        setting the engine's own calls handle them as they come, paying their CPU in its thread."""
         if self._thread is None:
             self.progress()
+            return
+        every = self.config.engine_progress_s
+        if every is not None:
+            now = time.monotonic()
+            if now >= self._engine_step_at:
+                self._engine_step_at = now + every
+                self.progress()
 
     # ------------------------------------------------------------------ progress
     def _busy(self) -> bool:

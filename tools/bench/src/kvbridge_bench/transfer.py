@@ -87,6 +87,7 @@ class Case:
     staging_bytes: int | None = None   # None: the agent's default
     staging_mode: str | None = None    # AgentConfig.staging ("auto", "always", "never"), where the build has it
     piece_bytes: int | None = None     # AgentConfig.staging_piece_bytes (None: the agent's default)
+    engine_progress_s: float | None = None   # AgentConfig.engine_progress_s (None: the agent's default, unset)
     warmup: bool = True                # an extra first round (verified, not timed)
     label: str = ""
     seed: int = 0
@@ -133,6 +134,7 @@ class Options:
     stream_requests: int | None = None         # requests per stream (default GPU 400, host 100)
     stream_size: int | None = None             # bytes per stream request (default GPU 64 MiB, host 4 MiB)
     switch_interval_ms: float | None = None    # streams: the ranks' interpreter switch interval (None: Python's)
+    engine_progress_ms: float | None = None    # AgentConfig.engine_progress_s of every rank (None: unset)
     json_path: str | None = None
     plots: str | None = None
     quick: bool = False
@@ -204,6 +206,7 @@ class Resolved:
     staging_mode: str | None
     piece_bytes: int | None
     pool_tokens: int | None
+    engine_progress_s: float | None = None
 
 
 def resolve_options(opts: Options, device: str, backend: str) -> Resolved:
@@ -227,7 +230,8 @@ def resolve_options(opts: Options, device: str, backend: str) -> Resolved:
                     staging_bytes=None if opts.staging_mib is None else opts.staging_mib << 20,
                     staging_mode=opts.staging_mode,
                     piece_bytes=None if opts.piece_mib is None else opts.piece_mib << 20,
-                    pool_tokens=opts.pool_tokens)
+                    pool_tokens=opts.pool_tokens,
+                    engine_progress_s=None if opts.engine_progress_ms is None else opts.engine_progress_ms / 1e3)
 
 
 def sweep_cases(r: Resolved) -> list[Case]:
@@ -247,7 +251,8 @@ def sweep_cases(r: Resolved) -> list[Case]:
                         cases.append(Case(group="sweep", tokens=tokens, page=page, layers=r.layers, prefill_tp=pt,
                                           decode_tp=dt, layout=layout, placement=placement, pool_tokens=pool,
                                           repeats=r.repeats, staging_bytes=r.staging_bytes,
-                                          staging_mode=r.staging_mode, piece_bytes=r.piece_bytes))
+                                          staging_mode=r.staging_mode, piece_bytes=r.piece_bytes,
+                                          engine_progress_s=r.engine_progress_s))
     return cases
 
 
@@ -415,6 +420,8 @@ class _Rank:
             extra["staging"] = case.staging_mode
         if case.piece_bytes is not None:
             extra["staging_piece_bytes"] = case.piece_bytes
+        if case.engine_progress_s is not None:
+            extra["engine_progress_s"] = case.engine_progress_s
         # Bench ranks drive progress from their own loop and run no heartbeat thread (an engine's agent does:
         # start()), so a send() of millions of descriptors (staging off) keeps the prefill silent for as long
         # as it takes: give those cases (no staging) a peer timeout beyond it instead of measuring a peer death.
@@ -1000,7 +1007,7 @@ class Bench:
                 "decode_tp": case.decode_tp, "layout": case.layout, "placement": case.placement,
                 "pool_tokens": case.pool_tokens, "pages": case.pages, "bytes": case.nbytes,
                 "staging_bytes": case.staging_bytes, "staging_mode": case.staging_mode,
-                "shared_gpu": self._shared(case), "error": None}
+                "engine_progress_s": case.engine_progress_s, "shared_gpu": self._shared(case), "error": None}
 
     def throughput(self, case: Case) -> dict[str, Any]:
         row = self.describe(case)
@@ -1088,7 +1095,7 @@ class Bench:
         case = Case(group="latency", tokens=128, page=16, layers=self.r.layers, prefill_tp=1, decode_tp=1,
                     layout="token-major", placement="scattered", pool_tokens=4096, repeats=requests,
                     staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode,
-                    piece_bytes=self.r.piece_bytes)
+                    piece_bytes=self.r.piece_bytes, engine_progress_s=self.r.engine_progress_s)
         out: dict[str, Any] = {"tokens": 128, "page_tokens": 16, "layers": case.layers, "bytes": case.nbytes,
                                "requests": requests, "error": None}
         try:
@@ -1129,7 +1136,7 @@ class Bench:
         case = Case(group="stream", tokens=tokens, page=16, layers=self.r.layers, prefill_tp=1, decode_tp=1,
                     layout="token-major", placement="scattered", pool_tokens=tokens * slots, repeats=1,
                     staging_bytes=self.r.staging_bytes, staging_mode=self.r.staging_mode,
-                    piece_bytes=self.r.piece_bytes,
+                    piece_bytes=self.r.piece_bytes, engine_progress_s=self.r.engine_progress_s,
                     label=f"{concurrency} in flight" + (f", {rate:g}/s" if rate else ""))
         out: dict[str, Any] = {**self.describe(case), "concurrency": concurrency, "rate": rate, "requests": requests,
                                "engine_step_us": work_us, "switch_interval_s": switch_interval_s}
@@ -1537,6 +1544,8 @@ def format_report(result: dict[str, Any]) -> str:
                      + (f", paced {st['rate']:g}/s" if st["rate"] else "")
                      + (f", switch interval {st['switch_interval_s'] * 1e3:g} ms" if st.get("switch_interval_s")
                         else "")
+                     + (f", engine progress every {st['engine_progress_s'] * 1e3:g} ms"
+                        if st.get("engine_progress_s") is not None else "")
                      + f": {st['gbps']:.2f} GB/s ({st['requests_per_s']:.0f} requests/s; raw NIXL, "
                      f"{st['concurrency']} descriptors: {_f(st['raw_nixl_gbps'])} GB/s, kvb/raw "
                      f"{_f(st.get('vs_raw_nixl'), '.3f')}); latency p50 {_f(st['p50_ms'], '.3f')} ms, p99 "
@@ -1643,6 +1652,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--switch-interval-ms", type=float, default=None,
                    help="streams: set the rank processes' sys.setswitchinterval (what an engine could do; Python's "
                         "default is 5 ms, the longest a thread back from a GIL-releasing call waits for the GIL)")
+    g.add_argument("--engine-progress-ms", type=float, default=None,
+                   help="AgentConfig.engine_progress_s of every rank, in ms: the engine's own calls run a progress "
+                        "step at most this often beside the progress thread (default: unset)")
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the result as JSON")
     g.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     g.add_argument("--quick", action="store_true", default=None, help="small sizes and few cases (the CI smoke run)")
@@ -1653,7 +1665,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 TRANSFER_ARGS = ("device", "sizes", "page_tokens", "tp_pairs", "layouts", "placements", "layers", "pool_tokens",
                  "repeats", "staging_mib", "staging_mode", "piece_mib", "layerwise", "layer_group", "latency_requests",
-                 "concurrency", "rate", "stream_requests", "stream_size", "switch_interval_ms",
+                 "concurrency", "rate", "stream_requests", "stream_size", "switch_interval_ms", "engine_progress_ms",
                  "json_path", "plots", "quick", "timeout", "plugin")
 
 
@@ -1661,7 +1673,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     opts = Options(device=args.device or "auto", backend=args.backend, layers=args.layers,
                    pool_tokens=args.pool_tokens, repeats=args.repeats, staging_mib=args.staging_mib,
                    staging_mode=args.staging_mode, piece_mib=args.piece_mib,
-                   layerwise=bool(args.layerwise), layer_group=args.layer_group or 1,
+                   engine_progress_ms=args.engine_progress_ms, layerwise=bool(args.layerwise),
+                   layer_group=args.layer_group or 1,
                    latency_requests=args.latency_requests, json_path=args.json_path, plots=args.plots,
                    quick=bool(args.quick), timeout_s=args.timeout or 300.0, plugins=tuple(args.plugin or ()),
                    command=getattr(args, "command_line", "") or "")
