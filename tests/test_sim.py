@@ -180,9 +180,12 @@ def test_catches_a_state_change_without_its_event(plant: Callable[[object, str, 
 
 
 def test_catches_a_let_go_room_forgotten_before_it_is_safe(plant: Callable[[object, str, object], None]) -> None:
-    """clear_when_safe() forgets a decode room at once, fenced or not: its pages go back while a write may land."""
+    """clear_when_safe() fails a decode room and forgets it at once, fenced or not: its pages go back while a write
+    may land."""
     def at_once(self: DecodeSide, room: int) -> None:
-        if room in self.rooms:
+        state = self.rooms.get(room)
+        if state is not None:
+            self._fail(state, "let go")
             self.clear(room, True)
     plant(DecodeSide, "clear_when_safe", at_once)
     _first_failure(range(0, 400, 5), "a free page")

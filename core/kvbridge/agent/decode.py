@@ -281,12 +281,16 @@ class DecodeSide(RoomTable[RecvRoom]):
         self._tombstones.bury(room)
 
     def clear_when_safe(self, room: int) -> None:
-        """The engine lets the room go: cleared now if it is safe to reuse, else by the progress step once it is (its
-        staging reservations are freed then, not kept for good as by ``clear()`` before it is safe); its events
-        stop now."""
+        """The engine lets the room go: a room not over fails, and it is cleared now if it is safe to reuse, else by
+        the progress step once it is (its staging reservations are freed then, not kept for good as by ``clear()``
+        before it is safe); its events stop now."""
         self._ctx.holding("clear_when_safe()")
-        if room not in self.rooms:
+        state = self.rooms.get(room)
+        if state is None:
             return
+        # the engine wants nothing more of it: a live room fails now (its writers are told to stop; one that asked
+        # nothing is safe at once) instead of waiting for a timeout that may never come (no metadata: none does)
+        self._fail(state, "let go by the engine before it ended")
         if self.safe_to_reuse(room):
             self.clear(room, True)
             return

@@ -34,8 +34,9 @@ class Sender:
     """
 
     def __init__(self, side: PrefillSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
-                 room: int) -> None:
+                 room: int, record: object = None) -> None:
         self._side, self._lock, self._progress, self.room = side, lock, progress, room
+        self._record = record        # the room this handle opened (a later room of the same number is not its own)
 
     def poll(self) -> KVPoll:
         self._progress()
@@ -110,9 +111,12 @@ class Sender:
         comes any more. For an engine that lets a request go once, whatever its state::
 
             sender.abort("client went away"); sender.clear_when_safe()
+
+        Again, or after kvbridge forgot the room, it does nothing (a later room of the same number is not touched).
         """
         with self._lock:
-            self._side.clear_when_safe(self.room)
+            if self._record is None or self._side.rooms.get(self.room) is self._record:
+                self._side.clear_when_safe(self.room)
         self._progress()
 
 
@@ -125,8 +129,9 @@ class Receiver:
     """
 
     def __init__(self, side: DecodeSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
-                 layout: PoolLayout, room: int) -> None:
+                 layout: PoolLayout, room: int, record: object = None) -> None:
         self._side, self._lock, self._progress, self._layout, self.room = side, lock, progress, layout, room
+        self._record = record        # the room this handle opened (a later room of the same number is not its own)
 
     def send_metadata(self, indices: Mapping[str, IndexArg], *, prefix_len: int = 0, tokens: int | None = None) -> None:
         """Give the destination items of every component (``{name: ids}`` or ``{name: (ids, first)}``).
@@ -191,7 +196,10 @@ class Receiver:
         its staging reservations then); no event of it comes any more::
 
             receiver.abort("request cancelled"); receiver.clear_when_safe()
+
+        Again, or after kvbridge forgot the room, it does nothing (a later room of the same number is not touched).
         """
         with self._lock:
-            self._side.clear_when_safe(self.room)
+            if self._record is None or self._side.rooms.get(self.room) is self._record:
+                self._side.clear_when_safe(self.room)
         self._progress()

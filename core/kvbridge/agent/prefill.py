@@ -205,13 +205,16 @@ class PrefillSide(RoomTable[SendRoom]):
         self._ctx.events.forget(room)
 
     def clear_when_safe(self, room: int) -> None:
-        """The engine lets the room go: cleared now if it is over (safe to reuse, nothing owed to a decode), else
-        by the progress step once it is; its events stop now. For engines that call ``clear()`` once, whatever
+        """The engine lets the room go: a room whose last chunk was not sent fails (nobody will send the rest), one
+        whose last chunk went runs to its end; cleared now if it is over (safe to reuse, nothing owed to a decode),
+        else by the progress step once it is; its events stop now. For engines that call ``clear()`` once, whatever
         the room's state (SGLang): no thread of theirs has to come back for it."""
         self._ctx.holding("clear_when_safe()")
         state = self.rooms.get(room)
         if state is None:
             return
+        if not state.last_sent and not (state.held and state.held[-1].last):   # nobody will send the rest
+            self._fail(state, "let go by the engine before its last chunk")
         if self._settled(state):
             self.clear(room)
             return

@@ -272,14 +272,16 @@ class TransferAgent:
             raise KVBridgeError("sender() is for prefill ranks")
         with self.context.lock:
             self.prefill.open(room)
-        return Sender(self.prefill, self.context.lock, self.poll_progress, room)
+            record = self.prefill.rooms[room]
+        return Sender(self.prefill, self.context.lock, self.poll_progress, room, record)
 
     def receiver(self, room: int, instance: str) -> Receiver:
         if self.decode is None:
             raise KVBridgeError("receiver() is for decode ranks")
         with self.context.lock:
             self.decode.open(room, instance)
-        return Receiver(self.decode, self.context.lock, self.poll_progress, self.layout, room)
+            record = self.decode.rooms[room]
+        return Receiver(self.decode, self.context.lock, self.poll_progress, self.layout, room, record)
 
     def events(self) -> list[RoomEvent]:
         """Rooms that became ready (prefill: every decode request came), finished, failed or became safe to reuse

@@ -241,6 +241,9 @@ class Engine:
                 sender.clear_when_safe()
                 return self._let_go(req, side, proc, req.room not in rooms.rooms, "(aborted)")
             return f"{proc.name} abort sender room={req.room}"
+        if self.lets_go and not polite and self.world.rng.random() < 0.02:     # let go live, no abort
+            sender.clear_when_safe()
+            return self._let_go(req, side, proc, req.room not in rooms.rooms, f"({status.name}, live)")
         # a third of the requests send from position 0 at once (from_start): the core holds them until asked
         early = req.pattern % 3 == 0
         if (status is KVPoll.WaitingForInput or (status is KVPoll.Transferring and side.sent < len(req.cuts))
@@ -303,6 +306,9 @@ class Engine:
                 receiver.clear_when_safe()
                 return self._let_go(req, side, proc, req.room not in rooms.rooms, "(aborted)")
             return f"{proc.name} abort receiver room={req.room}"
+        if self.lets_go and not polite and self.world.rng.random() < 0.02:     # let go live, no abort
+            receiver.clear_when_safe()
+            return self._let_go(req, side, proc, req.room not in rooms.rooms, f"({status.name}, live)")
         return None
 
     def _let_go(self, req: Request, side: Side, proc: Proc, forgotten: bool, why: str) -> str:
