@@ -25,6 +25,14 @@ def _split(value: IndexArg) -> tuple[np.ndarray, int]:
     return value if isinstance(value, tuple) else (value, 0)
 
 
+def _let_go(side: PrefillSide | DecodeSide, lock: AbstractContextManager[Any], room: int, record: object) -> None:
+    """``clear_when_safe`` of the room a handle opened, under the lock; nothing once that room is gone (a later room
+    of the same number is another request's)."""
+    with lock:
+        if side.rooms.get(room) is record:
+            side.clear_when_safe(room)
+
+
 class Sender:
     """The prefill side of one request on one rank.
 
@@ -34,7 +42,7 @@ class Sender:
     """
 
     def __init__(self, side: PrefillSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
-                 room: int, record: object = None) -> None:
+                 room: int, record: object) -> None:
         self._side, self._lock, self._progress, self.room = side, lock, progress, room
         self._record = record        # the room this handle opened (a later room of the same number is not its own)
 
@@ -114,9 +122,7 @@ class Sender:
 
         Again, or after kvbridge forgot the room, it does nothing (a later room of the same number is not touched).
         """
-        with self._lock:
-            if self._record is None or self._side.rooms.get(self.room) is self._record:
-                self._side.clear_when_safe(self.room)
+        _let_go(self._side, self._lock, self.room, self._record)
         self._progress()
 
 
@@ -129,7 +135,7 @@ class Receiver:
     """
 
     def __init__(self, side: DecodeSide, lock: AbstractContextManager[Any], progress: Callable[[], None],
-                 layout: PoolLayout, room: int, record: object = None) -> None:
+                 layout: PoolLayout, room: int, record: object) -> None:
         self._side, self._lock, self._progress, self._layout, self.room = side, lock, progress, layout, room
         self._record = record        # the room this handle opened (a later room of the same number is not its own)
 
@@ -199,7 +205,5 @@ class Receiver:
 
         Again, or after kvbridge forgot the room, it does nothing (a later room of the same number is not touched).
         """
-        with self._lock:
-            if self._record is None or self._side.rooms.get(self.room) is self._record:
-                self._side.clear_when_safe(self.room)
+        _let_go(self._side, self._lock, self.room, self._record)
         self._progress()
