@@ -693,3 +693,44 @@ def test_digest_buffers_groups_irregulars_and_unaligned_in_one_call(device: str)
     assert np.array_equal(digest_buffers(views, items, runs), _reference(views, items, runs))
     if device == "cuda" and _kernel() is not None:
         assert fused(views[0], whole) and not fused(unaligned, whole) and not fused(views[3], irregular)
+
+
+@pytest.mark.timeout(60)
+def test_a_decode_hears_the_welcome_before_any_heartbeat() -> None:
+    """Claim: the heartbeat thread (which sends outside the agent's ordered batches) beats to a decode only once its
+    Welcome left. The prefill's backend takes 0.3 s to add the decode (the Welcome waits for it) while the thread
+    beats every 10 ms: before the fix a beat reached the decode first, from an agent it did not know yet, and was
+    dropped and counted (seen against the previous release's decode in the version-skew test under CI load)."""
+    from kvbridge.backends.calls import BackendCall, CallKind
+    from kvbridge.registry import Registry
+
+    hub = LocalHub()
+    cfg = AgentConfig(peer_timeout_s=10.0, heartbeat_interval_s=0.01)
+    adding = threading.Event()
+    registry = Registry.build()
+
+    def slow_add(call: BackendCall) -> None:
+        if call.kind is CallKind.ADD_PEER:
+            adding.set()
+            time.sleep(0.3)
+
+    registry.add_call_monitoring(slow_add, lambda call, outcome: None)
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=cfg, name="p0", registry=registry)
+    dec = _agent(hub, Role.DECODE, "d0", cfg)
+    try:
+        pre.start(0.001)
+        dec.start(0.001)
+        connecting = threading.Thread(target=dec.connect, args=("inst",), kwargs={"timeout_s": 10})
+        connecting.start()
+        _wait("the prefill's backend was asked to add the decode", adding.is_set)
+        time.sleep(0.1)                      # ten beat intervals while the backend is adding it
+        assert "d0" not in dict(pre.peers.beat_targets()), "a beat target before the Welcome left"
+        connecting.join(10)
+        _wait("the prefill beats to the decode once welcomed", lambda: "d0" in dict(pre.peers.beat_targets()))
+        seen = dec.peers.peers["p0"].last_beat
+        _wait("the decode hears the prefill's heartbeats", lambda: dec.peers.peers["p0"].last_beat != seen)
+        assert dec.rejected_frames == 0 and pre.rejected_frames == 0
+    finally:
+        dec.close()
+        pre.close()

@@ -334,7 +334,7 @@ def test_requests_both_ways_with_the_previous_release(release_tree: Callable[[st
                     final[old_decode]["rejected"]]
         # the old prefill rejects our Hello in 6 (it cannot read it; a resend may come before its refusal
         # arrives), nothing else is rejected on either side
-        assert rejected[:2] == [0, 0] and rejected[2] >= 1 and rejected[3] == 0, rejected
+        assert rejected[:2] == [0, 0] and rejected[2] >= 1 and rejected[3] == 0, f"{rejected}\n{old.stderr()}"
 
 
 def _hello_frame(version: int, agent: str, address: str) -> bytes:

@@ -335,9 +335,13 @@ class PeerTable:
                 callback(old, f"peer {old.agent} {why}")
         self._drop(old, keep_watch=True)
 
-    def _insert(self, new: Peer) -> None:
+    def _insert(self, new: Peer, *, beat: bool = True) -> None:
+        """Admit a peer record; ``beat=False`` leaves it off the heartbeat thread's targets (a decode whose Welcome
+        has not left yet: the thread sends outside the ordered batches, and a beat before the Welcome is a frame
+        from a stranger to the decode)."""
         self.peers[new.agent] = new
-        self._beat_to(new)
+        if beat:
+            self._beat_to(new)
         self._link_up(new.address)
         self._ctx.codec.speak(new.address, new.incarnation, new.version)
         if new.version < PROTOCOL_VERSION:
@@ -617,16 +621,22 @@ class PeerTable:
         self._insert(Peer(agent=hello.agent, address=env.address, incarnation=env.incarnation, layout=hello.layout,
                           endpoint=hello.endpoint, info=info, last_seen=now, seen=ctx.lateness.since(now),
                           version=env.version, writer_lease_s=lease,
-                          lease_until=now + lease if lease else math.inf, lease_epoch=epoch))
-        # the backend learns the peer after the lock's release; the Welcome follows it only if it could
+                          lease_until=now + lease if lease else math.inf, lease_epoch=epoch), beat=False)
+        # the backend learns the peer after the lock's release; the Welcome follows it only if it could, and the
+        # heartbeats follow the Welcome (_added)
         frame = ctx.codec.encode(welcome, to=env.address, to_incarnation=env.incarnation)
         ctx.act(CallBackend(kind=CallKind.ADD_PEER, args=(info,), then_send=SendFrame(env.address, frame, "Welcome"),
                             then=functools.partial(self._added, hello.agent, env.incarnation)))
 
     def _added(self, agent: str, incarnation: int, _result: object, error: BaseException | None) -> None:
-        """The backend added a decode we welcomed, or could not: then it is refused, saying why (lock held)."""
+        """The backend added a decode we welcomed (its Welcome left: heartbeats may follow), or could not: then it
+        is refused, saying why (lock held)."""
         peer = self.peers.get(agent)
-        if error is None or peer is None or peer.incarnation != incarnation:
+        if peer is None or peer.incarnation != incarnation:
+            return
+        if error is None:
+            if peer.alive and peer.goodbye_at is None:
+                self._beat_to(peer)
             return
         reason = f"the prefill's backend could not add this decode: {type(error).__name__}: {error}"
         log.error("%s: refused %s: %s", self._ctx.name, agent, reason)
