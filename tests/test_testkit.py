@@ -135,8 +135,11 @@ class TestEarly(BackendTests):
 
 
 def run_kit(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    """Run the kit on ``source``'s subjects without shrinking: whether a check fails, and with what reason, is under
+    test here, not how small hypothesis makes the example (shrinking a planted bug's end-to-end example took up to
+    170 s of a CI run; ``test_shrinking_can_be_turned_off`` covers the switch)."""
     pytester.makepyfile(test_kit_subject=source)
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rsxX", *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rsxX", "--kvbridge-no-shrink", *args)
 
 
 def expect_kit(pytester: pytest.Pytester, source: str, selection: str, expected: list[str],
