@@ -78,47 +78,66 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_a_prober_that_vanished() -> None:
+def _serve(step_timeout_s: float) -> tuple[Any, str]:
+    import subprocess
+    import sys
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-c", "from kvbridge_nixl.routes import serve; "
+                               f"serve({address!r}, 240, step_timeout_s={step_timeout_s})"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return server, address
+
+
+def _open(address: str, request: bytes) -> tuple[Any, dict[str, Any] | list[Any]]:
+    """A prober's first step: ask, wait for the answer (refusal or the receiver's metadata), socket kept."""
+    import msgspec
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(request)
+    assert sock.poll(60_000), "the probe server did not answer"
+    return sock, msgspec.msgpack.decode(sock.recv())
+
+
+def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_probers_that_vanish_or_fall_silent(
+        ) -> None:
     """``kvbridge doctor --serve-probe``'s NIXL end, tried as another host would and as a careless one would: garbage
-    and a device it lacks get a refusal naming what it offers; a prober that asks and then vanishes holds it for
-    its step timeout only; a real probe from another process then writes 64 MiB into it byte-exact, timed."""
+    and a device it lacks get a refusal naming what it offers; a prober that asks and then vanishes (its connection
+    closes) frees it at once, one that stays connected but silent holds it for its step timeout only; a real probe
+    from another process then writes 64 MiB into it byte-exact, timed."""
     import json
     import subprocess
     import sys
 
     import msgspec
-    import zmq
 
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    server = subprocess.Popen([sys.executable, "-c", "import sys; from kvbridge_nixl.routes import serve; "
-                               f"serve({address!r}, 240, step_timeout_s=30)"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, address = _serve(30)
+    silent_server, silent_address = _serve(1)         # for the prober that falls silent (its own step timeout)
     try:
-        assert server.stdout is not None and "serving NIXL route probes" in _lines_until(server.stdout, "serving")[-1]
-        ctx = zmq.Context.instance()
+        for out in (server.stdout, silent_server.stdout):
+            assert out is not None and "serving NIXL route probes" in _lines_until(out, "serving")[-1]
+        assert server.stdout is not None and silent_server.stdout is not None
         for request in (b"\xc1not msgpack", msgspec.msgpack.encode({"op": "open", "device": "cuda:7"})):
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            sock.send(request)
-            assert sock.poll(30_000), "the probe server did not answer"
-            answer = msgspec.msgpack.decode(sock.recv())
-            assert "this host offers ['cpu'" in answer["error"], answer
+            sock, answer = _open(address, request)
+            assert isinstance(answer, dict) and "this host offers ['cpu'" in answer["error"], answer
             sock.close(0)
-        vanishing = ctx.socket(zmq.REQ)        # asks for a probe, takes the metadata, never says "check"
-        vanishing.setsockopt(zmq.LINGER, 0)
-        vanishing.connect(address)
-        vanishing.send(msgspec.msgpack.encode({"op": "open", "device": "cpu"}))
-        assert vanishing.poll(60_000) and vanishing.recv()
-        vanishing.close(0)
-        sock = ctx.socket(zmq.REQ)              # meanwhile another prober is told to come back
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        sock.send(msgspec.msgpack.encode({"op": "open", "device": "cpu"}))
-        assert sock.poll(30_000) and "busy with another probe" in msgspec.msgpack.decode(sock.recv())["error"]
+        opening = msgspec.msgpack.encode({"op": "open", "device": "cpu"})
+        vanishing, metadata = _open(address, opening)        # takes the metadata, never says "check"
+        assert isinstance(metadata, list), metadata
+        sock, answer = _open(address, opening)               # meanwhile another prober is told to come back
+        assert isinstance(answer, dict) and "busy with another probe" in answer["error"], answer
         sock.close(0)
+        vanishing.close(0)
         said = _lines_until(server.stdout, "dropped a probe")   # the server's lines among its children's logs
+        assert "dropped a probe into cpu: the prober went away" in said[-1], said
+        silent, metadata = _open(silent_address, opening)   # stays connected, says nothing
+        assert isinstance(metadata, list), metadata
+        said = _lines_until(silent_server.stdout, "dropped a probe")
         assert "dropped a probe into cpu: the prober did not answer in time" in said[-1], said
+        silent.close(0)
         # the server goes on serving. The prober's turn after the metadata is its whole measurement (a NIXL agent,
         # 6 writes of 64 MiB): a step timeout of 3 s here dropped that session and killed its receiving child under
         # a loaded host's CPU starvation, and the probe then failed with "UCX connect refused" (clean-clone runs 39,
@@ -128,5 +147,6 @@ def test_a_probe_server_answers_probes_refuses_what_it_lacks_and_outlives_a_prob
         result = json.loads(next(line for line in probe.stdout.splitlines() if line.startswith("{")))
         assert "error" not in result and result["gbps"] > 0, probe.stdout[-2000:] + probe.stderr[-2000:]
     finally:
-        server.kill()
-        server.wait(timeout=30)
+        for proc in (server, silent_server):
+            proc.kill()
+            proc.wait(timeout=30)

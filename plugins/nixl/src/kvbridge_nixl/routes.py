@@ -301,15 +301,21 @@ def serve(address: str, seconds: float = 300.0, say: Callable[[str], None] = pri
           step_timeout_s: float = 60.0) -> int:
     """Answer other hosts' route probes at ``address`` (``tcp://HOST:PORT``) for ``seconds``, one at a time: each
     gets a fresh process with a NIXL agent and PROBE_BYTES of its own on the device it asks for (host memory or a
-    local GPU), nothing else of this host. A prober that stops answering holds it ``step_timeout_s`` at most; one
-    that asks while another probe runs is told so. ``BackendSpec.serve_probe`` of the NIXL backend. Returns how
-    many probes it answered."""
+    local GPU), nothing else of this host. A prober whose connection closes frees it at once, one that stops
+    answering holds it ``step_timeout_s`` at most; one that asks while another probe runs is told so.
+    ``BackendSpec.serve_probe`` of the NIXL backend. Returns how many probes it answered."""
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     sock: Any = zmq.Context.instance().socket(zmq.ROUTER)   # no request/reply lockstep: a vanished prober costs nothing
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, _MAX_PROBE_MESSAGE)
     sock.bind(address)
+    # which connection closed: the monitor names its file descriptor, a received frame the one it came through
+    closed: Any = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(closed, zmq.POLLIN)
     devices = ["cpu", *(f"cuda:{i}" for i in range(_gpus()))]
     say(f"serving NIXL route probes at {sock.getsockopt_string(zmq.LAST_ENDPOINT)} for {seconds:g} s "
         f"(devices: {', '.join(devices)})")
@@ -318,8 +324,17 @@ def serve(address: str, seconds: float = 300.0, say: Callable[[str], None] = pri
     served = 0
     try:
         while time.monotonic() < deadline:
-            if sock.poll(50):
-                parts = sock.recv_multipart()
+            ready = dict(poller.poll(50))
+            # closed connections first: a frame that came through a descriptor since reused is read after them
+            while closed.poll(0):
+                fd = recv_monitor_message(closed)["value"]
+                if session is not None and fd == session.fd:
+                    say(f"dropped a probe into {session.device}: the prober went away")
+                    session.close(wait_s=0.0)
+                    session = None
+            if sock in ready:
+                frames = sock.recv_multipart(copy=False)
+                parts = [frame.bytes for frame in frames]
                 if len(parts) != 3 or parts[1]:
                     continue
                 ident, body = parts[0], parts[2]
@@ -343,7 +358,7 @@ def serve(address: str, seconds: float = 300.0, say: Callable[[str], None] = pri
                     sock.send_multipart([ident, b"", msgspec.msgpack.encode(
                         {"error": f"asked for {device!r}; this host offers {devices}"})])
                 else:
-                    session = _Session(ident, str(device), served, step_timeout_s)
+                    session = _Session(ident, str(device), served, step_timeout_s, fd=frames[-1].get(zmq.SRCFD))
             if session is not None and not session.step(sock):
                 say(f"dropped a probe into {session.device}: {session.why}")
                 session.close(wait_s=0.0)
@@ -351,6 +366,8 @@ def serve(address: str, seconds: float = 300.0, say: Callable[[str], None] = pri
     finally:
         if session is not None:
             session.close()
+        sock.disable_monitor()
+        closed.close(0)
         sock.close(0)
     return served
 
@@ -360,11 +377,12 @@ class _Session:
     that asked for it (then asks "check" and "bye"), each wait bounded."""
 
 
-    def __init__(self, ident: bytes, device: str, index: int, step_s: float) -> None:
+    def __init__(self, ident: bytes, device: str, index: int, step_s: float, *, fd: int) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self.ident, self.device, self.why, self._step_s = ident, device, "", step_s
+        self.fd = fd                    # the prober's connection (its close ends the session)
         self._pipe, theirs = ctx.Pipe()
         self._child = ctx.Process(target=_receiver, args=(f"kvbridge-route-peer-{index}", device, theirs),
                                   daemon=True)
