@@ -200,7 +200,7 @@ def _prefill(job: dict[str, Any]) -> None:
     agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.PREFILL, link=link,
                           backend=job["backend"], instance=INSTANCE, name=f"churn-prefill-{os.getpid()}",
                           config=_config(job))
-    agent.start(0.002)
+    agent.start()
     _say("ready")
     try:
         for line in sys.stdin:
@@ -273,7 +273,7 @@ def _decode(job: dict[str, Any]) -> None:
                               backend=job["backend"], name=f"churn-decode-{os.getpid()}", config=_config(job),
                               staging=staging.data)
         owned.append(agent)
-        agent.start(0.002)
+        agent.start()
         agent.connect(INSTANCE, timeout_s=job["bound_s"])
         receiver = agent.receiver(job["room"], INSTANCE)
         receiver.send_metadata({k.name: dst for k in pool.kinds})

@@ -394,7 +394,7 @@ def _child_main() -> int:
             agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.PREFILL, link=_link(job),
                                   backend=job["backend"], registry=registry, instance=job["instance"],
                                   name=job["name"], config=_config(job))
-            agent.start(0.002)
+            agent.start()
             _say("ready", t=time.monotonic(), fds=_fds())
         else:
             layout = kv_layout(1, 0, num_pages=num_pages)
@@ -412,7 +412,7 @@ def _child_main() -> int:
                                   role=Role.DECODE, link=_link(job), backend=job["backend"], registry=registry,
                                   name=job["name"], config=_config(job),
                                   staging=staging.data if staging is not None else None)
-            agent.start(0.002)
+            agent.start()
             _say("started", t=time.monotonic())
             if not job.get("defer_connect"):
                 _connect(agent, job)

@@ -64,7 +64,7 @@ def _serve(job: dict[str, Any]) -> None:
                                   link=ZmqLink(bootstrap=job["bootstrap"]), backend=job["backend"],
                                   instance=cmd["instance"], config=config)
             try:
-                agent.start(0.002)
+                agent.start()
                 status, reason = _one_room(agent, pool, cmd, job["bound_s"])
                 kept = agent.prefill.unconfirmed if agent.prefill is not None else 0
             finally:

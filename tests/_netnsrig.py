@@ -407,7 +407,7 @@ def _prefill(job: dict[str, Any]) -> None:
 
     pool = _pool(job, "prefill")
     agent = _agent(job, pool, Role.PREFILL)
-    agent.start(0.002)
+    agent.start()
     _say("ready", address=agent.link.address)
     busy = threading.Lock()
 
@@ -459,7 +459,7 @@ def _decode(job: dict[str, Any]) -> None:
 
     pool = _pool(job, "decode")
     agent = _agent(job, pool, Role.DECODE)
-    agent.start(0.002)
+    agent.start()
     _say("ready", address=agent.link.address)
     receivers: dict[int, Any] = {}
 

@@ -75,7 +75,7 @@ def _prefill(job: dict[str, Any]) -> None:
     agent = TransferAgent(layout=pool.layout, buffers=pool.arrays(), role=Role.PREFILL,
                           link=ZmqLink(bootstrap=job["bootstrap"]), backend=job["backend"], instance=job["instance"],
                           name=f"rolling-{job['instance']}", config=config)   # the same name after a restart
-    agent.start(0.002)
+    agent.start()
     fill_lock = threading.Lock()
     rooms: list[threading.Thread] = []
 

@@ -121,7 +121,7 @@ def main(job: dict[str, Any]) -> None:
                                   instance=rank["instance"] if role is Role.PREFILL else "", name=rank["name"],
                                   config=config)
             agents.append(agent)
-            agent.start(0.001)
+            agent.start()
             plugins = sorted(getattr(m, "__file__", "") or "" for n, m in list(sys.modules.items())
                              if n.startswith("kvbridge_") and "." not in n)
             _say("ready", kvbridge=kvbridge.__file__, plugins=plugins, version=wire.PROTOCOL_VERSION, name=agent.name)

@@ -108,8 +108,8 @@ def test_huge_hellos_are_refused_before_decoding_and_never_decoded_under_the_loc
     pre.context.codec = spy
     mallory = [hub.link(f"mallory{i}") for i in range(10)]
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
         huge = raw_layout([raw_buffer(f"k.{i}") for i in range(100_000)])
         big = [raw_hello(f"mallory{i}", huge, None, incarnation=i + 1) for i in range(5)]

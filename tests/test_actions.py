@@ -113,8 +113,8 @@ def test_no_rank_hands_a_frame_to_its_link_while_holding_its_lock() -> None:
         pre = [make(Role.PREFILL, 2, r, f"p{r}", instance="inst") for r in range(2)]
         dec = make(Role.DECODE, 1, 0, "d0")
         for agent in pre:
-            agent.start(0.001)
-        dec.start(0.001)
+            agent.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
 
         class _Pair:                    # what test_agent's helpers read

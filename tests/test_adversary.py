@@ -267,7 +267,7 @@ class World(_Rooms):
         bufs = canary_buffers(layout)
         agent = TransferAgent(layout=layout, buffers={"kv": bufs}, role=role, link=self.hub.link(name),
                               instance=instance, name=name, config=self.config)
-        agent.start(0.001)
+        agent.start()
         self.bufs[name] = bufs
         self.agents.append(agent)
         return agent
@@ -759,7 +759,7 @@ class ZWorld(_Rooms):
 
     def start(self) -> None:
         for agent in self.agents:
-            agent.start(0.001)
+            agent.start()
         self.da.connect("inst", timeout_s=20)
 
     def attacker(self, to: TransferAgent) -> zmq.Socket[bytes]:
@@ -1005,7 +1005,7 @@ def test_zmq_garbage_and_forgeries_from_another_process_do_not_hurt_a_prefill_pr
                 sock.send(b"\x01" * (20 << 20))
             except zmq.Again:
                 pass
-        agent.start(0.001)
+        agent.start()
         agent.connect(INSTANCE, timeout_s=30)
         prefill_name = agent.peers.instances[INSTANCE][0]
         prefill_inc = agent.peers[prefill_name].incarnation

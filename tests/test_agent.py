@@ -72,8 +72,8 @@ def hand_pair(config: AgentConfig | None = None, *, threads: bool = False) -> tu
     dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
                         link=hub.link("d0"), config=config, name="d0")
     if threads:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
         return pre, dec
     shake = dec.connect_async("inst")
@@ -99,7 +99,7 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         dec = [TransferAgent(layout=kv_layout(dt, r), buffers={"kv": dst[r]}, role=Role.DECODE,
                              link=hub.link(f"d{r}"), config=config) for r in range(dt)]
         for a in pre:
-            a.start(0.001)
+            a.start()
         if connect:
             for d in dec:
                 d.connect("inst", timeout_s=5)
@@ -292,7 +292,7 @@ def test_incompatible_peer_is_refused_with_the_reason(change: dict, reason: str)
                        link=hub.link("p"), instance="i") as pre, \
          TransferAgent(layout=d_layout, buffers={"kv": kv_buffers(d_layout)}, role=Role.DECODE,
                        link=hub.link("d")) as dec:
-        pre.start(0.001)
+        pre.start()
         with pytest.raises(IncompatiblePeer, match=reason):
             dec.connect("i", timeout_s=5)
 
@@ -468,7 +468,7 @@ def test_notices_the_engine_could_not_deliver_go_over_the_link() -> None:
                        instance="i", backend="lossy", registry=registry) as pre, \
          TransferAgent(layout=dl, buffers={"kv": kv_buffers(dl)}, role=Role.DECODE, link=hub.link("d"),
                        backend="lossy", registry=registry) as dec:
-        pre.start(0.001)
+        pre.start()
         dec.connect("i", timeout_s=5)
         receiver = dec.receiver(7, "i")
         receiver.send_metadata({"kv": np.array([1, 2])})

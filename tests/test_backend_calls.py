@@ -154,8 +154,8 @@ def _tp2_to_1(registry: Registry) -> bool:
                         registry=registry, config=CONFIG)
     try:
         for agent in pre:
-            agent.start(0.001)
-        dec.start(0.001)
+            agent.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
         receiver = dec.receiver(1, "inst")
         receiver.send_metadata({"kv": np.array([2, 3])})
@@ -326,8 +326,8 @@ def test_fault_injection_breaks_a_poll_and_the_room_fails_with_the_reason(counti
                        instance="i", registry=registry) as pre, \
          TransferAgent(layout=dl, buffers=buffers(dl), role=Role.DECODE, backend="counting", link=hub.link("d"),
                        registry=registry) as dec:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("i", timeout_s=10)
         receiver = dec.receiver(3, "i")
         receiver.send_metadata({"kv": np.array([1])})
@@ -352,8 +352,8 @@ def test_fault_injection_on_drain_notifications_never_kills_the_progress_thread(
                        instance="i", registry=registry) as pre, \
          TransferAgent(layout=dl, buffers=buffers(dl), role=Role.DECODE, backend="counting", link=hub.link("d"),
                        registry=registry) as dec:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("i", timeout_s=10)
         faults.arm_call(CallKind.DRAIN_NOTIFICATIONS, times=20, agent=dec.name)
         wait(lambda: faults.calls[CallKind.DRAIN_NOTIFICATIONS] > 40)     # 20 refused, and it went on

@@ -26,8 +26,8 @@ def test_a_prefill_room_let_go_with_a_write_in_flight_is_cleared_once_the_write_
     pre = _agent(hub, Role.PREFILL, "p0", registry, "async")
     dec = _agent(hub, Role.DECODE, "d0", registry, "async")
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=8)
         sender, receiver = pre.sender(1), dec.receiver(1, "inst")
         receiver.send_metadata({"kv": np.array([1, 2])})

@@ -614,8 +614,8 @@ def test_abort_racing_clear_when_safe_from_another_thread_never_leaks_a_room_nor
     errors: list[BaseException] = []
     try:
         assert pre.prefill is not None and dec.decode is not None
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=8)
         bystander_s, bystander_r = pre.sender(1000), dec.receiver(1000, "inst")
         bystander_r.send_metadata({"kv": np.array([15])})

@@ -74,7 +74,7 @@ def test_the_agent_loop_does_not_log_a_traceback_per_iteration(caplog: pytest.Lo
             raise RuntimeError("the engine went away")
 
         monkeypatch.setattr(agent, "progress", broken)
-        agent.start(0.001)
+        agent.start()
         time.sleep(0.6)
     failures = [r for r in caplog.records if "progress failed" in r.getMessage()]
     assert calls > 50, calls                   # the loop kept trying

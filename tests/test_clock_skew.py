@@ -77,8 +77,8 @@ class Pair:
                                  name="pre", config=config, link=ZmqLink(bootstrap=server.address, secret=SECRET))
         self.dec = TransferAgent(layout=layout(), buffers={"kv": [self.dst]}, role=Role.DECODE, name="dec",
                                  config=config, link=ZmqLink(discovery=self.client, secret=SECRET))
-        self.pre.start(0.001)
-        self.dec.start(0.001)
+        self.pre.start()
+        self.dec.start()
 
     def room(self, room: int) -> None:
         """One room to Success, byte-exact."""

@@ -113,8 +113,8 @@ class Pair:
         self.dec_link = ZmqLink(bootstrap=server.address, secret=SECRET)
         self.dec = TransferAgent(layout=layout(), buffers={"kv": [self.dst]}, role=Role.DECODE, name="dec",
                                  config=config, link=self.dec_link)
-        self.pre.start(0.001)
-        self.dec.start(0.001)
+        self.pre.start()
+        self.dec.start()
         self.dec.connect("inst", timeout_s=10)
 
     def kill_prefill(self) -> None:

@@ -75,7 +75,7 @@ def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums:
             layout = _layout(ids, p_tp, r)
             agent = TransferAgent(layout=layout, buffers={"kv": _arrays(layout, c.prefill_arrays, s)},
                                   role=Role.PREFILL, link=c.hub.link(f"p{s}.{r}"), instance=f"st{s}", name=f"p{s}.{r}")
-            agent.start(0.001)
+            agent.start()
             ranks.append(agent)
         c.prefill.append(ranks)
     for d, ids in enumerate(d_stages):
@@ -89,7 +89,7 @@ def _cluster(layers: int, p_pp: int, p_tp: int, d_pp: int, d_tp: int, checksums:
                                       role=Role.DECODE,
                                       link=c.hub.link(f"d{d}.{r}.{s}"), name=f"d{d}.{r}<-st{s}",
                                       config=AgentConfig(checksums=checksums))
-                agent.start(0.001)
+                agent.start()
                 agent.connect(f"st{s}", timeout_s=10)
                 c.decode.append((d, r, s, agent))
     return c
@@ -194,8 +194,8 @@ def test_a_decode_holding_layers_the_prefill_lacks_is_refused_with_the_reason(de
     dec = TransferAgent(layout=d_layout, buffers={"kv": arrays(d_layout)}, role=Role.DECODE, link=hub.link("d"),
                         name="d")
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         with pytest.raises(IncompatiblePeer, match=words):
             dec.connect("st0", timeout_s=10)
     finally:
@@ -242,7 +242,7 @@ def test_hybrid_state_on_some_decode_stages_only(pool: str, pt: int, dt: int) ->
     want = {key: {k: [b.copy() for b in v] for k, v in bufs.items()} for key, bufs in dst.items()}
     try:
         for agent in [*pre, *dec.values()]:
-            agent.start(0.002)
+            agent.start()
         for agent in dec.values():
             agent.connect("hy", timeout_s=10)
         for req in shapes:
@@ -295,12 +295,12 @@ def test_decode_stages_of_different_tp_sizes_complete_the_prefill_room() -> None
                         instance="st0", name="p")
     decs: list[tuple[int, int, TransferAgent]] = []
     try:
-        pre.start(0.001)
+        pre.start()
         for stage, ids, tp, rank in [(1, [2, 3], 1, 0), (0, [0, 1], 2, 0), (0, [0, 1], 2, 1)]:
             ld = _layout(ids, tp, rank)
             d = TransferAgent(layout=ld, buffers={"kv": _arrays(ld, store_d, stage)}, role=Role.DECODE,
                               link=hub.link(f"d{stage}.{rank}"), name=f"d{stage}.{rank}")
-            d.start(0.001)
+            d.start()
             d.connect("st0", timeout_s=10)
             decs.append((stage, tp, d))
         pages, dst, positions = np.array([4, 6]), np.array([1, 2]), np.arange(2)

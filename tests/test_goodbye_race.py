@@ -91,7 +91,7 @@ def test_a_prefill_closing_right_after_its_last_write_fails_no_room(backend: str
     if late:
         calls: Any = decode.context.calls
         calls.drain_notifications = ReadLate(calls.drain_notifications, LATE_S)
-    decode.start(0.002)
+    decode.start()
     child = Child(f"goodbye-{backend}", RIG)
     outcomes: dict[str, int] = {}
     failures: list[str] = []

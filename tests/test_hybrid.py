@@ -98,7 +98,7 @@ def build_hybrid(registry: Registry, models: tuple[Any, ...], pt: int, dt: int, 
     want = [{k: [b.copy() for b in v] for k, v in bufs.items()} for bufs in dst]
     h = Hybrid(models, pt, dt, pre, dec, src, dst, want)
     for a in pre:
-        a.start(0.002)
+        a.start()
     if connect:
         for d in dec:
             d.connect("hy", timeout_s=10)

@@ -227,7 +227,7 @@ def _build(registry: Registry, pt: int, dt: int, backend: str, config: AgentConf
     h = th.Hybrid(POOL_MODELS, pt, dt, pre, dec, src, dst, [{k: [b.copy() for b in v] for k, v in d.items()}
                                                            for d in dst])
     for a in pre + dec:
-        a.start(0.002)
+        a.start()
     for d in dec:
         d.connect("hy", timeout_s=30)
     return h

@@ -341,8 +341,8 @@ def test_a_writer_killed_while_its_liveness_watch_is_still_queued() -> None:
             real_watch(key, where)
 
         watch.watch = queued_behind_a_slow_batch      # type: ignore[method-assign]
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
         os.kill(child.pid, signal.SIGKILL)            # the writer's process dies: its kernel closes the listener
         child.wait(5)
@@ -471,8 +471,8 @@ def test_heartbeats_after_a_same_name_restart_echo_only_the_new_incarnation() ->
             guarded = _GuardedPeers(agent.peers.peers)
             guarded.offenders = offenders
             agent.peers.peers = guarded
-        pre.start(0.001)
-        old.start(0.001)
+        pre.start()
+        old.start()
         old.connect("inst", timeout_s=10)
 
         def target(agent: str) -> Any:
@@ -484,7 +484,7 @@ def test_heartbeats_after_a_same_name_restart_echo_only_the_new_incarnation() ->
         guarded = _GuardedPeers(new.peers.peers)
         guarded.offenders = offenders
         new.peers.peers = guarded
-        new.start(0.001)
+        new.start()
         new.connect("inst", timeout_s=10)
         _wait("the new incarnation is the beat target", lambda: (t := target("d0")) is not None
               and t.incarnation == new.incarnation)            # type: ignore[union-attr]
@@ -719,8 +719,8 @@ def test_a_decode_hears_the_welcome_before_any_heartbeat() -> None:
                         link=hub.link("p0"), instance="inst", config=cfg, name="p0", registry=registry)
     dec = _agent(hub, Role.DECODE, "d0", cfg)
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         connecting = threading.Thread(target=dec.connect, args=("inst",), kwargs={"timeout_s": 10})
         connecting.start()
         _wait("the prefill's backend was asked to add the decode", adding.is_set)

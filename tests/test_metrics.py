@@ -93,7 +93,7 @@ def test_an_instrumented_registry_counts_a_transfer_and_exports_it() -> None:
          TransferAgent(layout=dl, buffers=_buffers(dl), role=Role.DECODE, link=hub.link("d"),
                        registry=registry) as dec:
         metrics.watch_agent(dec, interval_s=0.05)
-        pre.start(0.001)
+        pre.start()
         dec.connect("i", timeout_s=5)
         receiver = dec.receiver(5, "i")
         receiver.send_metadata({"kv": np.array([1, 2, 3])})

@@ -324,7 +324,7 @@ def test_decode_pipeline_stages_with_pages_of_another_size(p_page: int, d_page: 
                                       link=world.hub.link(f"stage2-tp{dt}-r{r}"), backend="loopback",
                                       registry=world.registry, name=f"stage2-tp{dt}-r{r}", config=world.config)
                 second[dt].append(Rank(agent, pool))
-                agent.start(0.002)
+                agent.start()
                 for pt in sorted({p for p, d in pairs if d == dt}):
                     agent.connect(world.instance(pt), timeout_s=10.0)
         room = 1
@@ -496,7 +496,7 @@ def test_a_decode_whose_pages_have_no_planes_is_refused_at_connect() -> None:
     with TransferAgent(layout=p_layout, buffers=arrays(p_layout), role=Role.PREFILL, link=hub.link("p"),
                        instance="i") as pre, \
          TransferAgent(layout=d_layout, buffers=arrays(d_layout), role=Role.DECODE, link=hub.link("d")) as dec:
-        pre.start(0.001)
+        pre.start()
         with pytest.raises(IncompatiblePeer, match="no token planes"):
             dec.connect("i", timeout_s=5)
 

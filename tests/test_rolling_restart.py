@@ -80,7 +80,7 @@ class Decode:
         self.agent = TransferAgent(layout=self.pool.layout, buffers=self.pool.arrays(), role=Role.DECODE,
                                    link=ZmqLink(bootstrap=bootstrap), backend=backend, name="rolling-decode",
                                    config=config, staging=self.staging.data)
-        self.agent.start(0.002)
+        self.agent.start()
         self.next_room = 100
         self.log: list[tuple[int, str, str, str]] = []         # (room, instance, outcome, reason)
 

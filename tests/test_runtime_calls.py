@@ -67,7 +67,7 @@ def test_no_rank_calls_its_backend_or_copies_memory_while_holding_its_lock(stagi
         agent = TransferAgent(layout=kv_layout(tp, rank), buffers={"kv": kv_buffers(kv_layout(tp, rank))}, role=role,
                               link=hub.link(name), name=name, registry=registry, config=config, **kw)
         agents[name] = agent
-        agent.start(0.001)
+        agent.start()
         return agent
 
     pre = [make(Role.PREFILL, 2, r, f"p{r}", instance="inst") for r in range(2)]
@@ -176,8 +176,8 @@ def test_a_post_the_backend_refuses_fails_the_room_and_the_engine_send_raises() 
     dec = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.DECODE,
                         link=hub.link("d0"), name="d0", registry=registry, backend="refuses")
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=10)
         sender, receiver = pre.sender(5), dec.receiver(5, "inst")
         receiver.send_metadata({"kv": np.array([1])})

@@ -224,8 +224,8 @@ def test_add_peer_raising_refuses_the_decode_with_the_reason_and_a_later_hello_w
     pre = _agent(hub, Role.PREFILL, "p0", registry, "addfails")
     dec = _agent(hub, Role.DECODE, "d0", registry, "addfails")
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         t0 = time.monotonic()
         with pytest.raises(IncompatiblePeer, match="could not add this decode: OSError: cannot reach"):
             dec.connect("inst", timeout_s=8)
@@ -314,7 +314,7 @@ def test_two_threads_in_progress_never_poll_a_handle_after_its_release() -> None
     pre = _agent(hub, Role.PREFILL, "p0", registry, "tracks")
     dec = _agent(hub, Role.DECODE, "d0", registry, "tracks")
     try:
-        dec.start(0.001)
+        dec.start()
         shake = dec.connect_async("inst")
         deadline = time.monotonic() + 10
         while not shake.done and time.monotonic() < deadline:
@@ -378,8 +378,8 @@ def test_a_notice_the_backend_does_not_take_goes_over_the_link_and_the_decode_su
     pre = _agent(hub, Role.PREFILL, "p0", registry, "notify")
     dec = _agent(hub, Role.DECODE, "d0", registry, "notify")
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=8)
         rooms = []
         for room in range(3):
@@ -412,7 +412,7 @@ def test_a_post_refused_for_one_decode_rank_of_tp_1_to_2_fails_both_and_the_engi
     decs = [_agent(hub, Role.DECODE, f"d{r}", registry, "refd1", tp=2, rank=r) for r in range(2)]
     try:
         for a in (pre, *decs):
-            a.start(0.001)
+            a.start()
         for d in decs:
             d.connect("inst", timeout_s=8)
         sender = pre.sender(7)
@@ -455,7 +455,7 @@ def test_engine_threads_polling_their_rooms_never_poll_a_released_handle() -> No
     stop = threading.Event()
     threads: list[threading.Thread] = []
     try:
-        dec.start(0.001)
+        dec.start()
         shake = dec.connect_async("inst")
         deadline = time.monotonic() + 10
         while not shake.done and time.monotonic() < deadline:
@@ -527,7 +527,7 @@ def test_many_threads_send_abort_poll_different_rooms_concurrently(staging: str,
     errors: list[str] = []
     try:
         for a in (pre, *decs):
-            a.start(0.001)
+            a.start()
         for d in decs:
             d.connect("inst", timeout_s=8)
         tally: dict[str, int] = {"ok": 0, "failed": 0}
@@ -673,8 +673,8 @@ def test_a_same_name_restart_with_writes_in_flight_removes_the_old_peer_before_a
     dec = _agent(hub, Role.DECODE, "d0", registry, "async")
     new: TransferAgent | None = None
     try:
-        pre.start(0.001)
-        dec.start(0.001)
+        pre.start()
+        dec.start()
         dec.connect("inst", timeout_s=8)
         sender, receiver = pre.sender(1), dec.receiver(1, "inst")
         receiver.send_metadata({"kv": np.array([1, 2])})
@@ -686,7 +686,7 @@ def test_a_same_name_restart_with_writes_in_flight_removes_the_old_peer_before_a
         new = _agent(hub, Role.DECODE, "d0", registry, "async", address="d0-again")
         if new_add_fails:
             _Async.fail_add.add(new.context.backend.endpoint)
-        new.start(0.001)
+        new.start()
         if new_add_fails:
             with pytest.raises(IncompatiblePeer, match="could not add this decode: OSError"):
                 new.connect("inst", timeout_s=8)

@@ -103,9 +103,9 @@ def worlds() -> Iterator[Callable[..., World]]:
         world = World(kind, pt, dt, pre, dec, src, dst, layers)
         made.append(world)
         for a in pre:
-            a.start(0.001)
+            a.start()
         for d in dec:
-            d.start(0.001)
+            d.start()
             d.connect("inst", timeout_s=30)
         return world
 

@@ -53,7 +53,7 @@ class Rig(World):
                               role=Role.DECODE, backend="loopback", registry=self.registry,
                               link=self.hub.link(f"d{n}"), config=config,
                               staging=whole[GUARD: GUARD + config.staging_bytes])
-        agent.start(0.001)
+        agent.start()
         agent.connect("inst", timeout_s=30)
         if replace:
             self.extra.append(self.decode[rank])
@@ -83,7 +83,7 @@ def rig() -> Iterator[Callable[..., Rig]]:
         r = Rig(ref.TOKEN_MAJOR, pt, 1, pre, [], src, [], layers, hub=hub, registry=registry)
         made.append(r)
         for a in pre:
-            a.start(0.001)
+            a.start()
         r.add_decode(decode)
         return r
 

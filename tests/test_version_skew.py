@@ -238,7 +238,7 @@ def _new_agent(role: Role, backend: str, bootstrap: str, instance: str, cleanup:
                           instance=instance if role is Role.PREFILL else "", name=f"new-{role.value}-{instance}",
                           config=AgentConfig(secret=secret, **CONFIG))
     cleanup.append(agent)
-    agent.start(0.001)
+    agent.start()
     return agent, buffers
 
 

@@ -63,7 +63,7 @@ def pair():  # type: ignore[no-untyped-def]
     pl, dl = kv_layout(1, 0), kv_layout(1, 0)
     pre = TransferAgent(layout=pl, buffers={"kv": kv_buffers(pl)}, role=Role.PREFILL, link=hub.link("p"), instance="i")
     dec = TransferAgent(layout=dl, buffers={"kv": kv_buffers(dl)}, role=Role.DECODE, link=hub.link("d"))
-    pre.start(0.001)
+    pre.start()
     dec.connect("i", timeout_s=5)
     yield pre, dec
     pre.close()

@@ -155,7 +155,7 @@ def run_remote_room(spec: BackendSpec, options: dict[str, str], pt: int, dt: int
                                   instance=_INSTANCE, name=f"kit-mp-prefill-{pool.rank}-{os.getpid()}",
                                   config=_config(job))
             agents.append(agent)
-            agent.start(0.002)
+            agent.start()
         child = _Child(job)
         child.expect("ready", spawn_timeout_s)
         senders = [a.sender(_ROOM) for a in agents]
@@ -218,7 +218,7 @@ def _fence_decode(spec: BackendSpec, registry: Any, job: dict[str, Any], owned: 
                           link=ZmqLink(bootstrap=job["bootstrap"]), backend=spec.name, registry=registry,
                           name=f"kit-fence-decode-{os.getpid()}", config=config, staging=staging.data)
     owned.append(agent)
-    agent.start(0.002)
+    agent.start()
     return agent
 
 
@@ -381,7 +381,7 @@ def _child_main() -> int:
                                   staging=staging.data)
             owned.append(agent)
             agents.append(agent)
-            agent.start(0.002)
+            agent.start()
         for agent in agents:
             agent.connect(_INSTANCE, timeout_s=job["bound_s"])
         receivers = [a.receiver(_ROOM, _INSTANCE) for a in agents]
@@ -430,7 +430,7 @@ def _writer_main(job: dict[str, Any]) -> int:
                               registry=kit_registry(spec, tracker=Tracker()), instance=_INSTANCE,
                               name=f"{_WRITER}-{os.getpid()}", config=_config(job))
         owned.append(agent)
-        agent.start(0.002)
+        agent.start()
         _say("ready", agent=agent.name, endpoint=agent.backend.endpoint.hex())
         sender = agent.sender(_ROOM)
         wait_until(lambda: sender.poll() >= KVPoll.WaitingForInput, job["bound_s"],

@@ -153,7 +153,7 @@ class World:
                 self.decode[dt] = [self._rank(Role.DECODE, dt, r, make_pool) for r in range(dt)]
             for ranks in [*self.prefill.values(), *self.decode.values()]:
                 for rank in ranks:
-                    rank.agent.start(0.002)
+                    rank.agent.start()
             for pt, dt in self.pairs:
                 for rank in self.decode[dt]:
                     rank.agent.connect(self.instance(pt), timeout_s=connect_timeout_s)
