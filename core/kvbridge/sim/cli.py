@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", help="pin the fault profile (comma-separated, e.g. kill,pause; 'none'; "
                                          "'drain' is drawn only when pinned)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes for --schedules (0: every core)")
+    parser.add_argument("--nice", type=int, default=0, help="lower the worker processes' CPU priority by this much "
+                                                            "(os.nice), to sweep beside other work")
     args = parser.parse_args(argv)
     faults = None if args.faults is None else frozenset(f for f in args.faults.split(",") if f and f != "none")
     if args.seed is not None:
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules <= 0:
         parser.error("give --seed N or --schedules N")
     jobs = args.jobs or os.cpu_count() or 1
-    summary = sweep(range(args.start_seed, args.start_seed + args.schedules), jobs=jobs, faults=faults)
+    summary = sweep(range(args.start_seed, args.start_seed + args.schedules), jobs=jobs, faults=faults,
+                    niceness=args.nice)
     print(summary.text())
     return 1 if summary.failures else 0
 
