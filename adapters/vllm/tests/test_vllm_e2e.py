@@ -51,10 +51,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     base = {"model": str(model)}
     # 10 s, not less: five engines share this host's cores, and a decode whose threads stalled past a 2 s timeout
     # was judged gone by the prefill, which then stopped its heartbeats, so the decode failed its rooms in turn
-    # (both verdicts are by design: a silent peer's rooms fail); the killed-prefill test waits that long
+    # (both verdicts are by design: a silent peer's rooms fail); the killed-prefill test waits that long. The NIXL
+    # pair too: with the default 3 s, its decode judged its prefill gone ("no message for 3.0 s") while that
+    # prefill was still warming up beside the four other engines (clean-clone run 62), and failed every request
     lo = {"backend": "loopback", "bootstrap": "tcp://127.0.0.1:17631", "test_hooks": True, "dump_dir": str(dumps),
           "peer_timeout_s": 10.0}
-    nx = {"backend": "nixl", "bootstrap": "tcp://127.0.0.1:17632"}
+    nx = {"backend": "nixl", "bootstrap": "tcp://127.0.0.1:17632", "peer_timeout_s": 10.0}
     instances: dict[str, Instance] = {}
     try:
         instances["ref"] = Instance("ref", base, tmp)
