@@ -91,8 +91,8 @@ uvpip() {
 COMPILE=()
 [ "$CORE_ONLY" = 0 ] || COMPILE=(--compile-bytecode)
 
-# warm VENV MODULE...: import once what the tests' processes import first, so it is compiled and cached here (in a
-# job that ends before the others) and not by the first processes that start side by side in the tests, each
+# warm VENV MODULE...: import once what the tests' processes import first, so it is compiled and cached here (beside
+# the other jobs) and not by the first processes that start side by side in the tests, each
 # compiling the same modules until one of them cached them (torch alone is ~800-1,300 modules in each venv; vLLM's
 # first engine start in CI took 113 s instead of 63 once its venv was no longer compiled at install).
 warm() {
