@@ -62,19 +62,29 @@ def segments() -> Iterator[list[str]]:
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")]
 
 
+def mmapped_chunk(ptr: int, span: int) -> None:
+    """Write glibc's header of a chunk mapped alone in front of ``ptr`` (as posix_memalign(64, n) lays one out at a
+    page start: 48 bytes of padding, then the two header words): padding 48, size ``span - 48`` with IS_MMAPPED."""
+    (ctypes.c_size_t * 2).from_address(ptr - 16)[:] = [48, (span - 48) | 2]
+
+
 def test_allocation_merged_with_its_neighbour_moves_alone(segments: list[str]) -> None:
     """Two large allocations in a row: the kernel shows them as one anonymous entry in /proc/self/maps (the
     layout that made every loopback decode of the vLLM end-to-end tests refuse its KV cache). The second moves
-    to /dev/shm with its bytes; the first, sharing that entry, is neither copied into the segment nor changed."""
-    size = 40 * MIB                # above glibc's largest mmap threshold (32 MiB): always mapped alone
-    first, second = aligned(size), aligned(size)
+    to /dev/shm with its bytes; the first, sharing that entry, is neither copied into the segment nor changed.
+
+    The layout is built, not hoped for: one anonymous mapping holding two chunks with glibc's headers (whether
+    the kernel merges two real allocations depends on what else the process mapped)."""
+    size = 40 * MIB
+    span = size + mmap.PAGESIZE                     # 64 bytes in front of the data, rounded up to pages
+    region = mmap.mmap(-1, 2 * span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    first, second = base + 64, base + span + 64
     try:
-        if in_heap(first) or in_heap(second):
-            pytest.skip("malloc served the allocations from free heap space left by earlier tests in this process "
-                        "(no mapping of their own to test)")
+        mmapped_chunk(first, span)
+        mmapped_chunk(second, span)
         start, end = maps_entry(second)
-        if end - start <= size + 2 * mmap.PAGESIZE:
-            pytest.skip("the kernel placed the two allocations apart (no merged entry to test)")
+        assert start <= base and base + 2 * span <= end, "the two chunks are not one entry in /proc/self/maps"
         ctypes.memset(first, 0x11, size)
         ctypes.memset(second, 0x22, size)
         name = remap_to_shm(second, size, "merged")
@@ -87,12 +97,34 @@ def test_allocation_merged_with_its_neighbour_moves_alone(segments: list[str]) -
             assert len(view) <= size + 2 * mmap.PAGESIZE and b"\x11" not in bytes(view), \
                 "the neighbour's bytes were moved with it"
         ctypes.memset(first, 0x33, size)                # the neighbour stays private memory
-        with open(f"/dev/shm/{name}", "rb") as seg:
-            assert b"\x33" not in seg.read()
+        with open(f"/dev/shm/{name}", "rb") as moved:
+            assert b"\x33" not in moved.read()
         assert ctypes.string_at(first, 16) == b"\x33" * 16
     finally:
-        LIBC.free(second)
-        LIBC.free(first)
+        region.close()
+
+
+def test_glibc_heads_a_large_aligned_allocation_as_remap_reads_it() -> None:
+    """The header the merged-neighbour case relies on, on this glibc: a 40 MiB posix_memalign(64) chunk that got a
+    mapping of its own says so (IS_MMAPPED) and spans whole pages holding the allocation inside its mapping; one
+    malloc served from free heap space (earlier tests can leave some) does not claim a mapping and is refused."""
+    size = 40 * MIB
+    ptr = aligned(size)
+    try:
+        padding, word = (ctypes.c_size_t * 2).from_address(ptr - 16)
+        if in_heap(ptr):
+            assert not word & 2, "a heap chunk claims a mapping of its own"
+            with pytest.raises(KVBridgeError, match="not an anonymous mapping of its own"):
+                remap_to_shm(ptr, size, "heap-served")
+            return
+        assert word & 2, "a chunk of its own mapping lacks IS_MMAPPED"
+        chunk_start = ptr - 16 - padding
+        chunk_end = chunk_start + padding + (word & ~7)
+        start, end = maps_entry(ptr)
+        assert chunk_start % mmap.PAGESIZE == 0 and chunk_end % mmap.PAGESIZE == 0
+        assert start <= chunk_start and chunk_end <= end and chunk_start <= ptr and ptr + size <= chunk_end
+    finally:
+        LIBC.free(ptr)
 
 
 def test_heap_allocation_is_refused(segments: list[str]) -> None:
