@@ -33,8 +33,11 @@ PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 DRIVER = Path(__file__).resolve().parent / "sglang_driver.py"
 ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
 FRESH_ENV = "KVBRIDGE_SGLANG_TEST_FRESH"
-#: what every rank gets in its environment (a test's ``env`` comes on top)
-BASE_ENV = {"PYTHONUNBUFFERED": "1", "KVBRIDGE_BACKEND": "loopback", "OMP_NUM_THREADS": "1",
+#: what every rank gets in its environment (a test's ``env`` comes on top). NIXL_LOG_LEVEL: NIXL reads it at import,
+#: and kvbridge's demo sets it in the pytest worker's own environment (``os.environ.setdefault``) when a demo test runs
+#: there; fixed here, a zygote started before such a test still forks the ranks of the tests after it (it spawned
+#: fresh interpreters instead, each importing torch and SGLang again)
+BASE_ENV = {"PYTHONUNBUFFERED": "1", "KVBRIDGE_BACKEND": "loopback", "OMP_NUM_THREADS": "1", "NIXL_LOG_LEVEL": "WARN",
             "KVBRIDGE_STAGING_MIB": "4", "KVBRIDGE_PEER_TIMEOUT_S": "3", "KVBRIDGE_HEARTBEAT_S": "0.5",
             "KVBRIDGE_BOOTSTRAP_TIMEOUT_S": "120", "KVBRIDGE_WAITING_TIMEOUT_S": "120"}
 ZYGOTE_START_S = 400.0           # importing torch + SGLang on a loaded 2-core host
