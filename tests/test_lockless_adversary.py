@@ -734,3 +734,59 @@ def test_a_decode_hears_the_welcome_before_any_heartbeat() -> None:
     finally:
         dec.close()
         pre.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_beat_that_overtakes_its_welcome_from_an_earlier_release_is_not_rejected(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Claim: a decode that awaits a prefill's Welcome takes a heartbeat from that prefill's address as early, not
+    foreign: no warning, not counted as rejected, and the Welcome behind it admits the peer. Earlier releases made a
+    decode their beat target on its Hello, before the Welcome left (fixed on our side, but the previous release's
+    prefill still does it): the version-skew test under CI load saw the new decode count one rejected frame. The
+    prefill here beats once by hand while its backend is still adding the decode, as those releases did; a beat
+    from an address no handshake waits for is still dropped and counted."""
+    from kvbridge.agent.peers import heartbeat
+    from kvbridge.backends.calls import BackendCall, CallKind
+    from kvbridge.protocol.wire import Codec
+    from kvbridge.registry import Registry
+
+    hub = LocalHub()
+    cfg = AgentConfig(peer_timeout_s=10.0, heartbeat_interval_s=0.05)
+    registry = Registry.build()
+    dec = _agent(hub, Role.DECODE, "d0", cfg)
+    stray = hub.link("stray")
+    beat_sent = threading.Event()
+
+    def beat_before_welcome(call: BackendCall) -> None:
+        if call.kind is CallKind.ADD_PEER and not beat_sent.is_set():
+            ctx = pre.context
+            message = heartbeat(agent="p0", address=ctx.link.address, seq=1, now=ctx.clock(), last_beat=(0.0, 0.0))
+            ctx.link.send(dec.context.link.address,
+                          ctx.codec.encode(message, to=dec.context.link.address,
+                                           to_incarnation=dec.context.incarnation))
+            beat_sent.set()
+            time.sleep(0.3)                  # the decode reads the beat while the Welcome still waits
+
+    registry.add_call_monitoring(beat_before_welcome, lambda call, outcome: None)
+    pre = TransferAgent(layout=kv_layout(1, 0), buffers={"kv": kv_buffers(kv_layout(1, 0))}, role=Role.PREFILL,
+                        link=hub.link("p0"), instance="inst", config=cfg, name="p0", registry=registry)
+    try:
+        pre.start()
+        dec.start()
+        with caplog.at_level(logging.WARNING, logger="kvbridge"):
+            dec.connect("inst", timeout_s=10)
+        assert beat_sent.is_set()
+        assert "p0" in dec.peers.peers, "the Welcome behind the early beat admitted the prefill"
+        assert dec.rejected_frames == 0, "an early beat of a prefill we shake hands with was counted as rejected"
+        assert not [r for r in caplog.records if "not a peer" in r.getMessage()], caplog.text
+        # a beat from an agent no handshake waits for is still refused
+        codec = Codec(sender="stray", address="stray", incarnation=7)
+        forged = heartbeat(agent="stray", address="stray", seq=1, now=time.monotonic(), last_beat=(0.0, 0.0))
+        with caplog.at_level(logging.WARNING, logger="kvbridge"):
+            stray.send(dec.context.link.address,
+                       codec.encode(forged, to=dec.context.link.address, to_incarnation=dec.context.incarnation))
+            _wait("the stray beat was counted", lambda: dec.rejected_frames == 1)
+        assert [r for r in caplog.records if "'stray', which is not a peer" in r.getMessage()], caplog.text
+    finally:
+        dec.close()
+        pre.close()

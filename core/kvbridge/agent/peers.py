@@ -458,6 +458,10 @@ class PeerTable:
     def _targets_at(self, address: object) -> list[HandshakeTarget]:
         return [s.targets[address] for s in self.handshakes if isinstance(address, str) and address in s.targets]
 
+    def awaits_welcome_from(self, address: object) -> bool:
+        """Whether a handshake of ours waits for the Welcome of the agent at ``address``."""
+        return any(t.state is HandshakeState.WAITING for t in self._targets_at(address))
+
     def on_welcome(self, welcome: Welcome, env: Envelope) -> None:
         targets = self._targets_at(env.address)
         known = self.peers.get(welcome.agent)

@@ -514,6 +514,11 @@ class TransferAgent:
             # a decode we forgot (silent for twice the peer timeout, e.g. a long partition) asks whether our
             # writes into its room are over: we hold nothing for it any more, so it gets its acknowledgement
             self.prefill.on_abort(message, env)
+        elif peer is None and isinstance(message, Heartbeat) and self.peers.awaits_welcome_from(env.address):
+            # a prefill of an earlier release may beat before its Welcome left (it made us a beat target on our
+            # Hello): early, not foreign; the Welcome behind it admits the peer and its next beats count
+            log.debug("%s: heartbeat from %s came before its Welcome (an older release's order)", self.name,
+                      env.sender)
         elif peer is None:
             raise Dropped(f"{type(message).__name__} from {env.sender!r}, which is not a peer")
         elif isinstance(message, Heartbeat):
