@@ -25,7 +25,7 @@ import kvbridge
 import kvbridge.state.kv
 from kvbridge._markers import hookimpl
 from kvbridge.agent import AgentConfig, TransferAgent
-from kvbridge.backends.calls import BackendCall, CallKind, CallMonitors, CallOutcome
+from kvbridge.backends.calls import BackendCall, BackendCalls, CallKind, CallMonitors, CallOutcome
 from kvbridge.backends.loopback import LoopbackBackend
 from kvbridge.errors import PluginError, PluginUnavailableError
 from kvbridge.geometry import BufferGeometry, Component, DType, PoolLayout, ShardAxis
@@ -363,3 +363,115 @@ def test_fault_injection_on_drain_notifications_never_kills_the_progress_thread(
         wait(lambda: sender.poll() >= KVPoll.WaitingForInput)
         sender.send(np.array([2]), last=True)
         wait(lambda: receiver.poll() is KVPoll.Success)
+
+
+# ------------------------------------------------------------------ interceptors: around the call, in the seam
+def test_interceptors_nest_in_order_change_arguments_and_the_monitors_see_what_the_agent_gets() -> None:
+    """The first interceptor attached is the outermost; ``proceed`` takes changed arguments to the next one and
+    then the backend; a monitor sees the agent's arguments and the result the outermost interceptor gave; an error
+    an interceptor raises reaches the agent and the monitor's ``after``, and the backend was not called."""
+    reached: list[tuple[str, ...]] = []
+
+    class Backend:
+        def remove_peer(self, peer_id: str) -> None:
+            reached.append(("remove_peer", peer_id))
+
+        def add_peer(self, peer: Any) -> str:
+            reached.append(("add_peer", str(peer)))
+            return f"id-{peer}"
+
+    monitors = CallMonitors()
+    order: list[str] = []
+    outcomes: list[CallOutcome] = []
+    monitors.add(lambda call: order.append(f"before {call.args}"), lambda call, out: outcomes.append(out))
+
+    def outer(call: BackendCall, proceed: Callable[..., Any]) -> Any:
+        order.append(f"outer {call.args}")
+        if call.kind is CallKind.REMOVE_PEER and call.args == ("refuse",):
+            raise RuntimeError("refused by the outer interceptor")
+        return f"outer({proceed(*call.args)})"
+
+    def inner(call: BackendCall, proceed: Callable[..., Any]) -> Any:
+        order.append(f"inner {call.args}")
+        return proceed(*(f"{a}+inner" for a in call.args))
+
+    monitors.intercept(outer)
+    undo_inner = monitors.intercept(inner)
+    seam = BackendCalls(Backend(), name="b", agent="a", capabilities=frozenset(), hooks=None,  # type: ignore[arg-type]
+                        monitors=monitors)
+    assert seam.add_peer("p") == "outer(id-p+inner)"
+    assert order == ["before ('p',)", "outer ('p',)", "inner ('p',)"] and reached == [("add_peer", "p+inner")]
+    assert outcomes[-1].result == "outer(id-p+inner)"
+    with pytest.raises(RuntimeError, match="refused by the outer"):
+        seam.remove_peer("refuse")
+    assert reached == [("add_peer", "p+inner")] and isinstance(outcomes[-1].error, RuntimeError)
+    undo_inner()
+    seam.remove_peer("q")
+    assert reached[-1] == ("remove_peer", "q")
+
+
+class _NoStandIns(Counting):
+    """Counting loopback that records any handle it did not make reaching poll or release."""
+
+    foreign: list[Any] = []
+
+    def poll(self, handle: Any) -> Any:
+        if type(handle).__name__ == "FaultHandle":
+            self.foreign.append(handle)
+        return super().poll(handle)
+
+    def release(self, handle: Any) -> None:
+        if type(handle).__name__ == "FaultHandle":
+            self.foreign.append(handle)
+        super().release(handle)
+
+
+@pytest.mark.parametrize("fault", ["duplicate", "stall", "fail", "lose-notice"])
+def test_handle_faults_reach_an_unwrapped_backend_through_the_seam(fault: str) -> None:
+    """Fault injection is an interceptor of the seam: with a plain backend (no kit proxy) a DUPLICATE write is
+    posted twice and lands once, a STALL holds the room until released, a FAIL fails it with the reason, a lost
+    notice fails the decode's room at its bound; every real handle is released and the backend never sees the
+    injector's stand-in handles."""
+    from kvbridge.testkit.faults import Fault
+
+    RECEIVED.clear()
+    _NoStandIns.foreign = []
+    faults = FaultInjector()
+    registry = registry_with(BackendSpec(name="plain", factory=_NoStandIns, capabilities=ALL_CAPS), plugins=(faults,))
+    hub = LocalHub()
+    pl, dl = layout(1, 0), layout(1, 0)
+    dst = buffers(dl)
+    for b in dst["kv"]:
+        b[:] = 0
+    config = AgentConfig(peer_timeout_s=10.0, heartbeat_interval_s=0.05, waiting_timeout_s=1.5)
+    with TransferAgent(layout=pl, buffers=buffers(pl), role=Role.PREFILL, backend="plain", link=hub.link("p"),
+                       instance="i", registry=registry, config=config) as pre, \
+         TransferAgent(layout=dl, buffers=dst, role=Role.DECODE, backend="plain", link=hub.link("d"),
+                       registry=registry, config=config) as dec:
+        pre.start()
+        dec.start()
+        dec.connect("i", timeout_s=10)
+        faults.arm(Fault(fault), room=5, reason="broken on purpose")
+        receiver = dec.receiver(5, "i")
+        receiver.send_metadata({"kv": np.array([1, 2])})
+        sender = pre.sender(5)
+        wait(lambda: sender.poll() >= KVPoll.WaitingForInput)
+        sender.send(np.array([3, 4]), last=True)
+        if fault == "stall":
+            time.sleep(0.3)
+            assert receiver.poll() not in (KVPoll.Success, KVPoll.Failed) and sender.poll() is not KVPoll.Success
+            faults.release()
+        if fault == "fail":
+            wait(lambda: sender.poll() is KVPoll.Failed)
+            assert "broken on purpose" in sender.failure_reason
+            wait(lambda: receiver.poll() is KVPoll.Failed)
+        elif fault == "lose-notice":
+            wait(lambda: receiver.poll() is KVPoll.Failed)
+        else:
+            wait(lambda: receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success)
+            assert all(bool((b[[1, 2]] == 7).all()) for b in dst["kv"])
+        assert faults.injected[Fault(fault)] >= 1
+        wait(lambda: RECEIVED["release"] == RECEIVED["send_component"])
+    assert _NoStandIns.foreign == []
+    if fault == "duplicate":
+        assert RECEIVED["send_component"] == 2 * len([s for s in faults.sends if s[1] == 5])

@@ -958,31 +958,3 @@ def test_checked_backend_reports_leaks_and_contract_violations() -> None:
     backend.release(handle)
     backend.close()
     assert backend.leaks() == [] and tracker.problems() == []
-
-
-def test_handle_faults_need_the_checked_backend() -> None:
-
-    from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers
-    from kvbridge.errors import TransferError
-    from kvbridge.planner import TransferPlan
-    from kvbridge.protocol.records import RemoteBuffers
-    from kvbridge.registry import Registry
-    from kvbridge.testkit.faults import Fault, FaultInjector
-
-    faults = FaultInjector()
-    registry = Registry.build(allow={"kv", "loopback"}, env={}, plugins=[faults])
-    backend = registry.create_backend("loopback", name="plain")
-    try:
-        transfer = ComponentTransfer(room=1, component="kv", peer="nobody", chunk=0, last=True,
-                                     src=RegisteredBuffers("kv", ()), dst=RemoteBuffers("kv", ()),
-                                     plan=TransferPlan.empty())
-        faults.arm(Fault.STALL)
-        with pytest.raises(TransferError, match="needs the backend wrapped in"):
-            registry.send_component(backend, transfer)
-        faults.reset()
-        faults.arm(Fault.REFUSE, reason="refused on purpose")
-        with pytest.raises(TransferError, match="refused on purpose"):
-            registry.send_component(backend, transfer)
-        assert faults.injected[Fault.REFUSE] == 1
-    finally:
-        backend.close()

@@ -13,7 +13,8 @@ Exactly one implementation answers an operation: the core's dispatcher, which ca
 state type the caller selected *by name* (the ``backend`` / ``state_type`` argument). Plugins never
 answer operations themselves (the registry refuses a non-wrapper implementation); they provide the
 objects through the discovery hooks and may wrap any operation with ``wrapper=True`` to observe it
-(metrics, tracing, validation, fault injection). A wrapper sees every backend alike.
+(tracing, validation). A wrapper sees every backend alike. To see or change *every* call an agent makes to
+its backend (metrics, fault injection), use the call seam instead (``kvbridge.backends.calls``).
 """
 
 from __future__ import annotations

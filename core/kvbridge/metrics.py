@@ -1,11 +1,11 @@
 """Prometheus metrics of transfers (optional: ``pip install 'kvbridge[metrics]'``, i.e. ``prometheus_client``).
 
 Nothing here runs unless enabled: :func:`enable` creates the metrics, optionally starts the exporter, and
-returns the pluggy plugin whose wrappers (``wrapper=True``) observe every ``kvbridge_send_component``,
-``kvbridge_notify_completion`` and ``kvbridge_register_buffers`` call, and which monitors every call an agent
-makes to its backend (``before_backend_call`` / ``after_backend_call``, see ``kvbridge.backends.calls``). The
+returns the plugin that monitors every call an agent makes to its backend (``before_backend_call`` /
+``after_backend_call``, the one call seam ``kvbridge.backends.calls``, which fault injection goes through too):
+it counts every call, and reads what was posted, notified and registered from the calls of those kinds. The
 plugin is registered only into a registry built for it (:func:`instrumented_registry`), so an agent built
-without it has no wrapper or monitor on its hot path at all::
+without it has no monitor on its hot path at all::
 
     from kvbridge import metrics
     registry = metrics.instrumented_registry(port=9400)          # exporter on :9400
@@ -55,11 +55,9 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
-from kvbridge._markers import hookimpl
-from kvbridge.backends.calls import BackendCall, CallOutcome
+from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
 
 __all__ = ["MetricsPlugin", "enable", "enabled", "instrumented_registry", "observe_room", "room_state",
            "serve_multiprocess", "watch_agent"]
@@ -121,7 +119,7 @@ class _Metrics:
 
 
 class MetricsPlugin:
-    """Wrappers around the operation hooks; registered only into an instrumented registry."""
+    """A monitor of the backend-call seam; registered only into an instrumented registry."""
 
     def __init__(self, metrics: _Metrics) -> None:
         self._m = metrics
@@ -136,38 +134,27 @@ class MetricsPlugin:
         if child is None:
             child = self._calls[key] = self._m.calls.labels(*key)
         child.inc()
+        kind = call.kind
+        if kind is CallKind.SEND_COMPONENT:
+            self._sent(call.backend, call.args[0], outcome)
+        elif kind is CallKind.NOTIFY_COMPLETION and outcome.error is None:
+            self._m.notices.labels(call.backend, "engine" if outcome.result else "link").inc()
+        elif kind is CallKind.REGISTER_BUFFERS and outcome.error is None:
+            component, regions = call.args
+            self._m.registered.labels(call.backend, component).inc(sum(int(r.nbytes) for r in regions))
 
-    @hookimpl(wrapper=True)
-    def kvbridge_send_component(self, backend: Any, transfer: Any) -> Any:
-        started = time.perf_counter()
-        name = getattr(backend, "name", "?")
-        try:
-            handle = yield
-        except BaseException as exc:
-            self._m.send_failures.labels(name, type(exc).__name__).inc()
-            raise
+    def _sent(self, name: str, transfer: Any, outcome: CallOutcome) -> None:
         m = self._m
-        m.post.labels(name).observe(time.perf_counter() - started)
+        if outcome.error is not None:
+            m.send_failures.labels(name, type(outcome.error).__name__).inc()
+            return
+        m.post.labels(name).observe(outcome.seconds)
         plan = transfer.plan
         nbytes = int(plan.total_nbytes)
         m.bytes.labels(name, transfer.component).inc(nbytes)
         m.descriptors.labels(name, transfer.component).inc(len(plan))
         if transfer.component == "__staging__":
             m.staged.labels(name).inc(nbytes)
-        return handle
-
-    @hookimpl(wrapper=True)
-    def kvbridge_notify_completion(self, backend: Any, peer: str, notice: bytes) -> Any:
-        delivered = yield
-        self._m.notices.labels(getattr(backend, "name", "?"), "engine" if delivered else "link").inc()
-        return delivered
-
-    @hookimpl(wrapper=True)
-    def kvbridge_register_buffers(self, backend: Any, component: str, regions: Sequence[Any]) -> Any:
-        registered = yield
-        self._m.registered.labels(getattr(backend, "name", "?"), component).inc(
-            sum(int(r.nbytes) for r in regions))
-        return registered
 
 
 def enable(port: int = 0, *, addr: str = "127.0.0.1", multiprocess_dir: str | None = None) -> MetricsPlugin:

@@ -53,7 +53,7 @@ from kvbridge.backends.base import (
     check_within,
     check_within_buffers,
 )
-from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
+from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome, Proceed
 from kvbridge.backends.copying import copy_descriptors, copy_plan
 from kvbridge.backends.scaffold import (
     EngineTables,
@@ -137,8 +137,9 @@ __all__ = [
     # backends: the protocol and its records
     "ComponentTransfer", "HandleState", "PeerInfo", "Poll", "RegionWire", "RegisteredBuffers", "RemoteBuffers",
     "TransferBackend", "check_within", "check_within_buffers",
-    # backends: what a call monitor (``Registry.add_call_monitoring``, metrics, fault injection) is given
-    "BackendCall", "CallKind", "CallOutcome",
+    # backends: what a call monitor or interceptor (``Registry.add_call_monitoring`` / ``add_call_interceptor``:
+    # metrics, fault injection) is given
+    "BackendCall", "CallKind", "CallOutcome", "Proceed",
     # backends: helpers
     "EngineTables", "NoNotifications", "PendingHandle", "Registration", "copy_descriptors", "copy_plan",
     "default_host", "import_engine", "load_api", "settled",

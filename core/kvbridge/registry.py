@@ -29,7 +29,7 @@ import pluggy
 from kvbridge import hookspecs
 from kvbridge._markers import ENTRY_POINT_GROUP, PROJECT, hookimpl
 from kvbridge.backends.base import ComponentTransfer, RegisteredBuffers, TransferBackend
-from kvbridge.backends.calls import After, BackendCalls, Before, CallMonitors
+from kvbridge.backends.calls import After, BackendCalls, Before, CallMonitors, Intercept
 from kvbridge.errors import PluginConflictError, PluginError, PluginUnavailableError, UnknownPluginError
 from kvbridge.geometry import Component, MemoryRegion, PoolLayout, Rank
 from kvbridge.slicing import ComponentSlice
@@ -138,7 +138,8 @@ def _is_backend(instance: object) -> bool:
 
 class Registry:
     """Immutable set of loaded plugins with typed access to their backends and state types; backend-call
-    monitors (:meth:`add_call_monitoring`) are the one thing attached afterwards."""
+    monitors and interceptors (:meth:`add_call_monitoring`, :meth:`add_call_interceptor`) are the one thing
+    attached afterwards."""
 
     __slots__ = ("_pm", "_records", "_backends", "_states", "_discovery", "_state_cache", "_slices", "_monitors",
                  "_frozen")
@@ -214,16 +215,25 @@ class Registry:
         for source in sources:
             records.extend(_load_source(pm, source, claimed, wanted))
         registry = cls(pm, records)
-        for plugin in plugins:      # a plugin that monitors backend calls (metrics, fault injection)
+        for plugin in plugins:      # a plugin that monitors (metrics) or intercepts (fault injection) backend calls
             before, after = getattr(plugin, "before_backend_call", None), getattr(plugin, "after_backend_call", None)
             if callable(before) and callable(after):
                 registry.add_call_monitoring(before, after)
+            intercept = getattr(plugin, "intercept_backend_call", None)
+            if callable(intercept):
+                registry.add_call_interceptor(intercept)
         return registry
 
     def add_call_monitoring(self, before: Before, after: After) -> Callable[[], None]:
         """Run ``before(call)`` and ``after(call, outcome)`` around every call any agent of this registry makes
         to its backend (``kvbridge.backends.calls``); returns the function that detaches them."""
         return self._monitors.add(before, after)
+
+    def add_call_interceptor(self, interceptor: Intercept) -> Callable[[], None]:
+        """Run ``interceptor(call, proceed)`` around every call any agent of this registry makes to its backend,
+        inside the interceptors attached before it (``kvbridge.backends.calls``); returns the function that
+        detaches it."""
+        return self._monitors.intercept(interceptor)
 
     def backend_calls(self, backend: TransferBackend, name: str, *, agent: str) -> BackendCalls:
         """The one object through which an agent calls ``backend`` (built by :meth:`create_backend` from spec

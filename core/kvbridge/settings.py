@@ -171,7 +171,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
     def registry(self, **build: Any) -> Any:
         """A plugin registry for the agent: with the metrics plugin and the exporter on ``metrics_port`` when
-        it is set (``kvbridge.metrics``), else a plain one (no wrapper on the hot path)."""
+        it is set (``kvbridge.metrics``), else a plain one (no monitor on the hot path)."""
         if self.metrics_port:
             from kvbridge import metrics
 

@@ -13,10 +13,20 @@ call monitors (a before/after pair, the idea of pluggy's ``add_hookcall_monitori
     ...
     undo()
 
-A plugin object given to ``Registry.build(plugins=[...])`` with ``before_backend_call`` /
-``after_backend_call`` methods is attached the same way (the metrics plugin and the kit's fault injector
-are). ``after`` runs on success and on error; an exception it raises is logged, never raised into the agent.
-Without monitors a call costs one tuple check.
+A call interceptor goes around the call instead (the idea of a gRPC interceptor): it is given the call and
+``proceed``, which runs the rest of the chain (the interceptors registered after it, then the backend) with the
+arguments it passes; it returns what the agent gets. It may change the arguments, call ``proceed`` twice, not at
+all, or give the agent another result (the kit's fault injector substitutes handles it then drives itself)::
+
+    def intercept(call: BackendCall, proceed: Proceed) -> Any:
+        return proceed(*call.args)                            # the identity interceptor
+    undo = registry.add_call_interceptor(intercept)
+
+The monitors run around the whole chain (they see what the agent sees). A plugin object given to
+``Registry.build(plugins=[...])`` with ``before_backend_call`` / ``after_backend_call`` methods, or with
+``intercept_backend_call``, is attached the same way (the metrics plugin monitors, the kit's fault injector
+intercepts). ``after`` runs on success and on error; an exception it raises is logged, never raised into the
+agent. Without monitors or interceptors a call costs two tuple checks.
 """
 
 from __future__ import annotations
@@ -73,14 +83,18 @@ class CallOutcome(NamedTuple):
 
 Before = Callable[[BackendCall], None]
 After = Callable[[BackendCall, CallOutcome], None]
+Proceed = Callable[..., Any]
+Intercept = Callable[[BackendCall, Proceed], Any]
 
 
 class CallMonitors:
-    """The monitor pairs of one registry (copy on write: a call reads one tuple, without a lock)."""
+    """The monitor pairs and interceptors of one registry (copy on write: a call reads two tuples, without a
+    lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.pairs: tuple[tuple[Before, After], ...] = ()
+        self.interceptors: tuple[Intercept, ...] = ()
 
     def add(self, before: Before, after: After) -> Callable[[], None]:
         """Attach a pair; returns the function that detaches it (idempotent)."""
@@ -93,6 +107,29 @@ class CallMonitors:
                 self.pairs = tuple(p for p in self.pairs if p is not pair)
 
         return undo
+
+    def intercept(self, interceptor: Intercept) -> Callable[[], None]:
+        """Attach an interceptor (inside those attached before it); returns the function that detaches it."""
+        with self._lock:
+            self.interceptors = (*self.interceptors, interceptor)
+
+        def undo() -> None:
+            with self._lock:
+                self.interceptors = tuple(i for i in self.interceptors if i is not interceptor)
+
+        return undo
+
+
+def _through(interceptors: tuple[Intercept, ...], call: BackendCall, fn: Callable[..., Any]) -> Any:
+    """``call`` through ``interceptors`` (outermost first), then ``fn``."""
+    if not interceptors:
+        return fn(*call.args)
+    first, rest = interceptors[0], interceptors[1:]
+
+    def proceed(*args: Any) -> Any:
+        return _through(rest, call._replace(args=args), fn)
+
+    return first(call, proceed)
 
 
 class OperationHooks(Protocol):
@@ -136,15 +173,15 @@ class BackendCalls:
     def _run(self, kind: CallKind, fn: Callable[..., Any], *args: Any) -> Any:
         if self.guard is not None:
             self.guard(kind)
-        pairs = self._monitors.pairs
-        if not pairs:
+        pairs, interceptors = self._monitors.pairs, self._monitors.interceptors
+        if not pairs and not interceptors:
             return fn(*args)
         call = BackendCall(self.name, self.agent, kind, args)
         for before, _after in pairs:
             before(call)
         started = time.perf_counter()
         try:
-            result = fn(*args)
+            result = _through(interceptors, call, fn) if interceptors else fn(*args)
         except BaseException as exc:
             self._after(pairs, call, CallOutcome(None, exc, time.perf_counter() - started))
             raise

@@ -3,8 +3,9 @@
 Every backend the kit creates is wrapped in :class:`CheckedBackend` (in the spirit of
 ``wsgiref.validate``): calls pass straight through, while the proxy records what a leak check and a
 contract check need - registrations not yet deregistered, handles not yet released, handles whose
-terminal state changed, calls after ``close()``. It also lets :class:`kvbridge.testkit.faults.FaultInjector`
-hand the agent handles that the real backend would not recognise.
+terminal state changed, calls after ``close()``. It validates: it changes nothing (fault injection is an
+interceptor of the agents' call seam, :mod:`kvbridge.testkit.faults`), and it also checks the kit's tests that
+call a backend directly, without an agent.
 
     tracker = Tracker()
     registry = kit_registry(spec, tracker=tracker)            # backend `spec.name`, wrapped; plus `kv`
@@ -15,7 +16,6 @@ hand the agent handles that the real backend would not recognise.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import sys
@@ -95,12 +95,7 @@ class Tracker:
 
 
 class CheckedBackend:
-    """Pass-through proxy of a TransferBackend that records its use (see the module docstring).
-
-    Handles returned by ``send_component`` are the backend's own, except those a fault injector
-    substitutes: objects with a ``poll_with(poll)`` / ``release_with(release)`` pair, which the proxy
-    drives with the real backend's methods.
-    """
+    """Pass-through proxy of a TransferBackend that records its use (see the module docstring)."""
 
     def __init__(self, inner: Any, label: str, tracker: Tracker) -> None:
         self._inner = inner
@@ -112,8 +107,6 @@ class CheckedBackend:
         self._handles: dict[int, Any] = {}
         self._terminal: dict[int, Poll] = {}
         self.closed = False
-        self.suppress_notices = 0          # > 0: notify_completion swallows (a fault injector sets it)
-        self.strip_notices = False         # True: the notice attached to a send is dropped
         self.sends = 0
 
     @property
@@ -159,28 +152,16 @@ class CheckedBackend:
     # -- transfers
     def send_component(self, transfer: ComponentTransfer) -> Any:
         self._after_close("send_component")
-        if self.strip_notices and transfer.notice:
-            transfer = dataclasses.replace(transfer, notice=b"")
         handle = self._inner.send_component(transfer)
         if handle is None:
             self._tracker.violation(f"{self.label}: send_component returned None instead of a handle")
-        self.track(handle)
-        return handle
-
-    def track(self, handle: Any) -> None:
         with self._lock:
             self.sends += 1
             self._handles[id(handle)] = handle
-
-    def substitute(self, real: Any, stand_in: Any) -> None:
-        """The caller gets ``stand_in`` (which owns ``real``): track it instead of the real handle."""
-        with self._lock:
-            self._handles.pop(id(real), None)
-            self._handles[id(stand_in)] = stand_in
+        return handle
 
     def poll(self, handle: Any) -> Poll:
-        drive = getattr(handle, "poll_with", None)
-        result = drive(self._inner.poll) if drive is not None else self._inner.poll(handle)
+        result = self._inner.poll(handle)
         if not isinstance(result, Poll):
             self._tracker.violation(f"{self.label}: poll returned {type(result).__name__}, not Poll")
             return result
@@ -200,19 +181,13 @@ class CheckedBackend:
         return result
 
     def release(self, handle: Any) -> None:
-        drive = getattr(handle, "release_with", None)
-        if drive is not None:
-            drive(self._inner.release)
-        else:
-            self._inner.release(handle)
+        self._inner.release(handle)
         with self._lock:
             self._handles.pop(id(handle), None)
             self._terminal.pop(id(handle), None)
 
     # -- notifications
     def notify_completion(self, peer_id: str, notice: bytes) -> bool:
-        if self.suppress_notices > 0:
-            return True
         return bool(self._inner.notify_completion(peer_id, notice))
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:

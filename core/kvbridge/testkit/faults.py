@@ -1,4 +1,4 @@
-"""Fault injection as a plugin: a ``wrapper=True`` hook object that breaks sends and notices on demand.
+"""Fault injection as a plugin: an interceptor of the backend-call seam that breaks calls on demand.
 
 Register it explicitly and arm one fault per test::
 
@@ -8,7 +8,8 @@ Register it explicitly and arm one fault per test::
     ...
     faults.release()                            # ... until released
 
-Faults (a pluggy wrapper cannot change arguments, so each is built from what a wrapper can do):
+The injector goes around every call an agent makes to its backend (``intercept_backend_call``, see
+:mod:`kvbridge.backends.calls`), with any backend, wrapped or not. Faults of a send:
 
 * ``REFUSE``    - raise :class:`~kvbridge.errors.TransferError` before the write is posted;
 * ``FAIL``      - post the write, then report FAILED (once the real write is terminal, so no write is
@@ -19,33 +20,31 @@ Faults (a pluggy wrapper cannot change arguments, so each is built from what a w
   delivering, and a notice attached to the write itself is dropped;
 * ``DUPLICATE`` - the write is posted twice and the completion notice delivered twice.
 
+FAIL, STALL, LATE and DUPLICATE hand the agent a :class:`FaultHandle` standing in for the real handle(s); its
+``poll`` and ``release`` calls are answered by the injector, which polls and releases the real ones through the
+rest of the seam (so the backend never sees a handle it did not make).
+
 Any other backend call (``poll``, ``release``, ``add_peer``, ``drain_notifications``, ``writer_gone``, ...:
 :class:`~kvbridge.backends.calls.CallKind`) is broken with :meth:`FaultInjector.arm_call`: the call raises
-:class:`InjectedFault` instead of reaching the backend. The injector is a call monitor of the registry
-(``before_backend_call``), so it sees every call an agent makes; ``calls`` counts them by kind.
-
-Handle faults (FAIL, STALL, LATE, DUPLICATE) and LOSE_NOTICE need the backend wrapped in
-:class:`~kvbridge.testkit.checked.CheckedBackend` (``kit_registry`` does it), which polls the
-substitute handles with the real backend. ``REFUSE`` works with any backend. Every send and notice
-that passes is recorded (``sends``, ``notices``) for exactly-once checks.
+:class:`InjectedFault` instead of reaching the backend; ``calls`` counts every call by kind. Every send and
+notice that passes is recorded (``sends``, ``notices``) for exactly-once checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge._markers import hookimpl
 from kvbridge.backends.base import ComponentTransfer, HandleState, Poll
-from kvbridge.backends.calls import BackendCall, CallKind, CallOutcome
+from kvbridge.backends.calls import BackendCall, CallKind, Proceed
 from kvbridge.errors import KVBridgeError, ProtocolError, TransferError
 from kvbridge.protocol.wire import Codec, Notice
-from kvbridge.testkit.checked import CheckedBackend
 
 __all__ = ["Fault", "FaultHandle", "FaultInjector", "InjectedFault", "NoticeKey"]
 
@@ -94,7 +93,7 @@ class _CallArming:
 
 @dataclass(eq=False, kw_only=True)
 class FaultHandle:
-    """Stands in for one (or two, for DUPLICATE) real handles; polled through the CheckedBackend."""
+    """Stands in for one (or two, for DUPLICATE) real handles; the injector answers its polls and releases."""
 
     inner: list[Any]
     fault: Fault
@@ -199,8 +198,21 @@ class FaultInjector:
         with self._lock:
             return {k: v for k, v in self.notices.items() if k[2] == room}
 
-    # -- call monitor (every backend call of every agent of the registry)
-    def before_backend_call(self, call: BackendCall) -> None:
+    # -- the interceptor (every backend call of every agent of the registry)
+    def intercept_backend_call(self, call: BackendCall, proceed: Proceed) -> Any:
+        self._count_or_break(call)
+        kind, args = call.kind, call.args
+        if kind is CallKind.SEND_COMPONENT:
+            return self._send(call, proceed)
+        if kind is CallKind.POLL and isinstance(args[0], FaultHandle):
+            return args[0].poll_with(proceed)
+        if kind is CallKind.RELEASE and isinstance(args[0], FaultHandle):
+            return args[0].release_with(proceed)
+        if kind is CallKind.NOTIFY_COMPLETION:
+            return self._notify(call, proceed)
+        return proceed(*args)
+
+    def _count_or_break(self, call: BackendCall) -> None:
         with self._lock:
             self.calls[call.kind] += 1
             for arming in self._broken:
@@ -212,48 +224,37 @@ class FaultInjector:
                 return
         raise InjectedFault(f"{call.backend} {call.kind.value} of {call.agent}: {arming.reason}")
 
-    def after_backend_call(self, call: BackendCall, outcome: CallOutcome) -> None:
-        pass
+    @staticmethod
+    def _label(call: BackendCall) -> str:
+        return f"{call.backend} backend {call.agent!r}"
 
-    # -- hooks
-    @hookimpl(wrapper=True)
-    def kvbridge_send_component(self, backend: Any, transfer: ComponentTransfer) -> Generator[None, Any, Any]:
+    def _send(self, call: BackendCall, proceed: Proceed) -> Any:
+        transfer: ComponentTransfer = call.args[0]
         notice = self._decode(transfer.notice)
         component = notice.component if notice is not None else transfer.component   # staged sends too
-        label = getattr(backend, "label", getattr(backend, "name", "?"))
         with self._lock:
-            self.sends.append((label, transfer.room, component, transfer.chunk))
+            self.sends.append((self._label(call), transfer.room, component, transfer.chunk))
         arming = self._take(component, transfer.room)
-        if arming is not None and arming.fault is Fault.REFUSE:
+        if arming is None:
+            return proceed(transfer)
+        if arming.fault is Fault.REFUSE:
             raise TransferError(transfer.room, arming.reason)
-        if arming is not None and not isinstance(backend, CheckedBackend):
-            raise TransferError(transfer.room, f"fault {arming.fault.value} needs the backend wrapped in "
-                                               "kvbridge.testkit.checked.CheckedBackend (use kit_registry)")
         key = (transfer.room, component, transfer.chunk, transfer.peer)
-        if arming is not None and arming.fault is Fault.LOSE_NOTICE:
-            backend.strip_notices = True
-            try:
-                handle = yield
-            finally:
-                backend.strip_notices = False
+        if arming.fault is Fault.LOSE_NOTICE:
+            handle = proceed(dataclasses.replace(transfer, notice=b"") if transfer.notice else transfer)
             with self._lock:
                 self._lost.add(key)
             return handle
-        handle = yield
-        if arming is None:
-            return handle
-        inner = [handle]
+        inner = [proceed(transfer)]
         if arming.fault is Fault.DUPLICATE:
-            inner.append(backend.inner.send_component(transfer))
+            inner.append(proceed(transfer))
             with self._lock:
                 self._doubled.add(key)
-        substitute = FaultHandle(inner=inner, fault=arming.fault, reason=arming.reason, release_event=self._release,
-                                 until=time.monotonic() + arming.delay_s)
-        backend.substitute(handle, substitute)
-        return substitute
+        return FaultHandle(inner=inner, fault=arming.fault, reason=arming.reason, release_event=self._release,
+                           until=time.monotonic() + arming.delay_s)
 
-    @hookimpl(wrapper=True)
-    def kvbridge_notify_completion(self, backend: Any, peer: str, notice: bytes) -> Generator[None, Any, Any]:
+    def _notify(self, call: BackendCall, proceed: Proceed) -> Any:
+        peer, notice = call.args
         decoded = self._decode(notice)
         key = (decoded.room, decoded.component, decoded.chunk, peer) if decoded is not None else None
         with self._lock:
@@ -261,20 +262,15 @@ class FaultInjector:
             double = key in self._doubled
             self._lost.discard(key)
             self._doubled.discard(key)
-        if lose and isinstance(backend, CheckedBackend):
-            backend.suppress_notices += 1
-            try:
-                yield
-            finally:
-                backend.suppress_notices -= 1
+        if lose:
             return True                             # "delivered": the control plane does not carry it either
-        delivered = yield
+        delivered = proceed(peer, notice)
         if decoded is not None:
-            label = getattr(backend, "label", getattr(backend, "name", "?"))
             with self._lock:
-                self.notices[(label, peer, decoded.room, decoded.sender, decoded.component, decoded.chunk)] += 1
-        if double and delivered and isinstance(backend, CheckedBackend):
-            backend.inner.notify_completion(peer, notice)   # the notice arrives twice as well
+                self.notices[(self._label(call), peer, decoded.room, decoded.sender, decoded.component,
+                              decoded.chunk)] += 1
+        if double and delivered:
+            proceed(peer, notice)                   # the notice arrives twice as well
         return delivered
 
     def _decode(self, frame: bytes) -> Notice | None:
