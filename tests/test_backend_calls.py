@@ -475,3 +475,85 @@ def test_handle_faults_reach_an_unwrapped_backend_through_the_seam(fault: str) -
     assert _NoStandIns.foreign == []
     if fault == "duplicate":
         assert RECEIVED["send_component"] == 2 * len([s for s in faults.sends if s[1] == 5])
+
+
+class _Handles:
+    """A backend of bare handles: numbered sends, one send or one release made to fail on demand."""
+
+    def __init__(self, *, fail_send: int = 0) -> None:
+        self.sent: list[int] = []
+        self.released: list[int] = []
+        self.fail_send, self.fail_release = fail_send, -1
+
+    def send_component(self, transfer: Any) -> int:
+        if len(self.sent) + 1 == self.fail_send:
+            raise RuntimeError("the engine's queue is full")
+        self.sent.append(len(self.sent) + 1)
+        return self.sent[-1]
+
+    def poll(self, handle: Any) -> Any:
+        from kvbridge.backends.base import Poll
+        return Poll.done() if isinstance(handle, int) else Poll.failed(f"not a handle of mine: {handle!r}")
+
+    def release(self, handle: int) -> None:
+        if handle == self.fail_release:
+            raise RuntimeError("release failed")
+        self.released.append(handle)
+
+
+class _Hooks:
+    def send_component(self, backend: Any, transfer: Any) -> Any:
+        return backend.send_component(transfer)
+
+
+def _injected_seam(backend: _Handles) -> tuple[BackendCalls, FaultInjector]:
+    monitors, faults = CallMonitors(), FaultInjector()
+    monitors.intercept(faults.intercept_backend_call)
+    return BackendCalls(backend, name="b", agent="a", capabilities=frozenset(), hooks=_Hooks(),  # type: ignore[arg-type]
+                        monitors=monitors), faults
+
+
+def _transfer() -> Any:
+    import types
+    return types.SimpleNamespace(room=5, component="kv", peer="d", chunk=0, notice=b"")
+
+
+def test_a_duplicate_whose_second_post_fails_still_hands_the_first_write_to_the_agent() -> None:
+    """Claim: the injector never leaves a real write without an owner: when DUPLICATE's second post raises, the
+    agent gets a handle of the first (before the fix: the error, and the first write was never released)."""
+    from kvbridge.testkit.faults import Fault
+
+    backend = _Handles(fail_send=2)
+    seam, faults = _injected_seam(backend)
+    faults.arm(Fault.DUPLICATE)
+    handle = seam.send_component(_transfer())
+    assert backend.sent == [1] and faults.duplicates_refused == 1
+    seam.poll(handle)
+    seam.release(handle)
+    assert backend.released == [1]
+
+
+def test_a_duplicate_whose_first_release_fails_still_releases_the_second() -> None:
+    from kvbridge.testkit.faults import Fault
+
+    backend = _Handles()
+    seam, faults = _injected_seam(backend)
+    faults.arm(Fault.DUPLICATE)
+    handle = seam.send_component(_transfer())
+    backend.fail_release = 1
+    with pytest.raises(RuntimeError, match="release failed"):
+        seam.release(handle)
+    assert backend.released == [2]
+
+
+def test_an_interceptor_attached_twice_and_detached_once_stays_attached_once() -> None:
+    monitors = CallMonitors()
+
+    def identity(call: BackendCall, proceed: Callable[..., Any]) -> Any:
+        return proceed(*call.args)
+
+    undo = monitors.intercept(identity)
+    monitors.intercept(identity)
+    undo()
+    undo()                                  # idempotent: still the other attachment
+    assert monitors.interceptors == (identity,)

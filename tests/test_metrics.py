@@ -1,5 +1,5 @@
-"""Prometheus metrics (issue 15 item 5): fed by pluggy wrappers registered only when enabled, exported on a
-port; `kvbridge demo --metrics-port N` serves its ranks' metrics while it runs."""
+"""Prometheus metrics (issue 15 item 5): fed by a monitor of the backend-call seam registered only when enabled,
+exported on a port; `kvbridge demo --metrics-port N` serves its ranks' metrics while it runs."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_without_metrics_no_wrapper_is_on_the_hot_path() -> None:
     for hook in ("kvbridge_send_component", "kvbridge_notify_completion", "kvbridge_register_buffers"):
         impls = getattr(registry._pm.hook, hook).get_hookimpls()
         assert [i for i in impls if i.wrapper or i.hookwrapper] == [], hook
-    assert registry._monitors.pairs == ()          # no backend-call monitor either
+    assert registry._monitors.pairs == () and registry._monitors.interceptors == ()   # nor a monitor or interceptor
     code = ("import sys\nfrom kvbridge.agent import TransferAgent\nimport kvbridge.demo.worker\n"
             "print('prometheus_client' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

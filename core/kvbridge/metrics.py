@@ -158,7 +158,7 @@ class MetricsPlugin:
 
 
 def enable(port: int = 0, *, addr: str = "127.0.0.1", multiprocess_dir: str | None = None) -> MetricsPlugin:
-    """Create the metrics of this process (once) and return the hook plugin; ``port`` > 0 also starts the
+    """Create the metrics of this process (once) and return the call-monitor plugin; ``port`` > 0 also starts the
     exporter (``/metrics`` on ``addr:port``). ``multiprocess_dir``: this process writes its values there for
     :func:`serve_multiprocess` in another process (set before ``prometheus_client`` is first imported)."""
     global _METRICS, _PLUGIN

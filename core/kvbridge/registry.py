@@ -323,6 +323,8 @@ class Registry:
         return record
 
     # ---------------------------------------------------------------- operation facade
+    # The pluggy layer of the three operation hooks, below the call seam: agents reach these through their
+    # BackendCalls (monitors and interceptors around them); a direct call sees the pluggy wrappers only.
     def register_buffers(self, backend: TransferBackend, component: str,
                          regions: Sequence[MemoryRegion]) -> RegisteredBuffers:
         return self._pm.hook.kvbridge_register_buffers(backend=backend, component=component, regions=regions)

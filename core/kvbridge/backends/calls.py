@@ -95,6 +95,7 @@ class CallMonitors:
         self._lock = threading.Lock()
         self.pairs: tuple[tuple[Before, After], ...] = ()
         self.interceptors: tuple[Intercept, ...] = ()
+        self._attached: tuple[tuple[Intercept], ...] = ()
 
     def add(self, before: Before, after: After) -> Callable[[], None]:
         """Attach a pair; returns the function that detaches it (idempotent)."""
@@ -109,13 +110,17 @@ class CallMonitors:
         return undo
 
     def intercept(self, interceptor: Intercept) -> Callable[[], None]:
-        """Attach an interceptor (inside those attached before it); returns the function that detaches it."""
+        """Attach an interceptor (inside those attached before it); returns the function that detaches this
+        attachment (idempotent; one attached twice stays attached once)."""
+        attachment = (interceptor,)          # a token of its own: detaching removes this one only
         with self._lock:
-            self.interceptors = (*self.interceptors, interceptor)
+            self._attached = (*self._attached, attachment)
+            self.interceptors = tuple(a[0] for a in self._attached)
 
         def undo() -> None:
             with self._lock:
-                self.interceptors = tuple(i for i in self.interceptors if i is not interceptor)
+                self._attached = tuple(a for a in self._attached if a is not attachment)
+                self.interceptors = tuple(a[0] for a in self._attached)
 
         return undo
 

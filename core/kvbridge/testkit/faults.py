@@ -22,12 +22,17 @@ The injector goes around every call an agent makes to its backend (``intercept_b
 
 FAIL, STALL, LATE and DUPLICATE hand the agent a :class:`FaultHandle` standing in for the real handle(s); its
 ``poll`` and ``release`` calls are answered by the injector, which polls and releases the real ones through the
-rest of the seam (so the backend never sees a handle it did not make).
+rest of the seam (so the backend never sees a handle it did not make). The injector must therefore stay attached
+while stand-ins are out: attach it for the registry's life (``Registry.build(plugins=[faults])``), and
+:meth:`FaultInjector.disarm` to stop injecting rather than detaching it. Only calls through the seam (an agent's)
+are intercepted; ``Registry.send_component`` and the other operation methods of the registry are the pluggy layer
+below it.
 
 Any other backend call (``poll``, ``release``, ``add_peer``, ``drain_notifications``, ``writer_gone``, ...:
 :class:`~kvbridge.backends.calls.CallKind`) is broken with :meth:`FaultInjector.arm_call`: the call raises
 :class:`InjectedFault` instead of reaching the backend; ``calls`` counts every call by kind. Every send and
-notice that passes is recorded (``sends``, ``notices``) for exactly-once checks.
+notice is recorded (``sends``: every send seen, refused ones included; ``notices``: those delivered) for
+exactly-once checks.
 """
 
 from __future__ import annotations
@@ -122,8 +127,15 @@ class FaultHandle:
         return self.outcome
 
     def release_with(self, release: Callable[[Any], None]) -> None:
+        """Release every real handle, even when one release raises (the first error is raised after)."""
+        first: BaseException | None = None
         for h in self.inner:
-            release(h)
+            try:
+                release(h)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the others are released
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __repr__(self) -> str:
         return f"FaultHandle({self.fault.value}, {len(self.inner)} inner)"
@@ -146,6 +158,7 @@ class FaultInjector:
         self._codec = Codec()
         self._broken: list[_CallArming] = []
         self.calls: Counter[CallKind] = Counter()           # every backend call the agents made, by kind
+        self.duplicates_refused = 0     # DUPLICATE's second post raised: the write went once (its handle kept)
 
     # -- control
     def arm(self, fault: Fault, *, component: str | None = None, room: int | None = None, times: int | None = None,
@@ -247,9 +260,14 @@ class FaultInjector:
             return handle
         inner = [proceed(transfer)]
         if arming.fault is Fault.DUPLICATE:
-            inner.append(proceed(transfer))
-            with self._lock:
-                self._doubled.add(key)
+            try:
+                inner.append(proceed(transfer))
+            except Exception:  # noqa: BLE001 - the first write is posted: the agent must get its handle
+                with self._lock:
+                    self.duplicates_refused += 1
+            else:
+                with self._lock:
+                    self._doubled.add(key)
         return FaultHandle(inner=inner, fault=arming.fault, reason=arming.reason, release_event=self._release,
                            until=time.monotonic() + arming.delay_s)
 
